@@ -1,0 +1,314 @@
+"""One pure function per public operation of `BlockPoolAllocator`.
+
+A mutating operation takes a `PoolState` and the call's raw arguments
+(typed `object` where the contract validates them) and returns
+`(new_state, result)`, where `result` is the return value or an `Err`.
+Arguments are checked in signature order, and on `Err` the state is
+unchanged, except that exhaustion counts itself (`n_exhausted` and a
+history snapshot). A query returns its result or an `Err`.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+
+from veloxquant_mlx_spec.invariants import all_invariants_hold  # noqa: F401 -- PEP 316 conditions
+from veloxquant_mlx_spec.model import (
+    BlockId,
+    Err,
+    ErrorKind,
+    ForeignBlock,
+    HandleId,
+    HandleRef,
+    HandleView,
+    NotABlock,
+    NotAList,
+    PoolState,
+    StatsView,
+    is_int,
+    live_handles,
+    stats,
+)
+
+# ---- helpers -------------------------------------------------------------------
+
+
+def storage_stream(state: PoolState, stream: object) -> str | Err:
+    """The free list `stream` names: "k"/"v" always, "kv" only (and always) when shared."""
+    names = ("k", "v") if state.config.separate_kv else ("k", "v", "kv")
+    if not (isinstance(stream, str) and stream in names):
+        return Err(ErrorKind.VALUE, f"stream must be one of {names}, got {stream!r}")
+    return stream if state.config.separate_kv else "kv"
+
+
+def free_list_for(state: PoolState, stream: str) -> tuple[BlockId, ...]:
+    """The free-list stack of a storage stream; its top (next handed out) is last."""
+    return dict(state.free_lists)[stream]
+
+
+def _with_free_list(state: PoolState, stream: str, stack: tuple[BlockId, ...]) -> PoolState:
+    lists = tuple((s, stack if s == stream else old) for s, old in state.free_lists)
+    return replace(state, free_lists=lists)
+
+
+def _with_handle(state: PoolState, h: HandleId, view: HandleView) -> PoolState:
+    return replace(state, handles=(*state.handles[:h], view, *state.handles[h + 1 :]))
+
+
+def is_live(state: PoolState, ref: HandleRef) -> bool:
+    """`ref` is a handle of this pool that is still checked out."""
+    return is_int(ref) and 0 <= ref < len(state.handles) and state.handles[ref].owner is not None
+
+
+def is_active(state: PoolState, owner: int) -> bool:
+    """Holds a block, or is registered and not released since."""
+    return owner in state.registered or any(v.owner == owner for v in state.handles)
+
+
+def _recorded(before: PoolState, after: PoolState) -> PoolState:
+    """Append a snapshot of `after` if the call changed a counter; keep the newest history_len."""
+    if after.counters == before.counters or after.history_len == 0:
+        return after
+    return replace(after, history=(*after.history, stats(after))[-after.history_len :])
+
+
+def _owner_type_error(owner: object) -> Err:
+    return Err(ErrorKind.TYPE, f"owner must be an int, got {owner!r}")
+
+
+# ---- owners --------------------------------------------------------------------
+
+
+def register_owner(state: PoolState, owner: object) -> tuple[PoolState, None | Err]:
+    """`register_owner(owner)`: an already active owner raises OwnerAlreadyActiveError."""
+    if not is_int(owner):
+        return state, _owner_type_error(owner)
+    if is_active(state, owner):
+        return state, Err(ErrorKind.OWNER_ACTIVE, f"owner {owner} is already active")
+    return replace(state, registered=state.registered | {owner}), None
+
+
+def release_owner(state: PoolState, owner: object) -> tuple[PoolState, None | Err]:
+    """`release_owner(owner)`: clears the registration only; held blocks stay held."""
+    if not is_int(owner):
+        return state, _owner_type_error(owner)
+    return replace(state, registered=state.registered - {owner}), None
+
+
+# ---- allocate ------------------------------------------------------------------
+
+
+def _may_grow_by(state: PoolState, missing: int) -> bool:
+    config = state.config
+    cap = config.max_blocks
+    return config.grow_on_exhaustion and (cap is None or stats(state).n_blocks + missing <= cap)
+
+
+def _grown_ids(state: PoolState, count: int) -> tuple[BlockId, ...]:
+    """Ids for `count` new blocks: lowest retired first, then above the highest ever issued."""
+    reissued = tuple(sorted(state.retired))[:count]
+    start = state.next_block_id
+    return reissued + tuple(range(start, start + count - len(reissued)))
+
+
+def allocate(
+    state: PoolState, stream: object, n_tokens: object, owner: object, format: object = "fp16"
+) -> tuple[PoolState, tuple[HandleId, ...] | Err]:
+    """`allocate(...)`: ceil(n_tokens / block_size) blocks, popped from the top, then grown.
+
+    pre: all_invariants_hold(state)
+    post: all_invariants_hold(__return__[0])
+    post: isinstance(__return__[1], Err) or len(__return__[1]) * state.config.block_size >= n_tokens
+    """
+    s = storage_stream(state, stream)
+    if isinstance(s, Err):
+        return state, s
+    if not is_int(n_tokens):
+        return state, Err(ErrorKind.TYPE, f"n_tokens must be an int, got {n_tokens!r}")
+    if n_tokens <= 0:
+        return state, Err(ErrorKind.VALUE, f"n_tokens must be a positive int, got {n_tokens}")
+    if not is_int(owner):
+        return state, _owner_type_error(owner)
+    if not isinstance(format, str):
+        return state, Err(ErrorKind.TYPE, f"format must be a str, got {format!r}")
+    if not format:
+        return state, Err(ErrorKind.VALUE, "format must be a non-empty str, got ''")
+    size = state.config.block_size
+    need = -(-n_tokens // size)
+    stack = free_list_for(state, s)
+    missing = max(0, need - len(stack))
+    if missing and not _may_grow_by(state, missing):
+        c = replace(state.counters, n_exhausted=state.counters.n_exhausted + 1)
+        message = f"n_tokens={n_tokens} needs {need} blocks, {len(stack)} free on stream {s!r}"
+        return _recorded(state, replace(state, counters=c)), Err(ErrorKind.EXHAUSTED, message)
+    taken = stack[len(stack) - (need - missing) :][::-1]
+    grown = _grown_ids(state, missing)
+    ids = taken + grown
+    views = tuple(
+        HandleView(b, s, format, min(size, n_tokens - i * size), owner) for i, b in enumerate(ids)
+    )
+    c = state.counters
+    c = replace(
+        c,
+        n_allocations=c.n_allocations + 1,
+        n_reused=c.n_reused + len(state.ever_allocated & set(taken)),
+        n_grown=c.n_grown + missing,
+        peak_blocks_in_use=max(c.peak_blocks_in_use, len(live_handles(state)) + need),
+    )
+    after = replace(
+        _with_free_list(state, s, stack[: len(stack) - len(taken)]),
+        handles=state.handles + views,
+        ever_allocated=state.ever_allocated | set(ids),
+        retired=state.retired - set(grown),
+        next_block_id=max([state.next_block_id, *(b + 1 for b in grown)]),
+        counters=c,
+    )
+    return _recorded(state, after), tuple(range(len(state.handles), len(after.handles)))
+
+
+# ---- free, free_all ------------------------------------------------------------
+
+
+def _returned(state: PoolState, handles: tuple[HandleId, ...]) -> PoolState:
+    """Push each handle's block onto its stream's free list, in order; the handles go stale."""
+    after = state
+    for h in handles:
+        view = after.handles[h]
+        after = _with_free_list(after, view.stream, (*free_list_for(after, view.stream), view.block_id))
+        after = _with_handle(after, h, replace(view, owner=None, n_used=0))
+    emptied = {state.handles[h].owner for h in handles} - {after.handles[h].owner for h in live_handles(after)}
+    n_frees = state.counters.n_frees + (1 if handles else 0)
+    return replace(
+        after,
+        registered=frozenset(o for o in after.registered if o not in emptied),
+        counters=replace(after.counters, n_frees=n_frees),
+    )
+
+
+def free(state: PoolState, blocks: tuple[HandleRef, ...] | NotAList) -> tuple[PoolState, None | Err]:
+    """`free(blocks)`: all items checked first; each must be a live handle, listed once.
+
+    pre: all_invariants_hold(state)
+    post: all_invariants_hold(__return__[0])
+    """
+    if isinstance(blocks, NotAList):
+        return state, Err(ErrorKind.TYPE, "blocks must be a list or tuple of Block")
+    for ref in blocks:
+        if not is_live(state, ref):
+            return state, Err(ErrorKind.INVALID_FREE, f"blocks item {ref!r} is not a live handle")
+        if blocks.count(ref) > 1:
+            return state, Err(ErrorKind.INVALID_FREE, f"blocks item {ref!r} is listed twice")
+    handles = tuple(ref for ref in blocks if is_int(ref))
+    return _recorded(state, _returned(state, handles)), None
+
+
+def free_all(state: PoolState, owner: object) -> tuple[PoolState, None | Err]:
+    """`free_all(owner)`: frees the owner's blocks in allocation order; always releases it.
+
+    pre: all_invariants_hold(state)
+    post: all_invariants_hold(__return__[0])
+    """
+    if not is_int(owner):
+        return state, _owner_type_error(owner)
+    mine = tuple(h for h in live_handles(state) if state.handles[h].owner == owner)
+    after = _returned(state, mine)
+    return _recorded(state, replace(after, registered=after.registered - {owner})), None
+
+
+# ---- shrink, mark_used ---------------------------------------------------------
+
+
+def shrink(state: PoolState, stream: object, target_free: object) -> tuple[PoolState, int | Err]:
+    """`shrink(stream, target_free)`: retires free blocks, highest id first; returns the count.
+
+    pre: all_invariants_hold(state)
+    post: all_invariants_hold(__return__[0])
+    post: isinstance(__return__[1], Err) or __return__[1] >= 0
+    """
+    s = storage_stream(state, stream)
+    if isinstance(s, Err):
+        return state, s
+    if not is_int(target_free):
+        return state, Err(ErrorKind.TYPE, f"target_free must be an int, got {target_free!r}")
+    if target_free < 0:
+        return state, Err(ErrorKind.VALUE, f"target_free must be >= 0, got {target_free}")
+    stack = free_list_for(state, s)
+    doomed = frozenset(sorted(stack, reverse=True)[: max(0, len(stack) - target_free)])
+    after = replace(
+        _with_free_list(state, s, tuple(b for b in stack if b not in doomed)),
+        retired=state.retired | doomed,
+        ever_allocated=state.ever_allocated - doomed,
+        counters=replace(state.counters, n_retired=state.counters.n_retired + len(doomed)),
+    )
+    return _recorded(state, after), len(doomed)
+
+
+def mark_used(state: PoolState, block: HandleRef, n_used: object) -> tuple[PoolState, None | Err]:
+    """`mark_used(block, n_used)`: sets that object's n_used; only a live handle moves stats.
+
+    A `ForeignBlock` with owner None is accepted and changes no state: the
+    harness sets that object's n_used itself. Never adds a history snapshot.
+
+    pre: all_invariants_hold(state)
+    post: all_invariants_hold(__return__[0])
+    post: __return__[0].history == state.history
+    """
+    if isinstance(block, NotABlock):
+        return state, Err(ErrorKind.TYPE, "block must be a Block")
+    if not is_int(n_used):
+        return state, Err(ErrorKind.TYPE, f"n_used must be an int, got {n_used!r}")
+    if not 0 <= n_used <= state.config.block_size:
+        limit = state.config.block_size
+        return state, Err(ErrorKind.VALUE, f"n_used must be in [0, {limit}], got {n_used}")
+    if isinstance(block, ForeignBlock):
+        if block.owner is None:
+            return state, None
+        return state, Err(ErrorKind.VALUE, f"block with owner {block.owner} is not from this pool")
+    if not 0 <= block < len(state.handles):
+        return state, Err(ErrorKind.VALUE, f"block handle {block} was never issued by this pool")
+    return _with_handle(state, block, replace(state.handles[block], n_used=n_used)), None
+
+
+# ---- queries -------------------------------------------------------------------
+
+
+def blocks_for(state: PoolState, owner: object) -> tuple[HandleId, ...] | Err:
+    """`blocks_for(owner)`: the owner's live handles in allocation order; () if none."""
+    if not is_int(owner):
+        return _owner_type_error(owner)
+    return tuple(h for h in live_handles(state) if state.handles[h].owner == owner)
+
+
+def n_free(state: PoolState, stream: object = "k") -> int | Err:
+    """`n_free(stream)`: blocks on the stream's free list."""
+    s = storage_stream(state, stream)
+    return s if isinstance(s, Err) else len(free_list_for(state, s))
+
+
+def history(state: PoolState) -> tuple[StatsView, ...]:
+    """`BlockPoolAllocator.history`, oldest first."""
+    return state.history
+
+
+_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
+
+
+def prometheus_samples(
+    view: StatsView, prefix: object = "veloxquant_block_pool"
+) -> tuple[tuple[str, str, float], ...] | Err:
+    """`to_prometheus(prefix)`'s metrics as (name, type, value); any invalid prefix: ValueError."""
+    if not (isinstance(prefix, str) and _METRIC_NAME.fullmatch(prefix)):
+        return Err(ErrorKind.VALUE, f"prefix must be a Prometheus metric name, got {prefix!r}")
+    return tuple((f"{prefix}_{name}", kind, float(value)) for name, kind, value in (
+        ("blocks", "gauge", view.n_blocks),
+        ("blocks_in_use", "gauge", view.blocks_in_use),
+        ("peak_blocks_in_use", "gauge", view.peak_blocks_in_use),
+        ("fragmentation_ratio", "gauge", view.fragmentation()),
+        ("allocations_total", "counter", view.n_allocations),
+        ("frees_total", "counter", view.n_frees),
+        ("reused_total", "counter", view.n_reused),
+        ("exhausted_total", "counter", view.n_exhausted),
+        ("grown_total", "counter", view.n_grown),
+        ("retired_total", "counter", view.n_retired),
+    ))

@@ -1,0 +1,240 @@
+"""Shared fixtures and helpers for the black-box block pool tests.
+
+The tests here are written from the API reference (``seed/block_pool_api.txt``)
+and ``CONTRACT.md``, not from the implementation. The one helper every
+bad-input test relies on is :func:`observe`: a full, side-effect-free picture
+of a pool (stats, free counts, owners' blocks, every handle's fields, history)
+that two points in time can be compared by.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+from veloxquant_mlx.memory.block_pool import (
+    AllocationStats,
+    Block,
+    BlockPoolAllocator,
+    PoolConfig,
+)
+
+# Profiles: "default" keeps `pytest -n auto tests` well under a minute;
+# "thorough" is for a nightly or pre-release run (HYPOTHESIS_PROFILE=thorough).
+settings.register_profile(
+    "default",
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile(
+    "thorough",
+    max_examples=2000,
+    stateful_step_count=80,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
+# Every counter field of AllocationStats named by the reference, in its order.
+STATS_COUNTERS = (
+    "n_blocks",
+    "n_allocations",
+    "n_frees",
+    "n_reused",
+    "n_exhausted",
+    "n_grown",
+    "n_retired",
+    "peak_blocks_in_use",
+)
+
+StatsView = tuple[tuple[str, float], ...]
+HandleView = tuple[int, str, str, int, int | None, bool]
+
+
+def stats_view(stats: AllocationStats) -> StatsView:
+    """Every observable value of a stats object, as a comparable tuple."""
+    values: list[tuple[str, float]] = [(name, getattr(stats, name)) for name in STATS_COUNTERS]
+    values.append(("_fragmented_count", stats._fragmented_count))
+    values.append(("blocks_in_use()", stats.blocks_in_use()))
+    values.append(("fragmentation()", stats.fragmentation()))
+    return tuple(values)
+
+
+def handle_view(block: Block) -> HandleView:
+    """Every field of a Block handle, as a comparable tuple."""
+    return (
+        block.block_id,
+        block.stream,
+        block.format,
+        block.n_used,
+        block.owner,
+        block.ever_allocated,
+    )
+
+
+def stream_names(pool: BlockPoolAllocator) -> tuple[str, ...]:
+    """The stream names that are valid on this pool (CONTRACT: Streams)."""
+    return ("k", "v") if pool.config.separate_kv else ("k", "v", "kv")
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    """Everything a caller can see about a pool without changing it."""
+
+    stats: StatsView
+    n_free: tuple[tuple[str, int], ...]
+    owners: tuple[tuple[int, tuple[int, ...]], ...]
+    handles: tuple[HandleView, ...]
+    history: tuple[StatsView, ...]
+
+
+def observe(
+    pool: BlockPoolAllocator,
+    owners: Iterable[int] = (),
+    handles: Iterable[Block] = (),
+) -> PoolObservation:
+    """Take a full observation of ``pool``.
+
+    ``owners`` are the owner ids whose ``blocks_for`` is recorded (by handle
+    identity, so a re-created handle shows up as a change); ``handles`` are
+    the Block objects the test holds, live, stale or foreign.
+    """
+    return PoolObservation(
+        stats=stats_view(pool.stats),
+        n_free=tuple((stream, pool.n_free(stream)) for stream in stream_names(pool)),
+        owners=tuple(
+            (owner, tuple(id(block) for block in pool.blocks_for(owner))) for owner in owners
+        ),
+        handles=tuple(handle_view(block) for block in handles),
+        history=tuple(stats_view(entry) for entry in pool.history),
+    )
+
+
+@contextmanager
+def pool_unchanged(
+    pool: BlockPoolAllocator,
+    owners: Iterable[int] = (),
+    handles: Iterable[Block] = (),
+) -> Iterator[None]:
+    """Assert that the body leaves every observable part of ``pool`` as it was."""
+    owners = tuple(owners)
+    handles = tuple(handles)
+    pool.check_invariants()
+    before = observe(pool, owners, handles)
+    yield
+    after = observe(pool, owners, handles)
+    assert after == before
+    pool.check_invariants()
+
+
+def assert_only_exhaustion_recorded(before: PoolObservation, after: PoolObservation) -> None:
+    """Assert that between two observations one exhausted allocate happened.
+
+    CONTRACT: ``n_exhausted`` goes up by one, one history snapshot is added,
+    and nothing else changes.
+    """
+    expected_stats = tuple(
+        (name, value + 1 if name == "n_exhausted" else value) for name, value in before.stats
+    )
+    assert after.stats == expected_stats
+    assert after.n_free == before.n_free
+    assert after.owners == before.owners
+    assert after.handles == before.handles
+    assert after.history[-1] == expected_stats
+    assert after.history[:-1] == before.history[len(before.history) + 1 - len(after.history) :]
+
+
+def block_ids(blocks: Sequence[Block]) -> list[int]:
+    return [block.block_id for block in blocks]
+
+
+def make_pool(
+    block_size: int = 4,
+    n_blocks: int = 8,
+    *,
+    separate_kv: bool = True,
+    grow_on_exhaustion: bool = False,
+    max_blocks: int | None = None,
+    history_len: int = 1024,
+) -> BlockPoolAllocator:
+    config = PoolConfig(
+        block_size=block_size,
+        n_blocks=n_blocks,
+        separate_kv=separate_kv,
+        grow_on_exhaustion=grow_on_exhaustion,
+        max_blocks=max_blocks,
+    )
+    return BlockPoolAllocator(config, history_len=history_len)
+
+
+def take_all_free(pool: BlockPoolAllocator, stream: str, owner: int) -> list[int]:
+    """Check out every free block of ``stream`` and return their ids in hand-out order."""
+    n_free = pool.n_free(stream)
+    if n_free == 0:
+        return []
+    return block_ids(pool.allocate(stream, n_free * pool.config.block_size, owner))
+
+
+@pytest.fixture
+def pool() -> BlockPoolAllocator:
+    """block_size 4, 8 blocks: ``"k"`` owns ids 0..3, ``"v"`` ids 4..7."""
+    return make_pool()
+
+
+@pytest.fixture
+def shared_pool() -> BlockPoolAllocator:
+    """block_size 4, 8 blocks on one ``"kv"`` free list."""
+    return make_pool(separate_kv=False)
+
+
+@dataclass
+class PopulatedPool:
+    """A pool with live, partial, stale, registered-only and foreign handles.
+
+    - owner 1: three ``"k"`` blocks (n_used 4, 4, 2).
+    - owner 2: two ``"v"`` blocks (n_used 4, 1).
+    - owner 3: held one ``"k"`` block, freed; ``stale`` is that handle.
+    - owner 4: registered, holds nothing.
+    - ``foreign``: a live handle of an identically configured other pool,
+      same block id and owner as ``owner1[0]``.
+    """
+
+    pool: BlockPoolAllocator
+    other_pool: BlockPoolAllocator
+    owner1: list[Block]
+    owner2: list[Block]
+    stale: Block
+    foreign: Block
+
+    @property
+    def owners(self) -> tuple[int, ...]:
+        return (1, 2, 3, 4, 5)
+
+    @property
+    def handles(self) -> tuple[Block, ...]:
+        return (*self.owner1, *self.owner2, self.stale, self.foreign)
+
+    def unchanged(self) -> AbstractContextManager[None]:
+        """Assert that the body leaves the populated pool exactly as it was."""
+        return pool_unchanged(self.pool, self.owners, self.handles)
+
+
+
+@pytest.fixture
+def populated() -> PopulatedPool:
+    pool = make_pool(block_size=4, n_blocks=12, history_len=64)
+    stale = pool.allocate("k", 3, owner=3)[0]
+    pool.free_all(3)
+    owner1 = pool.allocate("k", 10, owner=1, format="int2")
+    owner2 = pool.allocate("v", 5, owner=2, format="int4")
+    pool.register_owner(4)
+    other_pool = make_pool(block_size=4, n_blocks=12)
+    foreign = other_pool.allocate("k", 4, owner=1, format="int2")[0]
+    return PopulatedPool(pool, other_pool, owner1, owner2, stale, foreign)

@@ -1,0 +1,719 @@
+"""Fixed-size block allocator for KV-cache storage, in the vLLM/PagedAttention style.
+
+``BlockPoolAllocator`` keeps the books of a pool of fixed-size blocks: which
+block ids are free (per stream), which owner (request) holds which, how full
+each is, and running statistics. It holds no array data: a backing store
+(``MLXBlockStorage``, or any port of the storage protocol) owns the buffers,
+indexed by block id. The behaviour is that of the API reference
+(``block_pool_api.txt``) with the gaps closed by the project's contract
+(``CONTRACT.md``); the executable spec in ``spec/`` states the same rules as
+a pure state machine, and the conformance tests check this module against it.
+
+Complexity (``k`` = blocks in the call, ``f`` = free blocks of the stream,
+``n`` = blocks ever issued); no operation scans the pool except the checker:
+
+- ``allocate``: O(k) amortised, growth included.
+- ``free``: O(k); ``free_all``: O(k) for the owner's k blocks.
+- ``mark_used``, ``n_free``, ``register_owner``, ``release_owner``, ``stats``,
+  ``AllocationStats.blocks_in_use`` / ``fragmentation``: O(1).
+- ``blocks_for``: O(k).  ``history``: O(history_len).
+- ``shrink``: O(f log f).
+- ``check_invariants``: O(n), for tests and stress runs only.
+
+Thread safety: every public method of ``BlockPoolAllocator`` that reads or
+writes pool state holds one plain, non-reentrant ``threading.Lock`` for its
+whole critical section, and no callback ever runs under it. ``Block``,
+``AllocationStats`` and ``PoolConfig`` objects are not locked: a stats object
+returned to a caller is a private snapshot, and a ``Block`` handle belongs to
+the owner it was checked out to.
+
+This module imports no MLX, so a port to another backend can use the
+allocator and its spec alone.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+from array import array
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final
+
+from veloxquant_mlx.memory import _invariants, _prometheus
+from veloxquant_mlx.memory._arguments import (
+    require_bool,
+    require_format,
+    require_int,
+    resolve_stream,
+)
+
+__all__ = [
+    "AllocationStats",
+    "Block",
+    "BlockPoolAllocator",
+    "BlockPoolError",
+    "BlockPoolExhaustedError",
+    "InvalidFreeError",
+    "InvariantViolationError",
+    "OwnerAlreadyActiveError",
+    "PoolConfig",
+]
+
+#: Free-list names by stream name, for each value of ``PoolConfig.separate_kv``.
+_SEPARATE_STREAMS: Final = {"k": "k", "v": "v"}
+_SHARED_STREAMS: Final = {"k": "kv", "v": "kv", "kv": "kv"}
+
+DEFAULT_HISTORY_LEN: Final = 1024
+
+
+class BlockPoolError(RuntimeError):
+    """Base class of every error the block pool raises on purpose."""
+
+
+class BlockPoolExhaustedError(BlockPoolError):
+    """An allocation needs more free blocks than the stream has or may grow to."""
+
+
+class OwnerAlreadyActiveError(BlockPoolError):
+    """``register_owner()`` was called for an owner that is already active."""
+
+
+class InvalidFreeError(BlockPoolError, ValueError):
+    """``free()`` got something that is not a live handle of this pool, or one twice."""
+
+
+class InvariantViolationError(AssertionError):
+    """``check_invariants()`` found the pool's books inconsistent; names the invariant."""
+
+
+@dataclass(frozen=True, slots=True)
+class PoolConfig:
+    """Configuration of a :class:`BlockPoolAllocator`; validated on construction.
+
+    Frozen, because the pool relies on it never changing after validation.
+
+    Attributes:
+        block_size: Token slots per block, ``>= 1``.
+        n_blocks: Blocks the pool manages initially, ``>= 0``. With
+            ``separate_kv`` stream ``"k"`` gets ids ``0 .. ceil(n/2) - 1`` and
+            ``"v"`` the rest.
+        separate_kv: Keys and values on independent free lists (``"k"``,
+            ``"v"``) if true, else one shared list (``"kv"``).
+        grow_on_exhaustion: Grow the exhausted stream just enough instead of
+            raising :class:`BlockPoolExhaustedError`.
+        max_blocks: Cap on the pool's total once grown, ``>= n_blocks``;
+            ``None`` is unbounded. Ignored when not growing.
+    """
+
+    block_size: int = 16
+    n_blocks: int = 1024
+    separate_kv: bool = True
+    grow_on_exhaustion: bool = False
+    max_blocks: int | None = None
+
+    def __post_init__(self) -> None:
+        require_int("block_size", self.block_size)
+        require_int("n_blocks", self.n_blocks)
+        require_bool("separate_kv", self.separate_kv)
+        require_bool("grow_on_exhaustion", self.grow_on_exhaustion)
+        if self.max_blocks is not None:
+            require_int("max_blocks", self.max_blocks)
+        require_int("block_size", self.block_size, minimum=1)
+        require_int("n_blocks", self.n_blocks, minimum=0)
+        if self.grow_on_exhaustion and self.max_blocks is not None:
+            require_int("max_blocks", self.max_blocks, minimum=self.n_blocks)
+
+
+@dataclass(slots=True, eq=False)
+class Block:
+    """A handle of one fixed-size block of KV-cache storage, for one checkout.
+
+    Every checkout creates a new handle; once its block is freed the handle is
+    stale (``owner is None``, ``n_used == 0``) even if the same ``block_id`` is
+    later handed out again. Handles compare by identity: two checkouts of one
+    block id are different handles. Write no field directly; use
+    :meth:`BlockPoolAllocator.mark_used` to change a fill level.
+
+    Attributes:
+        block_id: Index into the backing storage; stable for the pool's life.
+        stream: ``"k"`` or ``"v"``, or ``"kv"`` in a pool with one shared list.
+        format: Compression-format tag of the data stored (``"fp16"``, ``"int4"``...).
+        n_used: Token slots occupied, ``0 <= n_used <= block_size``.
+        owner: Request id the block is checked out to; ``None`` once free.
+        ever_allocated: Whether this block id had been handed out by
+            ``allocate()`` (true on every handle ``allocate()`` returns).
+    """
+
+    block_id: int
+    stream: str = "kv"
+    format: str = "fp16"
+    n_used: int = 0
+    owner: int | None = None
+    ever_allocated: bool = False
+
+
+@dataclass(slots=True)
+class AllocationStats:
+    """Running counters of a :class:`BlockPoolAllocator`, cumulative since construction.
+
+    Invariants (for the allocator's live object; ``check_invariants`` verifies them):
+    ``n_blocks == initial + n_grown - n_retired``; ``0 <= blocks_in_use() <=
+    n_blocks``; ``_fragmented_count <= blocks_in_use() <= peak_blocks_in_use``.
+
+    Attributes:
+        n_blocks: Current total of blocks managed by the pool.
+        n_allocations: Successful ``allocate()`` calls.
+        n_frees: ``free()`` and ``free_all()`` calls that freed at least one block.
+        n_reused: Blocks handed out whose id had been handed out before.
+        n_exhausted: ``allocate()`` calls that failed for lack of blocks.
+        n_grown: Blocks created by exhaustion-triggered growth.
+        n_retired: Blocks removed from the pool by ``shrink()``.
+        peak_blocks_in_use: High-water mark of blocks checked out at once.
+        _fragmented_count: Checked-out blocks with ``0 < n_used < block_size``.
+    """
+
+    n_blocks: int
+    n_allocations: int = 0
+    n_frees: int = 0
+    n_reused: int = 0
+    n_exhausted: int = 0
+    n_grown: int = 0
+    n_retired: int = 0
+    peak_blocks_in_use: int = 0
+    _fragmented_count: int = 0
+    # Kept by the allocator only, so that blocks_in_use() is O(1).
+    _blocks_in_use: int = field(default=0, init=False, repr=False)
+
+    def blocks_in_use(self) -> int:
+        """Number of blocks currently checked out, between 0 and ``n_blocks``."""
+        return self._blocks_in_use
+
+    def fragmentation(self) -> float:
+        """Fraction of managed blocks that are checked out but neither empty nor full.
+
+        Between 0.0 and 1.0; 0.0 for a pool with no blocks.
+        """
+        if self.n_blocks == 0:
+            return 0.0
+        return self._fragmented_count / self.n_blocks
+
+    def snapshot(self) -> AllocationStats:
+        """Return an independent copy of these stats, for history or export."""
+        return AllocationStats._from_counters(self._counters())
+
+    def to_prometheus(self, prefix: str = "veloxquant_block_pool") -> str:
+        """Render these stats as Prometheus text-exposition gauges and counters.
+
+        Args:
+            prefix: Metric name prefix; must be a valid Prometheus metric name.
+
+        Returns:
+            Newline-terminated exposition text, ready for a ``/metrics`` response.
+
+        Raises:
+            ValueError: ``prefix`` is not a valid metric name.
+        """
+        prefix = _prometheus.require_metric_prefix(prefix)
+        return _prometheus.render(prefix, self._metrics())
+
+    def _metrics(self) -> list[_prometheus.Metric]:
+        metric = _prometheus.Metric
+        return [
+            metric("blocks", "gauge", "Blocks managed by the pool.", self.n_blocks),
+            metric("blocks_in_use", "gauge", "Blocks checked out.", self.blocks_in_use()),
+            metric(
+                "peak_blocks_in_use",
+                "gauge",
+                "High-water mark of blocks checked out.",
+                self.peak_blocks_in_use,
+            ),
+            metric(
+                "fragmentation_ratio",
+                "gauge",
+                "Fraction of blocks checked out but partly filled.",
+                self.fragmentation(),
+            ),
+            metric("allocations", "counter", "Successful allocate calls.", self.n_allocations),
+            metric("frees", "counter", "free and free_all calls that freed blocks.", self.n_frees),
+            metric("reused", "counter", "Blocks handed out again after a free.", self.n_reused),
+            metric("exhausted", "counter", "allocate calls refused for lack of blocks.",
+                   self.n_exhausted),
+            metric("grown", "counter", "Blocks created by growth on exhaustion.", self.n_grown),
+            metric("retired", "counter", "Blocks retired by shrink.", self.n_retired),
+        ]
+
+    def _counters(self) -> tuple[int, ...]:
+        """Every field, in declaration order: the compact form kept in history."""
+        return (
+            self.n_blocks,
+            self.n_allocations,
+            self.n_frees,
+            self.n_reused,
+            self.n_exhausted,
+            self.n_grown,
+            self.n_retired,
+            self.peak_blocks_in_use,
+            self._fragmented_count,
+            self._blocks_in_use,
+        )
+
+    @staticmethod
+    def _from_counters(counters: tuple[int, ...]) -> AllocationStats:
+        stats = AllocationStats(*counters[:-1])
+        stats._blocks_in_use = counters[-1]
+        return stats
+
+
+class BlockPoolAllocator:
+    """Thread-safe bookkeeping for a pool of fixed-size KV-cache blocks.
+
+    Pre-allocates ``config.n_blocks`` block ids and hands them out per owner
+    and stream; freed blocks go back on their stream's free list, a stack
+    (LIFO: a just-freed block is cache-hot). With growth on, an exhausted
+    stream grows by exactly the missing blocks; ``shrink`` retires free
+    blocks. Ids stay dense: growth re-issues the lowest retired ids first.
+
+    Invariants (``check_invariants`` verifies each and names the one broken):
+
+    - *partition*: every id below ``_next_new_id`` is in exactly one of: one
+      stream's free list, one owner's block map, the retired set.
+    - *handles*: each owner's map holds, per id, the one live handle of that
+      id; the handle names that owner, that id, a stream of this pool, and
+      ``0 <= n_used <= block_size``. Every owner map is non-empty.
+    - *counters*: ``n_blocks`` equals free + checked out, and initial +
+      grown - retired; ``blocks_in_use`` and ``_fragmented_count`` equal a
+      recount; ``peak_blocks_in_use >= blocks_in_use``.
+    - *ever_allocated*: every checked-out id is marked ever allocated.
+
+    Example::
+
+        pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=256))
+        blocks = pool.allocate(stream="k", n_tokens=40, owner=request_id, format="int2")
+        ...
+        pool.free_all(owner=request_id)
+    """
+
+    def __init__(
+        self, config: PoolConfig | None = None, *, history_len: int = DEFAULT_HISTORY_LEN
+    ) -> None:
+        """Build a pool with every initial block free.
+
+        Args:
+            config: Pool sizing and behaviour; ``PoolConfig()`` if ``None``.
+            history_len: How many stats snapshots ``history`` keeps; 0 disables it.
+
+        Raises:
+            TypeError: ``config`` is not a ``PoolConfig``, or ``history_len`` not an int.
+            ValueError: ``history_len`` is negative.
+        """
+        if config is None:
+            config = PoolConfig()
+        if not isinstance(config, PoolConfig):
+            raise TypeError(f"config must be a PoolConfig or None, got {config!r}")
+        require_int("history_len", history_len, minimum=0)
+        self._config: Final = config
+        self._block_size: Final = config.block_size
+        self._lock: Final = threading.Lock()
+        # Stream name accepted from callers -> name of the free list serving it.
+        self._stream_names: Final = _SEPARATE_STREAMS if config.separate_kv else _SHARED_STREAMS
+        # Per free list, a stack of block ids: the top (next handed out) is the end.
+        self._free_lists: Final = _initial_free_lists(config)
+        # Owner -> {block_id: live handle}, in allocation order; never empty.
+        self._owner_blocks: Final[dict[int, dict[int, Block]]] = {}
+        # Owners registered by register_owner() and not released since.
+        self._registered_owners: Final[set[int]] = set()
+        # Min-heap of retired ids, re-issued lowest first by growth.
+        self._retired_ids: Final[list[int]] = []
+        # Every id below this has been issued at some point.
+        self._next_new_id = config.n_blocks
+        # Per id ever issued: 1 once handed out by allocate(), reset when re-issued by growth.
+        self._ever_allocated: Final = bytearray(config.n_blocks)
+        # The live counters; callers only ever see snapshots.
+        self._stats: Final = AllocationStats(n_blocks=config.n_blocks)
+        # Compact snapshots (AllocationStats._counters()), materialised on read.
+        self._history: Final[deque[tuple[int, ...]]] = deque(maxlen=history_len)
+
+    # -- read-only views ---------------------------------------------------------
+
+    @property
+    def config(self) -> PoolConfig:
+        """The pool's configuration."""
+        return self._config
+
+    @property
+    def stats(self) -> AllocationStats:
+        """A consistent snapshot of the running counters."""
+        with self._lock:
+            return self._stats.snapshot()
+
+    @property
+    def history(self) -> deque[AllocationStats]:
+        """Stats snapshots after each counted call, oldest first (a new deque).
+
+        One per completed ``allocate`` (successful or exhausted), ``free``,
+        ``free_all`` and ``shrink`` call that changed a counter.
+        """
+        with self._lock:
+            compact = list(self._history)
+        return deque(map(AllocationStats._from_counters, compact), maxlen=self._history.maxlen)
+
+    def n_free(self, stream: str = "k") -> int:
+        """Number of free blocks of ``stream`` (``"k"``/``"v"``, or any in a shared pool).
+
+        Raises:
+            ValueError: ``stream`` is not a stream of this pool.
+        """
+        free_list_name = resolve_stream(stream, self._stream_names)
+        with self._lock:
+            return len(self._free_lists[free_list_name])
+
+    def blocks_for(self, owner: int) -> list[Block]:
+        """The live handles checked out to ``owner``, in allocation order (a new list).
+
+        Raises:
+            TypeError: ``owner`` is not an int.
+        """
+        require_int("owner", owner)
+        with self._lock:
+            return list(self._owner_blocks.get(owner, {}).values())
+
+    # -- owners ------------------------------------------------------------------
+
+    def register_owner(self, owner: int) -> None:
+        """Mark ``owner`` active, so that a second registration of it raises.
+
+        Raises:
+            TypeError: ``owner`` is not an int.
+            OwnerAlreadyActiveError: ``owner`` holds blocks, or was registered
+                and not released since.
+        """
+        require_int("owner", owner)
+        with self._lock:
+            if owner in self._owner_blocks or owner in self._registered_owners:
+                raise OwnerAlreadyActiveError(
+                    f"owner {owner!r} is already active (holds blocks or is registered); "
+                    "expected an owner id that is not in use"
+                )
+            self._registered_owners.add(owner)
+
+    def release_owner(self, owner: int) -> None:
+        """Clear ``owner``'s registration without freeing its blocks.
+
+        Raises:
+            TypeError: ``owner`` is not an int.
+        """
+        require_int("owner", owner)
+        with self._lock:
+            self._registered_owners.discard(owner)
+
+    # -- allocation --------------------------------------------------------------
+
+    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+        """Check out ``ceil(n_tokens / block_size)`` blocks of ``stream`` to ``owner``.
+
+        Every block is full except the last, which holds the remainder. All or
+        nothing: on failure no block is handed out and no block is grown.
+
+        Args:
+            stream: ``"k"`` or ``"v"``; any of ``"k"``, ``"v"``, ``"kv"`` in a shared pool.
+            n_tokens: Token slots needed, ``> 0``.
+            owner: Request id; an owner already active simply grows.
+            format: Compression-format tag recorded on each block.
+
+        Returns:
+            The new handles, in order.
+
+        Raises:
+            ValueError: ``stream`` is invalid, ``n_tokens <= 0`` or ``format`` empty.
+            TypeError: ``n_tokens`` or ``owner`` not an int, ``format`` not a str.
+            BlockPoolExhaustedError: Too few free blocks and growth is off or capped.
+        """
+        free_list_name = self._stream_names.get(stream) if type(stream) is str else None
+        if free_list_name is None:
+            free_list_name = resolve_stream(stream, self._stream_names)
+        # Exact-type fast paths; the helpers raise the errors (and accept int subclasses).
+        if type(n_tokens) is not int or n_tokens < 1:
+            require_int("n_tokens", n_tokens, minimum=1)
+        if type(owner) is not int:
+            require_int("owner", owner)
+        if type(format) is not str or not format:
+            require_format(format)
+        block_size = self._block_size
+        n_needed = -(-n_tokens // block_size)
+        # acquire/try/finally rather than `with`: measurably cheaper on this hot path.
+        self._lock.acquire()
+        try:
+            free_list = self._free_lists[free_list_name]
+            if n_needed <= len(free_list):
+                block_ids = [free_list.pop() for _ in range(n_needed)]
+            else:
+                grown_ids = self._grow_or_raise(n_needed - len(free_list), stream, n_tokens)
+                block_ids = [free_list.pop() for _ in range(len(free_list))] + grown_ids
+            blocks = self._check_out(block_ids, free_list_name, owner, format)
+            last_n_used = n_tokens - (n_needed - 1) * block_size
+            blocks[-1].n_used = last_n_used
+            self._count_allocation(last_n_used, n_needed)
+            return blocks
+        finally:
+            self._lock.release()
+
+    def _grow_or_raise(self, n_missing: int, stream: str, n_tokens: int) -> list[int]:
+        """Create ``n_missing`` new block ids (ascending), or record exhaustion and raise."""
+        config = self._config
+        total_after = self._stats.n_blocks + n_missing
+        if not config.grow_on_exhaustion or (
+            config.max_blocks is not None and total_after > config.max_blocks
+        ):
+            self._stats.n_exhausted += 1
+            self._record_history()
+            raise BlockPoolExhaustedError(
+                f"allocate(stream={stream!r}, n_tokens={n_tokens}) needs {n_missing} more "
+                f"free blocks than the stream has; {self._growth_limit_text()}"
+            )
+        return self._issue_new_ids(n_missing)
+
+    def _growth_limit_text(self) -> str:
+        if not self._config.grow_on_exhaustion:
+            return "growth is off (PoolConfig.grow_on_exhaustion=False)"
+        return (
+            f"growing would take the pool past max_blocks={self._config.max_blocks} "
+            f"(it has {self._stats.n_blocks})"
+        )
+
+    def _issue_new_ids(self, count: int) -> list[int]:
+        """Issue ``count`` ids: lowest retired first, then above the highest ever issued."""
+        retired = self._retired_ids
+        new_ids = [heapq.heappop(retired) for _ in range(min(count, len(retired)))]
+        for block_id in new_ids:
+            self._ever_allocated[block_id] = 0
+        fresh_start = self._next_new_id
+        fresh_end = fresh_start + count - len(new_ids)
+        new_ids.extend(range(fresh_start, fresh_end))
+        self._ever_allocated.extend(bytes(fresh_end - fresh_start))
+        self._next_new_id = fresh_end
+        self._stats.n_blocks += count
+        self._stats.n_grown += count
+        return new_ids
+
+    def _check_out(
+        self, block_ids: list[int], stream: str, owner: int, format: str
+    ) -> list[Block]:
+        """Create one full handle per id for ``owner``; count reuses."""
+        owned = self._owner_blocks.get(owner)
+        if owned is None:
+            owned = self._owner_blocks[owner] = {}
+        ever_allocated = self._ever_allocated
+        block_size = self._block_size
+        blocks = []
+        n_reused = 0
+        for block_id in block_ids:
+            n_reused += ever_allocated[block_id]
+            ever_allocated[block_id] = 1
+            block = Block(block_id, stream, format, block_size, owner, True)
+            owned[block_id] = block
+            blocks.append(block)
+        self._stats.n_reused += n_reused
+        return blocks
+
+    def _count_allocation(self, last_n_used: int, n_blocks: int) -> None:
+        stats = self._stats
+        stats.n_allocations += 1
+        if last_n_used < self._block_size:
+            stats._fragmented_count += 1
+        in_use = stats._blocks_in_use + n_blocks
+        stats._blocks_in_use = in_use
+        stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, in_use)
+        self._record_history()
+
+    # -- freeing -----------------------------------------------------------------
+
+    def free(self, blocks: list[Block]) -> None:
+        """Return ``blocks`` to their streams' free lists, pushed in list order.
+
+        The whole list is checked before anything changes. An owner whose last
+        block is freed is released.
+
+        Raises:
+            TypeError: ``blocks`` is not a list or tuple.
+            InvalidFreeError: An item is not a live handle of this pool (stale,
+                foreign, not a ``Block``) or appears twice; nothing is freed.
+        """
+        if not isinstance(blocks, (list, tuple)):
+            raise TypeError(
+                f"blocks must be a list of Block handles, got {type(blocks).__name__}: "
+                f"{blocks!r}"
+            )
+        with self._lock:
+            self._require_freeable(blocks)
+            if not blocks:
+                return
+            for block in blocks:
+                owner = block.owner
+                assert owner is not None, "_require_freeable let a free handle through"
+                owned = self._owner_blocks[owner]
+                del owned[block.block_id]
+                if not owned:
+                    del self._owner_blocks[owner]
+                    self._registered_owners.discard(owner)
+            self._return_to_free_lists(blocks)
+
+    def _require_freeable(self, blocks: list[Block] | tuple[Block, ...]) -> None:
+        seen_ids: set[int] = set()
+        for position, block in enumerate(blocks):
+            if not self._is_live(block):
+                raise InvalidFreeError(
+                    f"blocks[{position}] = {block!r} is not a live handle of this pool; "
+                    "expected a block checked out from this pool and not yet freed"
+                )
+            if block.block_id in seen_ids:
+                raise InvalidFreeError(
+                    f"blocks[{position}] = {block!r} appears more than once in the list; "
+                    "expected each block once"
+                )
+            seen_ids.add(block.block_id)
+
+    def _is_live(self, block: object) -> bool:
+        """Whether ``block`` is the current handle of a block checked out from this pool."""
+        if not isinstance(block, Block) or type(block.owner) is not int:
+            return False
+        owned = self._owner_blocks.get(block.owner)
+        return owned is not None and owned.get(block.block_id) is block
+
+    def free_all(self, owner: int) -> None:
+        """Free every block checked out to ``owner`` and release it.
+
+        A no-op (apart from the release) for an owner holding nothing.
+
+        Raises:
+            TypeError: ``owner`` is not an int.
+        """
+        if type(owner) is not int:
+            require_int("owner", owner)
+        self._lock.acquire()
+        try:
+            self._registered_owners.discard(owner)
+            owned = self._owner_blocks.pop(owner, None)
+            if owned:
+                self._return_to_free_lists(owned.values())
+        finally:
+            self._lock.release()
+
+    def _return_to_free_lists(self, blocks: Iterable[Block]) -> None:
+        """Push ``blocks`` (already off their owner's map) in order; stale their handles."""
+        free_lists = self._free_lists
+        block_size = self._block_size
+        n_freed = 0
+        n_fragmented = 0
+        for block in blocks:
+            free_lists[block.stream].append(block.block_id)
+            if 0 < block.n_used < block_size:
+                n_fragmented += 1
+            block.owner = None
+            block.n_used = 0
+            n_freed += 1
+        stats = self._stats
+        stats._blocks_in_use -= n_freed
+        stats._fragmented_count -= n_fragmented
+        stats.n_frees += 1
+        self._record_history()
+
+    # -- fill level and shrinking ------------------------------------------------
+
+    def mark_used(self, block: Block, n_used: int) -> None:
+        """Set ``block.n_used`` and keep the fragmentation count exact.
+
+        On a handle whose ``owner`` is ``None`` (free, stale or hand-built) it
+        only sets that object's ``n_used``.
+
+        Raises:
+            TypeError: ``block`` is not a ``Block`` or ``n_used`` not an int.
+            ValueError: ``n_used`` outside ``0 .. block_size``, or ``block`` has an
+                owner but is not a live handle of this pool.
+        """
+        if not isinstance(block, Block):
+            raise TypeError(f"block must be a Block, got {type(block).__name__}: {block!r}")
+        require_int("n_used", n_used, minimum=0)
+        block_size = self._block_size
+        if n_used > block_size:
+            raise ValueError(f"n_used must be an int in 0..{block_size}, got {n_used}")
+        with self._lock:
+            if block.owner is not None:
+                if not self._is_live(block):
+                    raise ValueError(
+                        f"block {block!r} has an owner but is not a live handle of this pool; "
+                        "expected a block checked out from this pool"
+                    )
+                was_fragmented = 0 < block.n_used < block_size
+                is_fragmented = 0 < n_used < block_size
+                self._stats._fragmented_count += is_fragmented - was_fragmented
+            block.n_used = n_used
+
+    def shrink(self, stream: str, target_free: int) -> int:
+        """Retire free blocks of ``stream``, highest ids first, until ``target_free`` remain.
+
+        In-use blocks are never touched. Retired ids leave every count and may
+        be re-issued by growth later.
+
+        Returns:
+            How many blocks were retired (0 if the stream had ``target_free`` or fewer).
+
+        Raises:
+            ValueError: ``stream`` is invalid or ``target_free < 0``.
+            TypeError: ``target_free`` is not an int.
+        """
+        free_list_name = resolve_stream(stream, self._stream_names)
+        require_int("target_free", target_free, minimum=0)
+        with self._lock:
+            free_list = self._free_lists[free_list_name]
+            n_to_retire = len(free_list) - target_free
+            if n_to_retire <= 0:
+                return 0
+            retiring = set(heapq.nlargest(n_to_retire, free_list))
+            kept = [block_id for block_id in free_list if block_id not in retiring]
+            free_list[:] = array("q", kept)
+            for block_id in retiring:
+                heapq.heappush(self._retired_ids, block_id)
+            self._stats.n_blocks -= n_to_retire
+            self._stats.n_retired += n_to_retire
+            self._record_history()
+            return n_to_retire
+
+    # -- history and checks ------------------------------------------------------
+
+    def _record_history(self) -> None:
+        if self._history.maxlen:
+            self._history.append(self._stats._counters())
+
+    def check_invariants(self) -> None:
+        """Verify every invariant of the class docstring by a full recount. O(n).
+
+        Raises:
+            InvariantViolationError: Naming the invariant that is broken and how.
+        """
+        with self._lock:
+            problem = _invariants.first_violation(
+                _invariants.PoolBooks(
+                    config=self._config,
+                    free_lists=self._free_lists,
+                    owner_blocks=self._owner_blocks,
+                    retired_ids=self._retired_ids,
+                    next_new_id=self._next_new_id,
+                    ever_allocated=self._ever_allocated,
+                    stats=self._stats,
+                )
+            )
+        if problem is not None:
+            raise InvariantViolationError(problem)
+
+
+def _initial_free_lists(config: PoolConfig) -> dict[str, array[int]]:
+    """Free stacks holding every initial id, so that the lowest id is on top."""
+    if not config.separate_kv:
+        return {"kv": array("q", range(config.n_blocks - 1, -1, -1))}
+    n_keys = -(-config.n_blocks // 2)
+    return {
+        "k": array("q", range(n_keys - 1, -1, -1)),
+        "v": array("q", range(config.n_blocks - 1, n_keys - 1, -1)),
+    }
