@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import heapq
 import threading
-from array import array
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -201,7 +200,19 @@ class AllocationStats:
 
     def snapshot(self) -> AllocationStats:
         """Return an independent copy of these stats, for history or export."""
-        return AllocationStats._from_counters(self._counters())
+        copy = AllocationStats(
+            self.n_blocks,
+            self.n_allocations,
+            self.n_frees,
+            self.n_reused,
+            self.n_exhausted,
+            self.n_grown,
+            self.n_retired,
+            self.peak_blocks_in_use,
+            self._fragmented_count,
+        )
+        copy._blocks_in_use = self._blocks_in_use
+        return copy
 
     def to_prometheus(self, prefix: str = "veloxquant_block_pool") -> str:
         """Render these stats as Prometheus text-exposition gauges and counters.
@@ -334,6 +345,9 @@ class BlockPoolAllocator:
         self._stats: Final = AllocationStats(n_blocks=config.n_blocks)
         # Compact snapshots (AllocationStats._counters()), materialised on read.
         self._history: Final[deque[tuple[int, ...]]] = deque(maxlen=history_len)
+        self._history_on: Final = history_len > 0
+        # Bound push of each free list (stable: free lists are only ever changed in place).
+        self._push_onto: Final = {name: ids.append for name, ids in self._free_lists.items()}
 
     # -- read-only views ---------------------------------------------------------
 
@@ -345,8 +359,11 @@ class BlockPoolAllocator:
     @property
     def stats(self) -> AllocationStats:
         """A consistent snapshot of the running counters."""
-        with self._lock:
+        self._lock.acquire()
+        try:
             return self._stats.snapshot()
+        finally:
+            self._lock.release()
 
     @property
     def history(self) -> deque[AllocationStats]:
@@ -440,22 +457,20 @@ class BlockPoolAllocator:
             require_int("owner", owner)
         if type(format) is not str or not format:
             require_format(format)
-        block_size = self._block_size
-        n_needed = -(-n_tokens // block_size)
+        n_needed = -(-n_tokens // self._block_size)
         # acquire/try/finally rather than `with`: measurably cheaper on this hot path.
         self._lock.acquire()
         try:
             free_list = self._free_lists[free_list_name]
-            if n_needed <= len(free_list):
+            if n_needed == 1 and free_list:  # the decode loop's case, worth its own path
+                block_ids = [free_list.pop()]
+            elif n_needed <= len(free_list):
                 block_ids = [free_list.pop() for _ in range(n_needed)]
             else:
                 grown_ids = self._grow_or_raise(n_needed - len(free_list), stream, n_tokens)
-                block_ids = [free_list.pop() for _ in range(len(free_list))] + grown_ids
-            blocks = self._check_out(block_ids, free_list_name, owner, format)
-            last_n_used = n_tokens - (n_needed - 1) * block_size
-            blocks[-1].n_used = last_n_used
-            self._count_allocation(last_n_used, n_needed)
-            return blocks
+                block_ids = free_list[::-1] + grown_ids  # every free id, top first
+                free_list.clear()
+            return self._check_out(block_ids, free_list_name, owner, format, n_tokens)
         finally:
             self._lock.release()
 
@@ -485,9 +500,11 @@ class BlockPoolAllocator:
     def _issue_new_ids(self, count: int) -> list[int]:
         """Issue ``count`` ids: lowest retired first, then above the highest ever issued."""
         retired = self._retired_ids
-        new_ids = [heapq.heappop(retired) for _ in range(min(count, len(retired)))]
-        for block_id in new_ids:
+        new_ids: list[int] = []
+        while retired and len(new_ids) < count:
+            block_id = heapq.heappop(retired)
             self._ever_allocated[block_id] = 0
+            new_ids.append(block_id)
         fresh_start = self._next_new_id
         fresh_end = fresh_start + count - len(new_ids)
         new_ids.extend(range(fresh_start, fresh_end))
@@ -498,9 +515,9 @@ class BlockPoolAllocator:
         return new_ids
 
     def _check_out(
-        self, block_ids: list[int], stream: str, owner: int, format: str
+        self, block_ids: list[int], stream: str, owner: int, format: str, n_tokens: int
     ) -> list[Block]:
-        """Create one full handle per id for ``owner``; count reuses."""
+        """Hand ``block_ids`` to ``owner`` as new handles holding ``n_tokens``; count it."""
         owned = self._owner_blocks.get(owner)
         if owned is None:
             owned = self._owner_blocks[owner] = {}
@@ -514,18 +531,18 @@ class BlockPoolAllocator:
             block = Block(block_id, stream, format, block_size, owner, True)
             owned[block_id] = block
             blocks.append(block)
-        self._stats.n_reused += n_reused
-        return blocks
-
-    def _count_allocation(self, last_n_used: int, n_blocks: int) -> None:
+        last_n_used = n_tokens - (len(blocks) - 1) * block_size
+        block.n_used = last_n_used
         stats = self._stats
         stats.n_allocations += 1
-        if last_n_used < self._block_size:
-            stats._fragmented_count += 1
-        in_use = stats._blocks_in_use + n_blocks
-        stats._blocks_in_use = in_use
-        stats.peak_blocks_in_use = max(stats.peak_blocks_in_use, in_use)
-        self._record_history()
+        stats.n_reused += n_reused
+        stats._fragmented_count += last_n_used < block_size
+        in_use = stats._blocks_in_use = stats._blocks_in_use + len(blocks)
+        if in_use > stats.peak_blocks_in_use:  # noqa: PLR1730 (an if is cheaper than max())
+            stats.peak_blocks_in_use = in_use
+        if self._history_on:
+            self._history.append(stats._counters())
+        return blocks
 
     # -- freeing -----------------------------------------------------------------
 
@@ -602,12 +619,12 @@ class BlockPoolAllocator:
 
     def _return_to_free_lists(self, blocks: Iterable[Block]) -> None:
         """Push ``blocks`` (already off their owner's map) in order; stale their handles."""
-        free_lists = self._free_lists
+        push_onto = self._push_onto
         block_size = self._block_size
         n_freed = 0
         n_fragmented = 0
         for block in blocks:
-            free_lists[block.stream].append(block.block_id)
+            push_onto[block.stream](block.block_id)
             if 0 < block.n_used < block_size:
                 n_fragmented += 1
             block.owner = None
@@ -617,7 +634,8 @@ class BlockPoolAllocator:
         stats._blocks_in_use -= n_freed
         stats._fragmented_count -= n_fragmented
         stats.n_frees += 1
-        self._record_history()
+        if self._history_on:
+            self._history.append(stats._counters())
 
     # -- fill level and shrinking ------------------------------------------------
 
@@ -634,13 +652,18 @@ class BlockPoolAllocator:
         """
         if not isinstance(block, Block):
             raise TypeError(f"block must be a Block, got {type(block).__name__}: {block!r}")
-        require_int("n_used", n_used, minimum=0)
         block_size = self._block_size
-        if n_used > block_size:
-            raise ValueError(f"n_used must be an int in 0..{block_size}, got {n_used}")
-        with self._lock:
-            if block.owner is not None:
-                if not self._is_live(block):
+        if type(n_used) is not int or not 0 <= n_used <= block_size:
+            require_int("n_used", n_used, minimum=0)
+            if n_used > block_size:
+                raise ValueError(f"n_used must be an int in 0..{block_size}, got {n_used}")
+        self._lock.acquire()
+        try:
+            owner = block.owner
+            if owner is not None:
+                # _is_live(), inlined: this is the per-token decode path.
+                owned = self._owner_blocks.get(owner) if type(owner) is int else None
+                if owned is None or owned.get(block.block_id) is not block:
                     raise ValueError(
                         f"block {block!r} has an owner but is not a live handle of this pool; "
                         "expected a block checked out from this pool"
@@ -649,6 +672,8 @@ class BlockPoolAllocator:
                 is_fragmented = 0 < n_used < block_size
                 self._stats._fragmented_count += is_fragmented - was_fragmented
             block.n_used = n_used
+        finally:
+            self._lock.release()
 
     def shrink(self, stream: str, target_free: int) -> int:
         """Retire free blocks of ``stream``, highest ids first, until ``target_free`` remain.
@@ -672,7 +697,7 @@ class BlockPoolAllocator:
                 return 0
             retiring = set(heapq.nlargest(n_to_retire, free_list))
             kept = [block_id for block_id in free_list if block_id not in retiring]
-            free_list[:] = array("q", kept)
+            free_list[:] = kept
             for block_id in retiring:
                 heapq.heappush(self._retired_ids, block_id)
             self._stats.n_blocks -= n_to_retire
@@ -683,7 +708,7 @@ class BlockPoolAllocator:
     # -- history and checks ------------------------------------------------------
 
     def _record_history(self) -> None:
-        if self._history.maxlen:
+        if self._history_on:
             self._history.append(self._stats._counters())
 
     def check_invariants(self) -> None:
@@ -708,12 +733,14 @@ class BlockPoolAllocator:
             raise InvariantViolationError(problem)
 
 
-def _initial_free_lists(config: PoolConfig) -> dict[str, array[int]]:
+def _initial_free_lists(config: PoolConfig) -> dict[str, list[int]]:
     """Free stacks holding every initial id, so that the lowest id is on top."""
+    # Plain lists, not array("q"): pushes and pops are ~30% cheaper, which is
+    # the difference that keeps a 16K-block free_all() under its budget.
     if not config.separate_kv:
-        return {"kv": array("q", range(config.n_blocks - 1, -1, -1))}
+        return {"kv": list(range(config.n_blocks - 1, -1, -1))}
     n_keys = -(-config.n_blocks // 2)
     return {
-        "k": array("q", range(n_keys - 1, -1, -1)),
-        "v": array("q", range(config.n_blocks - 1, n_keys - 1, -1)),
+        "k": list(range(n_keys - 1, -1, -1)),
+        "v": list(range(config.n_blocks - 1, n_keys - 1, -1)),
     }
