@@ -62,7 +62,7 @@ class WorkloadConfig:
     token and one generated token).
     """
 
-    arrival_rate: float = 0.2  # mean requests arriving per simulated step
+    arrival_rate: float = 0.1  # mean requests arriving per simulated step
     prompt_mean: int = 256  # mean prompt length, tokens
     prompt_dist: PromptDistribution = "lognormal"
     prompt_sigma: float = 0.8  # lognormal shape of prompt lengths

@@ -1,0 +1,368 @@
+"""Behaviour of the ``veloxquant-mlx`` command line, through ``cli.main``.
+
+Exit statuses, usage errors that name the bad value, the ``--json`` schema and
+its determinism and internal consistency, the table output, invariant checks
+under ``--check-invariants``, and the two entry points (``python -m`` and the
+console script).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+from importlib.metadata import entry_points
+from typing import Any
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from veloxquant_mlx import cli
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.simulate import command
+
+QUICK = ["simulate", "--duration", "300", "--no-progress"]
+
+DISTRIBUTION_KEYS = {"min", "mean", "median", "p95", "max"}
+
+
+def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
+    """Run ``simulate --json`` with ``args``; return the parsed stdout."""
+    assert cli.main([*QUICK, "--json", *args]) == 0
+    output = capsys.readouterr().out
+    parsed: dict[str, Any] = json.loads(output)
+    return parsed
+
+
+def without_timings(document: dict[str, Any]) -> dict[str, Any]:
+    return {key: value for key, value in document.items() if key != "timings"}
+
+
+def prometheus_samples(text: str) -> dict[str, float]:
+    return {
+        sample.name: sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+# -- output --------------------------------------------------------------------------
+
+
+def test_bare_simulate_prints_the_sizing_table_and_prometheus_text(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["simulate"]) == 0
+    captured = capsys.readouterr()
+    for figure in (
+        "peak blocks in use",
+        "exhaustion events",
+        "reuse ratio",
+        "fragmentation",
+        "wasted token slots",
+        "admissions delayed",
+        "decode tokens per step",
+    ):
+        assert figure in captured.out
+    assert "# TYPE veloxquant_block_pool_allocations_total counter" in captured.out
+    assert captured.err == ""  # no progress bar when stderr is not a terminal
+
+
+def test_prometheus_text_in_the_table_output_is_verbatim(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(QUICK) == 0
+    out = capsys.readouterr().out
+    text = out[out.index("# HELP") :]
+    assert text == run_json(capsys)["prometheus"]
+    assert prometheus_samples(text)["veloxquant_block_pool_blocks"] == 1024
+
+
+def test_json_has_every_section(capsys: pytest.CaptureFixture[str]) -> None:
+    document = run_json(capsys)
+    assert set(document) == {
+        "schema_version",
+        "seed",
+        "pool_config",
+        "workload",
+        "run",
+        "pool",
+        "requests",
+        "fragmentation",
+        "wasted_slots",
+        "throughput",
+        "prometheus",
+        "timings",
+    }
+    assert set(document["fragmentation"]) == DISTRIBUTION_KEYS
+    assert set(document["wasted_slots"]["slots"]) == DISTRIBUTION_KEYS
+    assert set(document["timings"]) == {"wall_seconds", "steps_per_second"}
+    assert document["pool_config"] == {
+        "block_size": 16,
+        "n_blocks": 1024,
+        "separate_kv": True,
+        "grow_on_exhaustion": False,
+        "max_blocks": None,
+    }
+
+
+def test_json_is_identical_across_runs_except_timings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    first = run_json(capsys, "--seed", "11", "--n-blocks", "200")
+    second = run_json(capsys, "--seed", "11", "--n-blocks", "200")
+    assert without_timings(first) == without_timings(second)
+
+
+def test_different_seeds_give_different_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    first = run_json(capsys, "--seed", "1")
+    second = run_json(capsys, "--seed", "2")
+    assert first["requests"] != second["requests"]
+
+
+def test_json_figures_agree_with_each_other(capsys: pytest.CaptureFixture[str]) -> None:
+    document = run_json(capsys, "--n-blocks", "160", "--abort-fraction", "0.2")
+    pool, requests = document["pool"], document["requests"]
+    assert requests["completed"] + requests["aborted"] + requests["rejected"] == requests["total"]
+    assert requests["aborted"] > 0
+    assert pool["blocks_in_use_at_end"] == 0
+    assert pool["peak_pct_of_pool"] == pytest.approx(100 * pool["peak_blocks_in_use"] / 160)
+    assert pool["reuse_ratio"] == pytest.approx(pool["reused"] / pool["blocks_handed_out"])
+    assert pool["blocks_in_use"]["max"] == pool["peak_blocks_in_use"]
+    samples = prometheus_samples(document["prometheus"])
+    assert samples["veloxquant_block_pool_allocations_total"] == pool["allocations"]
+    assert samples["veloxquant_block_pool_exhausted_total"] == pool["exhausted"]
+    assert samples["veloxquant_block_pool_frees_total"] == pool["frees"]
+    assert samples["veloxquant_block_pool_blocks"] == pool["final_blocks"]
+    assert document["throughput"]["arrival_steps"] == 300
+    assert document["run"]["duration"] == 300
+
+
+def test_tiny_pool_counts_exhaustion_and_says_the_peak_is_capped(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    document = run_json(capsys, "--n-blocks", "48")
+    assert document["pool"]["exhausted"] > 0
+    assert document["requests"]["delayed_admissions"] > 0
+    assert cli.main([*QUICK, "--n-blocks", "48"]) == 0
+    assert "rerun with --grow" in capsys.readouterr().out
+
+
+def test_grow_option_grows_the_pool(capsys: pytest.CaptureFixture[str]) -> None:
+    document = run_json(capsys, "--n-blocks", "48", "--grow")
+    assert document["pool"]["grown"] > 0
+    assert document["pool"]["exhausted"] == 0
+    assert document["pool"]["final_blocks"] == 48 + document["pool"]["grown"]
+    assert document["pool_config"]["grow_on_exhaustion"] is True
+
+
+def test_max_blocks_caps_growth(capsys: pytest.CaptureFixture[str]) -> None:
+    document = run_json(capsys, "--n-blocks", "48", "--grow", "--max-blocks", "64")
+    assert document["pool"]["final_blocks"] <= 64
+    assert document["pool"]["exhausted"] > 0
+
+
+def test_requests_option_bounds_the_workload(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["simulate", "--requests", "25", "--json", "--no-progress"]) == 0
+    parsed = json.loads(capsys.readouterr().out)
+    assert parsed["requests"]["total"] == 25
+    assert parsed["run"]["requests"] == 25
+
+
+def test_shared_kv_option_uses_one_free_list(capsys: pytest.CaptureFixture[str]) -> None:
+    document = run_json(capsys, "--shared-kv")
+    assert document["pool_config"]["separate_kv"] is False
+    assert document["pool"]["blocks_in_use_at_end"] == 0
+
+
+class FakeTerminal(io.StringIO):
+    """A text stream that says it is a terminal, as stderr in a shell would."""
+
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_is_drawn_on_stderr_when_it_is_a_terminal(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    assert cli.main(["simulate", "--duration", "300", "--json"]) == 0
+    total = json.loads(capsys.readouterr().out)["requests"]["total"]
+    assert f"{total}/{total}" in terminal.getvalue()
+
+
+def test_no_progress_option_keeps_a_terminal_stderr_clean(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    terminal = FakeTerminal()
+    monkeypatch.setattr(sys, "stderr", terminal)
+    run_json(capsys)  # QUICK includes --no-progress
+    assert terminal.getvalue() == ""
+
+
+# -- usage errors ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--block-size", "0"], "argument --block-size: expected an int >= 1, got '0'"),
+        (["--n-blocks", "-3"], "argument --n-blocks: expected an int >= 0, got '-3'"),
+        (["--n-blocks", "many"], "argument --n-blocks: expected an int >= 0, got 'many'"),
+        (["--arrival-rate", "0"], "argument --arrival-rate: expected a number > 0, got '0'"),
+        (["--arrival-rate", "inf"], "argument --arrival-rate: expected a number > 0, got 'inf'"),
+        (
+            ["--abort-fraction", "1.5"],
+            "argument --abort-fraction: expected a number >= 0 and <= 1, got '1.5'",
+        ),
+        (["--prompt-dist", "pareto"], "argument --prompt-dist: invalid choice: 'pareto'"),
+        (["--seed", "x"], "argument --seed: expected an int, got 'x'"),
+        (["--duration", "0"], "argument --duration: expected an int >= 1, got '0'"),
+        (["--duration", "5", "--requests", "5"], "not allowed with argument --duration"),
+        (["--check-invariants", "0"], "expected an int >= 1, got '0'"),
+        (["--max-blocks", "2000"], "--max-blocks 2000 has no effect without --grow"),
+        (
+            ["--grow", "--max-blocks", "10"],
+            "--max-blocks must be >= --n-blocks (1024), got 10",
+        ),
+        (["--n-blocks", "0"], "--n-blocks 0 needs --grow"),
+        (
+            ["--prompt-mean", "5000"],
+            "--prompt-mean must be < --max-seq-len (4096), got 5000",
+        ),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_option_exits_2_naming_the_value(
+    capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    assert cli.main(["simulate", *args]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "usage: veloxquant-mlx simulate" in captured.err
+    assert message in captured.err
+
+
+def test_missing_subcommand_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main([]) == 2
+    assert "required: SUBCOMMAND" in capsys.readouterr().err
+
+
+def test_help_exits_0_and_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["simulate", "--help"]) == 0
+    out = capsys.readouterr().out
+    for option in ("--block-size", "--n-blocks", "--shared-kv", "--grow", "--max-blocks"):
+        assert option in out
+    assert "(default: 1024)" in out
+
+
+# -- invariant checks ------------------------------------------------------------------
+
+
+class CountingPool(BlockPoolAllocator):
+    """Counts ``check_invariants`` calls; all instances share the count."""
+
+    calls = 0
+
+    def check_invariants(self) -> None:
+        CountingPool.calls += 1
+        super().check_invariants()
+
+
+class BrokenPool(BlockPoolAllocator):
+    def check_invariants(self) -> None:
+        raise AssertionError("counters: blocks_in_use 3 != recount 2")
+
+
+def test_check_invariants_runs_every_n_steps_and_at_the_end(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(command, "BlockPoolAllocator", CountingPool)
+    CountingPool.calls = 0
+    document = run_json(capsys, "--check-invariants", "50")
+    steps = document["throughput"]["steps"]
+    assert CountingPool.calls == steps // 50 + 1
+    assert document["run"]["check_invariants_every"] == 50
+
+
+def test_invariants_are_checked_at_the_end_by_default(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(command, "BlockPoolAllocator", CountingPool)
+    CountingPool.calls = 0
+    run_json(capsys)
+    assert CountingPool.calls == 1
+
+
+def test_bare_check_invariants_flag_checks_every_100_steps(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    document = run_json(capsys, "--check-invariants")
+    assert document["run"]["check_invariants_every"] == 100
+
+
+def test_broken_invariant_exits_1_and_says_where(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(command, "BlockPoolAllocator", BrokenPool)
+    assert cli.main([*QUICK, "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "veloxquant-mlx simulate: error: invariant broken at step" in captured.err
+    assert "blocks_in_use 3 != recount 2" in captured.err
+
+
+def test_pool_is_built_from_the_pool_options(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    built: list[PoolConfig] = []
+
+    def record(config: PoolConfig) -> BlockPoolAllocator:
+        built.append(config)
+        return BlockPoolAllocator(config)
+
+    monkeypatch.setattr(command, "BlockPoolAllocator", record)
+    run_json(capsys, "--block-size", "8", "--n-blocks", "99", "--shared-kv", "--grow")
+    assert built == [
+        PoolConfig(
+            block_size=8,
+            n_blocks=99,
+            separate_kv=False,
+            grow_on_exhaustion=True,
+            max_blocks=None,
+        )
+    ]
+
+
+# -- entry points ------------------------------------------------------------------------
+
+
+def test_python_dash_m_runs_simulate() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "veloxquant_mlx", "simulate", "--requests", "10", "--json"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["requests"]["total"] == 10
+
+
+def test_python_dash_m_exits_2_on_a_bad_option() -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "veloxquant_mlx", "simulate", "--block-size", "-1"],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "expected an int >= 1, got '-1'" in result.stderr
+
+
+def test_console_script_points_at_cli_main() -> None:
+    scripts = entry_points(group="console_scripts", name="veloxquant-mlx")
+    assert [script.value for script in scripts] == ["veloxquant_mlx.cli:main"]

@@ -1,0 +1,118 @@
+"""The ``veloxquant-mlx simulate`` subcommand: options in, report out.
+
+:func:`run` builds the pool and the workload from parsed options, runs the
+simulation with a progress bar on stderr (when stderr is a terminal and
+``--no-progress`` is not given), and prints either the sizing table with the
+Prometheus text or, with ``--json``, one JSON document on stdout.
+
+Exit codes: 0 on success; 1 if an invariant check failed (the message, on
+stderr, names the step and the broken invariant). Usage errors exit with 2
+before :func:`run` is called (see :mod:`veloxquant_mlx.cli`).
+
+Complexity: that of the simulation, O(steps + requests) pool calls.
+Thread safety: runs on the calling thread; writes to ``sys.stdout``/``sys.stderr``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
+from veloxquant_mlx.simulate.engine import ServingEngine, SimulationInvariantError
+from veloxquant_mlx.simulate.options import (
+    DEFAULT_DURATION,
+    pool_config_from,
+    workload_config_from,
+)
+from veloxquant_mlx.simulate.render import live_progress, print_report
+from veloxquant_mlx.simulate.report import (
+    ConfigValue,
+    SimulationReport,
+    build_report,
+    report_to_json,
+)
+from veloxquant_mlx.simulate.runner import run_workload
+from veloxquant_mlx.simulate.workload import Request, generate_workload
+
+SUMMARY = "simulate a request stream through a block pool, to size the pool"
+
+DESCRIPTION = """\
+Push a seeded stream of requests through a BlockPoolAllocator the way a
+continuous-batching server does, and report what is needed to size the pool.
+
+A step is one decode iteration. Requests arrive as a Poisson process, are
+admitted first-come first-served when their prompt's blocks fit on both the
+K and the V stream (otherwise they wait in the queue), grow by one block per
+stream whenever their last block fills, and free all their blocks when they
+complete or their client aborts. When a running request cannot grow, the most
+recently admitted request is preempted (its blocks freed, its tokens
+recomputed on re-admission). A request that cannot fit even in an otherwise
+empty pool is rejected.
+
+Prompt lengths are lognormal by default (a long tail of huge prompts), decode
+lengths geometric (a constant chance of stopping at each token). Output is
+deterministic for a seed, apart from the "timings" key of --json.
+"""
+
+
+def _run_options(args: argparse.Namespace, arrival_steps: int) -> dict[str, ConfigValue]:
+    return {
+        "duration": arrival_steps,
+        "requests": args.requests,
+        "check_invariants_every": args.check_invariants,
+    }
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[Request], int]:
+    """The requests to simulate and the length of the arrival window, in steps."""
+    config = workload_config_from(args)
+    if args.requests is not None:
+        requests = generate_workload(config, args.seed, max_requests=args.requests)
+        return requests, requests[-1].arrival_step + 1
+    duration = args.duration if args.duration is not None else DEFAULT_DURATION
+    return generate_workload(config, args.seed, until_step=duration), duration
+
+
+def simulate(args: argparse.Namespace, *, show_progress: bool) -> SimulationReport:
+    """Run the simulation the options describe and return its report.
+
+    Raises:
+        SimulationInvariantError: An invariant check failed.
+    """
+    requests, arrival_steps = _workload(args)
+    engine = ServingEngine(BlockPoolAllocator(pool_config_from(args)))
+    with live_progress(len(requests), enabled=show_progress, stream=sys.stderr) as progress:
+        timing = run_workload(
+            engine,
+            requests,
+            min_steps=arrival_steps,
+            check_every=args.check_invariants,
+            on_progress=progress,
+        )
+    return build_report(
+        engine,
+        seed=args.seed,
+        workload=workload_config_from(args),
+        run=_run_options(args, arrival_steps),
+        total_requests=len(requests),
+        arrival_steps=arrival_steps,
+        timing=timing,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Entry point of the subcommand; returns the process exit code."""
+    show_progress = not args.no_progress and sys.stderr.isatty()
+    try:
+        report = simulate(args, show_progress=show_progress)
+    except SimulationInvariantError as error:
+        print(f"veloxquant-mlx simulate: error: {error}", file=sys.stderr)
+        return 1
+    if args.json:
+        json.dump(report_to_json(report), sys.stdout, indent=2)
+        sys.stdout.write("\n")
+    else:
+        print_report(report, sys.stdout)
+    return 0

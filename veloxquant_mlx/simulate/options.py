@@ -1,0 +1,270 @@
+"""Command-line options of ``veloxquant-mlx simulate`` and their validation.
+
+:func:`add_arguments` declares the options on an ``argparse`` parser, with
+value types that reject bad input at parse time (the message names the value
+and what was expected). :func:`validate` then checks the rules that span
+several options and returns a message for ``parser.error``. The
+``*_from`` helpers build the library's configuration objects from the parsed
+namespace.
+
+Complexity: O(number of options). Thread safety: pure functions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from collections.abc import Callable
+
+from veloxquant_mlx.memory.block_pool import PoolConfig
+from veloxquant_mlx.simulate.workload import (
+    DECODE_DISTRIBUTIONS,
+    PROMPT_DISTRIBUTIONS,
+    WorkloadConfig,
+)
+
+DEFAULT_DURATION = 10_000  # arrival window in steps when neither --duration nor --requests
+DEFAULT_CHECK_EVERY = 100  # steps between checks for a bare --check-invariants
+
+
+def _parse_int(text: str, expected: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+
+
+def int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an int that is at least ``minimum``."""
+    expected = f"an int >= {minimum}"
+
+    def parse(text: str) -> int:
+        value = _parse_int(text, expected)
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = f"int >= {minimum}"
+    return parse
+
+
+def any_int(text: str) -> int:
+    """An argparse type: any int (e.g. a seed)."""
+    return _parse_int(text, "an int")
+
+
+def finite_float(
+    low: float, high: float = math.inf, *, low_inclusive: bool
+) -> Callable[[str], float]:
+    """An argparse type: a finite float above ``low`` (or equal to it) and at most ``high``."""
+    expected = f"a number {'>=' if low_inclusive else '>'} {low:g}"
+    if math.isfinite(high):
+        expected += f" and <= {high:g}"
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
+        above_low = value >= low if low_inclusive else value > low
+        if not (math.isfinite(value) and above_low and value <= high):
+            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+        return value
+
+    parse.__name__ = expected
+    return parse
+
+
+def _add_pool_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = PoolConfig()
+    group = parser.add_argument_group("pool (PoolConfig)")
+    group.add_argument(
+        "--block-size",
+        type=int_at_least(1),
+        default=defaults.block_size,
+        metavar="TOKENS",
+        help="token slots per block (default: %(default)s)",
+    )
+    group.add_argument(
+        "--n-blocks",
+        type=int_at_least(0),
+        default=defaults.n_blocks,
+        metavar="BLOCKS",
+        help="initial blocks, K and V together; 0 needs --grow (default: %(default)s)",
+    )
+    group.add_argument(
+        "--shared-kv",
+        action="store_true",
+        help="one free list for keys and values (separate_kv=False)",
+    )
+    group.add_argument(
+        "--grow",
+        action="store_true",
+        help="grow the pool on exhaustion instead of raising (grow_on_exhaustion=True)",
+    )
+    group.add_argument(
+        "--max-blocks",
+        type=int_at_least(0),
+        default=None,
+        metavar="BLOCKS",
+        help="cap on the grown pool's total blocks (needs --grow; default: no cap)",
+    )
+
+
+def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
+    defaults = WorkloadConfig()
+    group = parser.add_argument_group("request mix (WorkloadConfig)")
+    group.add_argument(
+        "--arrival-rate",
+        type=finite_float(0, low_inclusive=False),
+        default=defaults.arrival_rate,
+        metavar="PER_STEP",
+        help="mean requests arriving per step (Poisson arrivals) (default: %(default)s)",
+    )
+    group.add_argument(
+        "--prompt-mean",
+        type=int_at_least(1),
+        default=defaults.prompt_mean,
+        metavar="TOKENS",
+        help="mean prompt length (default: %(default)s)",
+    )
+    group.add_argument(
+        "--prompt-dist",
+        choices=PROMPT_DISTRIBUTIONS,
+        default=defaults.prompt_dist,
+        help="prompt length distribution (default: %(default)s)",
+    )
+    group.add_argument(
+        "--prompt-sigma",
+        type=finite_float(0, low_inclusive=True),
+        default=defaults.prompt_sigma,
+        metavar="SIGMA",
+        help="shape of lognormal prompt lengths (default: %(default)s)",
+    )
+    group.add_argument(
+        "--decode-mean",
+        type=int_at_least(1),
+        default=defaults.decode_mean,
+        metavar="TOKENS",
+        help="mean generated length (default: %(default)s)",
+    )
+    group.add_argument(
+        "--decode-dist",
+        choices=DECODE_DISTRIBUTIONS,
+        default=defaults.decode_dist,
+        help="generated length distribution (default: %(default)s)",
+    )
+    group.add_argument(
+        "--decode-sigma",
+        type=finite_float(0, low_inclusive=True),
+        default=defaults.decode_sigma,
+        metavar="SIGMA",
+        help="shape of lognormal generated lengths (default: %(default)s)",
+    )
+    group.add_argument(
+        "--abort-fraction",
+        type=finite_float(0, 1, low_inclusive=True),
+        default=defaults.abort_fraction,
+        metavar="FRACTION",
+        help="share of requests whose client disconnects mid-decode (default: %(default)s)",
+    )
+    group.add_argument(
+        "--max-seq-len",
+        type=int_at_least(2),
+        default=defaults.max_seq_len,
+        metavar="TOKENS",
+        help="context window, caps prompt + generated (default: %(default)s)",
+    )
+
+
+def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("run")
+    group.add_argument(
+        "--seed", type=any_int, default=0, help="workload random seed (default: %(default)s)"
+    )
+    length = group.add_mutually_exclusive_group()
+    length.add_argument(
+        "--duration",
+        type=int_at_least(1),
+        default=None,
+        metavar="STEPS",
+        help=f"requests arrive during this many steps, then the pool drains "
+        f"(default: {DEFAULT_DURATION})",
+    )
+    length.add_argument(
+        "--requests",
+        type=int_at_least(1),
+        default=None,
+        metavar="N",
+        help="instead of --duration: stop arrivals after N requests",
+    )
+    group.add_argument(
+        "--check-invariants",
+        type=int_at_least(1),
+        nargs="?",
+        const=DEFAULT_CHECK_EVERY,
+        default=0,
+        metavar="EVERY",
+        help=f"also run pool.check_invariants() every EVERY steps "
+        f"(bare flag: {DEFAULT_CHECK_EVERY}; it always runs at the end)",
+    )
+    group.add_argument(
+        "--json",
+        action="store_true",
+        help="print all figures and the Prometheus text as JSON on stdout, no table",
+    )
+    group.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress bar (it is drawn on stderr, and only when stderr is a terminal)",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare every ``simulate`` option on ``parser``."""
+    _add_pool_arguments(parser)
+    _add_workload_arguments(parser)
+    _add_run_arguments(parser)
+
+
+def validate(args: argparse.Namespace) -> str | None:
+    """Check the rules that span several options.
+
+    Returns:
+        A message naming the offending values, or ``None`` if all is well.
+    """
+    if args.max_blocks is not None and not args.grow:
+        return f"--max-blocks {args.max_blocks} has no effect without --grow"
+    if args.max_blocks is not None and args.max_blocks < args.n_blocks:
+        return f"--max-blocks must be >= --n-blocks ({args.n_blocks}), got {args.max_blocks}"
+    if args.n_blocks == 0 and not args.grow:
+        return "--n-blocks 0 needs --grow (a pool with no blocks can only grow)"
+    if args.prompt_mean >= args.max_seq_len:
+        return f"--prompt-mean must be < --max-seq-len ({args.max_seq_len}), got {args.prompt_mean}"
+    return None
+
+
+def pool_config_from(args: argparse.Namespace) -> PoolConfig:
+    """The :class:`PoolConfig` the options describe."""
+    return PoolConfig(
+        block_size=args.block_size,
+        n_blocks=args.n_blocks,
+        separate_kv=not args.shared_kv,
+        grow_on_exhaustion=args.grow,
+        max_blocks=args.max_blocks,
+    )
+
+
+def workload_config_from(args: argparse.Namespace) -> WorkloadConfig:
+    """The :class:`WorkloadConfig` the options describe."""
+    return WorkloadConfig(
+        arrival_rate=args.arrival_rate,
+        prompt_mean=args.prompt_mean,
+        prompt_dist=args.prompt_dist,
+        prompt_sigma=args.prompt_sigma,
+        decode_mean=args.decode_mean,
+        decode_dist=args.decode_dist,
+        decode_sigma=args.decode_sigma,
+        abort_fraction=args.abort_fraction,
+        max_seq_len=args.max_seq_len,
+    )
