@@ -1,8 +1,14 @@
-"""KV-cache memory management: the block pool allocator and its errors.
+"""KV-cache memory management: the block pool allocator, its errors, and backing stores.
 
-Importing this package never imports MLX: the allocator is pure Python, so a
-port to another backend can use it and its spec alone.
+Importing this package never imports MLX: the allocator and the storage
+protocol are pure Python, so a port to another backend can use them and the
+spec alone. The array-backed classes (``MLXBlockStorage``,
+``NumpyBlockStorage``, the KV caches) load on first access.
 """
+
+from __future__ import annotations
+
+import importlib
 
 from veloxquant_mlx.memory.block_pool import (
     AllocationStats,
@@ -15,6 +21,24 @@ from veloxquant_mlx.memory.block_pool import (
     OwnerAlreadyActiveError,
     PoolConfig,
 )
+from veloxquant_mlx.memory.storage import BlockStorage
+
+# Name -> module defining it, imported on first access (they need MLX or NumPy).
+_LAZY_NAMES = {
+    "MLXBlockStorage": "veloxquant_mlx.memory.mlx_storage",
+    "NumpyBlockStorage": "veloxquant_mlx.memory.numpy_storage",
+    "PoolBackedKVCache": "veloxquant_mlx.memory.kv_cache",
+    "PooledKVCache": "veloxquant_mlx.memory.kv_cache",
+    "make_pool_backed_cache": "veloxquant_mlx.memory.kv_cache",
+}
+
+
+def __getattr__(name: str) -> object:
+    module_name = _LAZY_NAMES.get(name)
+    if module_name is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module_name), name)
+
 
 __all__ = [
     "AllocationStats",
@@ -22,8 +46,14 @@ __all__ = [
     "BlockPoolAllocator",
     "BlockPoolError",
     "BlockPoolExhaustedError",
+    "BlockStorage",
     "InvalidFreeError",
     "InvariantViolationError",
+    "MLXBlockStorage",
+    "NumpyBlockStorage",
     "OwnerAlreadyActiveError",
+    "PoolBackedKVCache",
     "PoolConfig",
+    "PooledKVCache",
+    "make_pool_backed_cache",
 ]

@@ -13,6 +13,7 @@ caller must hold the pool's lock for the whole call.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -26,6 +27,8 @@ class PoolBooks(NamedTuple):
     free_lists: Mapping[str, Sequence[int]]
     owner_blocks: Mapping[int, Mapping[int, Block]]
     retired_ids: Sequence[int]
+    retired_set: AbstractSet[int]
+    id_bound: int
     next_new_id: int
     ever_allocated: bytes | bytearray
     stats: AllocationStats
@@ -101,6 +104,8 @@ def check_retired_heap(books: PoolBooks) -> str | None:
     for child in range(1, len(ids)):
         if ids[(child - 1) // 2] > ids[child]:
             return f"retired heap: {ids[(child - 1) // 2]} sits above {ids[child]}"
+    if set(ids) != books.retired_set:
+        return "retired heap: the heap and the retired set hold different ids"
     if len(books.ever_allocated) != books.next_new_id:
         return (
             f"ever_allocated: tracks {len(books.ever_allocated)} ids, "
@@ -130,11 +135,21 @@ def check_counters(books: PoolBooks) -> str | None:
     return None
 
 
+def check_id_bound(books: PoolBooks) -> str | None:
+    """``id_bound`` is one more than the highest id that is free or checked out."""
+    in_pool = [i for i in range(books.next_new_id) if i not in books.retired_set]
+    expected = max(in_pool) + 1 if in_pool else 0
+    if books.id_bound != expected:
+        return f"id bound: id_bound is {books.id_bound}, expected {expected}"
+    return None
+
+
 CHECKS: tuple[Callable[[PoolBooks], str | None], ...] = (
     check_free_list_names,
     check_partition,
     check_handles,
     check_retired_heap,
+    check_id_bound,
     check_counters,
 )
 

@@ -337,6 +337,10 @@ class BlockPoolAllocator:
         self._registered_owners: Final[set[int]] = set()
         # Min-heap of retired ids, re-issued lowest first by growth.
         self._retired_ids: Final[list[int]] = []
+        # The same ids as a set, to find the retired tail of the id range.
+        self._retired_set: Final[set[int]] = set()
+        # 1 + the highest id that is free or checked out: what a slab must cover.
+        self._id_bound = config.n_blocks
         # Every id below this has been issued at some point.
         self._next_new_id = config.n_blocks
         # Per id ever issued: 1 once handed out by allocate(), reset when re-issued by growth.
@@ -395,6 +399,25 @@ class BlockPoolAllocator:
         require_int("owner", owner)
         with self._lock:
             return list(self._owner_blocks.get(owner, {}).values())
+
+    def is_live(self, block: object) -> bool:
+        """Whether ``block`` is the current handle of a block checked out from this pool.
+
+        False for stale handles, other pools' handles and non-``Block`` objects.
+        O(1). Backing stores use it to refuse writes through a dead handle.
+        """
+        with self._lock:
+            return self._is_live(block)
+
+    def id_bound(self) -> int:
+        """One more than the highest block id that is free or checked out (0 if none).
+
+        A slab-backed store must cover ids ``0 .. id_bound() - 1``; it falls when
+        ``shrink()`` retires the top of the id range, so the store can give its
+        tail back, and rises when growth issues higher ids. O(1).
+        """
+        with self._lock:
+            return self._id_bound
 
     # -- owners ------------------------------------------------------------------
 
@@ -503,6 +526,7 @@ class BlockPoolAllocator:
         new_ids: list[int] = []
         while retired and len(new_ids) < count:
             block_id = heapq.heappop(retired)
+            self._retired_set.remove(block_id)
             self._ever_allocated[block_id] = 0
             new_ids.append(block_id)
         fresh_start = self._next_new_id
@@ -510,6 +534,7 @@ class BlockPoolAllocator:
         new_ids.extend(range(fresh_start, fresh_end))
         self._ever_allocated.extend(bytes(fresh_end - fresh_start))
         self._next_new_id = fresh_end
+        self._id_bound = max(self._id_bound, max(new_ids) + 1)
         self._stats.n_blocks += count
         self._stats.n_grown += count
         return new_ids
@@ -700,6 +725,9 @@ class BlockPoolAllocator:
             free_list[:] = kept
             for block_id in retiring:
                 heapq.heappush(self._retired_ids, block_id)
+            self._retired_set.update(retiring)
+            while self._id_bound and self._id_bound - 1 in self._retired_set:
+                self._id_bound -= 1
             self._stats.n_blocks -= n_to_retire
             self._stats.n_retired += n_to_retire
             self._record_history()
@@ -724,6 +752,8 @@ class BlockPoolAllocator:
                     free_lists=self._free_lists,
                     owner_blocks=self._owner_blocks,
                     retired_ids=self._retired_ids,
+                    retired_set=self._retired_set,
+                    id_bound=self._id_bound,
                     next_new_id=self._next_new_id,
                     ever_allocated=self._ever_allocated,
                     stats=self._stats,

@@ -1,0 +1,94 @@
+"""The backend-neutral contract of a block pool's backing store.
+
+A :class:`BlockPoolAllocator` only keeps books; a *backing store* holds the
+data. This module states what every store implements, whatever the array
+library (MLX here, NumPy as the second reference backend, CUDA or Metal in a
+port), so that KV caches and the aliasing replay work with any of them.
+
+The model: per layer, one slab of ``capacity`` blocks indexed by block id,
+each block ``block_size`` token slots of shape ``(n_kv_heads, head_dim)``.
+A block id holds keys or values according to the stream its handle came
+from; the store does not care which. The store is paired with one pool and
+follows it: it covers every id below ``pool.id_bound()``, grows its
+capacity geometrically (never moving or changing existing data) when the
+pool issues higher ids, and gives memory back when ``shrink()`` retires the
+top of the id range.
+
+Rules every implementation keeps (the storage conformance suite in
+``veloxquant_mlx.testing`` checks them):
+
+1. ``write`` accepts only a live handle of the paired pool (``pool.is_live``)
+   and slots inside ``0 .. block_size``; anything else raises ``ValueError``
+   (``TypeError`` for a non-``Block``) and changes nothing.
+2. Distinct ids never share storage: a write to one block never changes what
+   any other block holds.
+3. An array returned by ``gather`` never changes afterwards, whatever is
+   written, freed, grown or shrunk later (including arrays whose evaluation a
+   lazy backend defers).
+4. ``resident_bytes`` is what the store holds now; after the pool's id range
+   shrinks, ``sync()`` (called by every operation) brings it down.
+
+Thread safety: implementations must be safe to share between threads in the
+same way as the pool (the MLX and NumPy stores hold a lock around slab
+updates). Complexity: ``write`` O(slots written); ``gather`` O(tokens
+gathered); growth amortised O(1) per block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol, TypeVar, runtime_checkable
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+
+ArrayT = TypeVar("ArrayT")
+
+
+@runtime_checkable
+class BlockStorage(Protocol[ArrayT]):
+    """A backing store for one pool: slabs of token slots indexed by block id."""
+
+    @property
+    def pool(self) -> BlockPoolAllocator:
+        """The pool whose block ids this store covers."""
+        ...
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers (one slab each)."""
+        ...
+
+    @property
+    def slot_shape(self) -> tuple[int, int]:
+        """Shape of one token slot: ``(n_kv_heads, head_dim)``."""
+        ...
+
+    def write(self, layer: int, block: Block, start: int, tokens: ArrayT) -> None:
+        """Store ``tokens`` (shape ``(n, n_kv_heads, head_dim)``) into slots ``start ..
+        start + n`` of ``block`` in ``layer``.
+
+        Raises:
+            TypeError: ``block`` is not a ``Block``.
+            ValueError: ``block`` is not a live handle of the paired pool, the slots
+                fall outside ``0 .. block_size``, ``layer`` is out of range, or
+                ``tokens`` has the wrong shape.
+        """
+        ...
+
+    def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> ArrayT:
+        """The first ``n_tokens`` slots of ``blocks`` in ``layer``, in order, as one array
+        of shape ``(n_tokens, n_kv_heads, head_dim)``; never changed by later writes.
+        """
+        ...
+
+    def capacity(self) -> int:
+        """Number of block ids each slab currently covers (``>= pool.id_bound()``)."""
+        ...
+
+    def resident_bytes(self) -> int:
+        """Bytes of slab memory held now, across all layers."""
+        ...
+
+    def sync(self) -> None:
+        """Follow the pool: grow to cover new ids, give back a retired tail."""
+        ...
