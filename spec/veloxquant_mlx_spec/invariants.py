@@ -15,7 +15,9 @@ from veloxquant_mlx_spec.model import PoolState, make_config, stats
 def config_is_valid(state: PoolState) -> bool:
     """The config is one `PoolConfig` validation accepts, and history_len >= 0."""
     c = state.config
-    remade = make_config(c.block_size, c.n_blocks, c.separate_kv, c.grow_on_exhaustion, c.max_blocks)
+    remade = make_config(
+        c.block_size, c.n_blocks, c.separate_kv, c.grow_on_exhaustion, c.max_blocks
+    )
     return remade == c and state.history_len >= 0
 
 

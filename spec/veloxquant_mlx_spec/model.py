@@ -133,19 +133,12 @@ class Counters:
 
 
 @dataclass(frozen=True)
-class StatsView:
-    """One `AllocationStats` snapshot: the counters plus the two current counts."""
+class StatsView(Counters):
+    """One `AllocationStats` snapshot: the counters plus three current counts."""
 
-    n_blocks: int
-    n_allocations: int
-    n_frees: int
-    n_reused: int
-    n_exhausted: int
-    n_grown: int
-    n_retired: int
-    peak_blocks_in_use: int
-    blocks_in_use: int
-    fragmented_count: int  # checked-out blocks with 0 < n_used < block_size
+    n_blocks: int = 0  # initial + n_grown - n_retired
+    blocks_in_use: int = 0
+    fragmented_count: int = 0  # checked-out blocks with 0 < n_used < block_size
 
     def fragmentation(self) -> float:
         """Fragmented blocks over all blocks, in [0.0, 1.0]; 0.0 for an empty pool."""
@@ -156,27 +149,21 @@ class StatsView:
 class PoolState:
     """The whole observable state of one `BlockPoolAllocator`.
 
-    Invariants (checked by `invariants.broken_invariants`): every id below
-    `next_block_id` is in exactly one of a stream's free list, one live
-    handle (hence one owner's list), or `retired`; `n_blocks` is a recount;
-    the history is at most `history_len` long.
+    Invariants (named in `invariants`): every id below `next_block_id` is in
+    exactly one of a stream's free list, one live handle (hence one owner's
+    list), or `retired`; `n_blocks` is a recount; history fits history_len.
     """
 
     config: SpecConfig
     history_len: int
-    free_lists: tuple[tuple[str, tuple[BlockId, ...]], ...]  # per stream, a stack: top is last
-    handles: tuple[HandleView, ...]  # every handle ever issued; index is its HandleId
-    registered: frozenset[int]  # owners registered and not released since
-    ever_allocated: frozenset[BlockId]  # handed out since this id was (re)created
-    retired: frozenset[BlockId]  # shrunk away and not re-issued by growth
+    free_lists: tuple[tuple[str, tuple[BlockId, ...]], ...]  # per stream a stack, top last
     next_block_id: BlockId  # one above the highest id ever issued
-    counters: Counters
-    history: tuple[StatsView, ...]  # oldest first
-
-
-def stack_of(ids: range) -> tuple[BlockId, ...]:
-    """A free-list stack from which `ids` come off in ascending order."""
-    return tuple(sorted(ids, reverse=True))
+    handles: tuple[HandleView, ...] = ()  # every handle ever issued; index = HandleId
+    registered: frozenset[int] = frozenset()  # registered and not released since
+    ever_allocated: frozenset[BlockId] = frozenset()  # handed out since (re)created
+    retired: frozenset[BlockId] = frozenset()  # shrunk away, not yet re-issued
+    counters: Counters = Counters()
+    history: tuple[StatsView, ...] = ()  # oldest first
 
 
 def new_pool(config: SpecConfig | None = None, history_len: object = 1024) -> PoolState | Err:
@@ -190,15 +177,10 @@ def new_pool(config: SpecConfig | None = None, history_len: object = 1024) -> Po
         return Err(ErrorKind.TYPE, f"history_len must be an int, got {history_len!r}")
     if history_len < 0:
         return Err(ErrorKind.VALUE, f"history_len must be >= 0, got {history_len}")
-    if config.separate_kv:
-        half = -(-config.n_blocks // 2)
-        free = (("k", stack_of(range(half))), ("v", stack_of(range(half, config.n_blocks))))
-    else:
-        free = (("kv", stack_of(range(config.n_blocks))),)
-    return PoolState(
-        config, history_len, free, (), frozenset(), frozenset(), frozenset(),
-        config.n_blocks, Counters(), (),
-    )
+    n, half = config.n_blocks, -(-config.n_blocks // 2)
+    ids = {"k": range(half), "v": range(half, n)} if config.separate_kv else {"kv": range(n)}
+    free = tuple((stream, tuple(reversed(r))) for stream, r in ids.items())  # lowest id on top
+    return PoolState(config, history_len, free, next_block_id=config.n_blocks)
 
 
 def live_handles(state: PoolState) -> tuple[HandleId, ...]:
@@ -211,7 +193,6 @@ def stats(state: PoolState) -> StatsView:
     live = [state.handles[h] for h in live_handles(state)]
     c = state.counters
     return StatsView(
-        n_blocks=state.config.n_blocks + c.n_grown - c.n_retired,
         n_allocations=c.n_allocations,
         n_frees=c.n_frees,
         n_reused=c.n_reused,
@@ -219,6 +200,7 @@ def stats(state: PoolState) -> StatsView:
         n_grown=c.n_grown,
         n_retired=c.n_retired,
         peak_blocks_in_use=c.peak_blocks_in_use,
+        n_blocks=state.config.n_blocks + c.n_grown - c.n_retired,
         blocks_in_use=len(live),
         fragmented_count=sum(0 < v.n_used < state.config.block_size for v in live),
     )

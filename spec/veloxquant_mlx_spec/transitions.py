@@ -10,7 +10,6 @@ history snapshot). A query returns its result or an `Err`.
 
 from __future__ import annotations
 
-import re
 from dataclasses import replace
 
 from veloxquant_mlx_spec.invariants import all_invariants_hold  # noqa: F401 -- PEP 316 conditions
@@ -25,7 +24,6 @@ from veloxquant_mlx_spec.model import (
     NotABlock,
     NotAList,
     PoolState,
-    StatsView,
     is_int,
     live_handles,
     stats,
@@ -80,7 +78,7 @@ def _owner_type_error(owner: object) -> Err:
 # ---- owners --------------------------------------------------------------------
 
 
-def register_owner(state: PoolState, owner: object) -> tuple[PoolState, None | Err]:
+def register_owner(state: PoolState, owner: object) -> tuple[PoolState, Err | None]:
     """`register_owner(owner)`: an already active owner raises OwnerAlreadyActiveError."""
     if not is_int(owner):
         return state, _owner_type_error(owner)
@@ -89,7 +87,7 @@ def register_owner(state: PoolState, owner: object) -> tuple[PoolState, None | E
     return replace(state, registered=state.registered | {owner}), None
 
 
-def release_owner(state: PoolState, owner: object) -> tuple[PoolState, None | Err]:
+def release_owner(state: PoolState, owner: object) -> tuple[PoolState, Err | None]:
     """`release_owner(owner)`: clears the registration only; held blocks stay held."""
     if not is_int(owner):
         return state, _owner_type_error(owner)
@@ -175,9 +173,12 @@ def _returned(state: PoolState, handles: tuple[HandleId, ...]) -> PoolState:
     after = state
     for h in handles:
         view = after.handles[h]
-        after = _with_free_list(after, view.stream, (*free_list_for(after, view.stream), view.block_id))
-        after = _with_handle(after, h, replace(view, owner=None, n_used=0))
-    emptied = {state.handles[h].owner for h in handles} - {after.handles[h].owner for h in live_handles(after)}
+        pushed = (*free_list_for(after, view.stream), view.block_id)
+        after = _with_handle(
+            _with_free_list(after, view.stream, pushed), h, replace(view, owner=None, n_used=0)
+        )
+    still_holding = {after.handles[h].owner for h in live_handles(after)}
+    emptied = {state.handles[h].owner for h in handles} - still_holding
     n_frees = state.counters.n_frees + (1 if handles else 0)
     return replace(
         after,
@@ -186,7 +187,9 @@ def _returned(state: PoolState, handles: tuple[HandleId, ...]) -> PoolState:
     )
 
 
-def free(state: PoolState, blocks: tuple[HandleRef, ...] | NotAList) -> tuple[PoolState, None | Err]:
+def free(
+    state: PoolState, blocks: tuple[HandleRef, ...] | NotAList
+) -> tuple[PoolState, Err | None]:
     """`free(blocks)`: all items checked first; each must be a live handle, listed once.
 
     pre: all_invariants_hold(state)
@@ -203,7 +206,7 @@ def free(state: PoolState, blocks: tuple[HandleRef, ...] | NotAList) -> tuple[Po
     return _recorded(state, _returned(state, handles)), None
 
 
-def free_all(state: PoolState, owner: object) -> tuple[PoolState, None | Err]:
+def free_all(state: PoolState, owner: object) -> tuple[PoolState, Err | None]:
     """`free_all(owner)`: frees the owner's blocks in allocation order; always releases it.
 
     pre: all_invariants_hold(state)
@@ -244,7 +247,7 @@ def shrink(state: PoolState, stream: object, target_free: object) -> tuple[PoolS
     return _recorded(state, after), len(doomed)
 
 
-def mark_used(state: PoolState, block: HandleRef, n_used: object) -> tuple[PoolState, None | Err]:
+def mark_used(state: PoolState, block: HandleRef, n_used: object) -> tuple[PoolState, Err | None]:
     """`mark_used(block, n_used)`: sets that object's n_used; only a live handle moves stats.
 
     A `ForeignBlock` with owner None is accepted and changes no state: the
@@ -284,31 +287,3 @@ def n_free(state: PoolState, stream: object = "k") -> int | Err:
     """`n_free(stream)`: blocks on the stream's free list."""
     s = storage_stream(state, stream)
     return s if isinstance(s, Err) else len(free_list_for(state, s))
-
-
-def history(state: PoolState) -> tuple[StatsView, ...]:
-    """`BlockPoolAllocator.history`, oldest first."""
-    return state.history
-
-
-_METRIC_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
-
-
-def prometheus_samples(
-    view: StatsView, prefix: object = "veloxquant_block_pool"
-) -> tuple[tuple[str, str, float], ...] | Err:
-    """`to_prometheus(prefix)`'s metrics as (name, type, value); any invalid prefix: ValueError."""
-    if not (isinstance(prefix, str) and _METRIC_NAME.fullmatch(prefix)):
-        return Err(ErrorKind.VALUE, f"prefix must be a Prometheus metric name, got {prefix!r}")
-    return tuple((f"{prefix}_{name}", kind, float(value)) for name, kind, value in (
-        ("blocks", "gauge", view.n_blocks),
-        ("blocks_in_use", "gauge", view.blocks_in_use),
-        ("peak_blocks_in_use", "gauge", view.peak_blocks_in_use),
-        ("fragmentation_ratio", "gauge", view.fragmentation()),
-        ("allocations_total", "counter", view.n_allocations),
-        ("frees_total", "counter", view.n_frees),
-        ("reused_total", "counter", view.n_reused),
-        ("exhausted_total", "counter", view.n_exhausted),
-        ("grown_total", "counter", view.n_grown),
-        ("retired_total", "counter", view.n_retired),
-    ))
