@@ -54,9 +54,7 @@ def require_format(value: object) -> str:
         ValueError: ``value`` is the empty string.
     """
     if not isinstance(value, str):
-        raise TypeError(
-            f"format must be a non-empty str, got {value!r} ({type(value).__name__})"
-        )
+        raise TypeError(f"format must be a non-empty str, got {value!r} ({type(value).__name__})")
     if not value:
         raise ValueError("format must be a non-empty str, got ''")
     return value

@@ -108,8 +108,7 @@ def check_retired_heap(books: PoolBooks) -> str | None:
         return "retired heap: the heap and the retired set hold different ids"
     if len(books.ever_allocated) != books.next_new_id:
         return (
-            f"ever_allocated: tracks {len(books.ever_allocated)} ids, "
-            f"expected {books.next_new_id}"
+            f"ever_allocated: tracks {len(books.ever_allocated)} ids, expected {books.next_new_id}"
         )
     return None
 

@@ -249,8 +249,12 @@ class AllocationStats:
             metric("allocations", "counter", "Successful allocate calls.", self.n_allocations),
             metric("frees", "counter", "free and free_all calls that freed blocks.", self.n_frees),
             metric("reused", "counter", "Blocks handed out again after a free.", self.n_reused),
-            metric("exhausted", "counter", "allocate calls refused for lack of blocks.",
-                   self.n_exhausted),
+            metric(
+                "exhausted",
+                "counter",
+                "allocate calls refused for lack of blocks.",
+                self.n_exhausted,
+            ),
             metric("grown", "counter", "Blocks created by growth on exhaustion.", self.n_grown),
             metric("retired", "counter", "Blocks retired by shrink.", self.n_retired),
         ]
@@ -584,8 +588,7 @@ class BlockPoolAllocator:
         """
         if not isinstance(blocks, (list, tuple)):
             raise TypeError(
-                f"blocks must be a list of Block handles, got {type(blocks).__name__}: "
-                f"{blocks!r}"
+                f"blocks must be a list of Block handles, got {type(blocks).__name__}: {blocks!r}"
             )
         with self._lock:
             self._require_freeable(blocks)
@@ -618,7 +621,7 @@ class BlockPoolAllocator:
 
     def _is_live(self, block: object) -> bool:
         """Whether ``block`` is the current handle of a block checked out from this pool."""
-        if not isinstance(block, Block) or type(block.owner) is not int:
+        if not isinstance(block, Block) or not isinstance(block.owner, int):
             return False
         owned = self._owner_blocks.get(block.owner)
         return owned is not None and owned.get(block.block_id) is block
@@ -687,7 +690,7 @@ class BlockPoolAllocator:
             owner = block.owner
             if owner is not None:
                 # _is_live(), inlined: this is the per-token decode path.
-                owned = self._owner_blocks.get(owner) if type(owner) is int else None
+                owned = self._owner_blocks.get(owner) if isinstance(owner, int) else None
                 if owned is None or owned.get(block.block_id) is not block:
                     raise ValueError(
                         f"block {block!r} has an owner but is not a live handle of this pool; "

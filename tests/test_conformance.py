@@ -1,0 +1,121 @@
+"""The allocator conforms to the executable spec, through the shipped conformance kit.
+
+Also shows that the kit has teeth: allocators with planted bugs fail it.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import run_state_machine_as_test
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.testing.conformance import (
+    PoolConformanceMachine,
+    conformance_test_case,
+    default_factory,
+)
+from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError
+from veloxquant_mlx_spec import model
+
+TestBlockPoolAllocatorConformsToTheSpec = conformance_test_case(default_factory)
+
+
+class _FreeCountsBlocks(BlockPoolAllocator):
+    """Planted bug: n_frees counts blocks instead of calls (the upstream's bug)."""
+
+    def free(self, blocks: list[Block]) -> None:
+        super().free(blocks)
+        with self._lock:
+            self._stats.n_frees += max(0, len(blocks) - 1)
+
+
+class _FreeListIsFifo(BlockPoolAllocator):
+    """Planted bug: freed blocks go to the bottom of the stack, not the top."""
+
+    def free(self, blocks: list[Block]) -> None:
+        streams = {block.stream for block in blocks if isinstance(block, Block)}
+        super().free(blocks)
+        with self._lock:
+            for stream in streams & set(self._free_lists):
+                free_list = self._free_lists[stream]
+                free_list[:] = sorted(free_list, reverse=True)
+
+
+class _GrowthIgnoresCap(BlockPoolAllocator):
+    """Planted bug: max_blocks is off by one."""
+
+    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+        config = self.config
+        if config.grow_on_exhaustion and config.max_blocks is not None:
+            object.__setattr__(config, "max_blocks", config.max_blocks + 1)
+            try:
+                return super().allocate(stream, n_tokens, owner, format)
+            finally:
+                object.__setattr__(config, "max_blocks", config.max_blocks - 1)
+        return super().allocate(stream, n_tokens, owner, format)
+
+
+def _factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:
+    return lambda config, history_len: cls(config, history_len=history_len)
+
+
+@pytest.mark.parametrize("buggy", [_FreeCountsBlocks, _FreeListIsFifo, _GrowthIgnoresCap])
+def test_the_conformance_machine_catches_a_planted_bug(buggy: type[BlockPoolAllocator]) -> None:
+    machine = type("Buggy", (PoolConformanceMachine,), {"allocator_factory": _factory_of(buggy)})
+    with pytest.raises(ConformanceError):
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=500,
+                stateful_step_count=30,
+                deadline=None,
+                database=None,
+                derandomize=True,  # the same examples every run: a kill is not luck
+                phases=[Phase.generate],  # no shrinking: any counterexample will do
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+
+
+RAW_FIELD_VALUES = st.one_of(
+    st.integers(-2, 6), st.booleans(), st.none(), st.sampled_from([1.0, "4", 2**70])
+)
+
+
+@given(
+    block_size=RAW_FIELD_VALUES,
+    n_blocks=RAW_FIELD_VALUES,
+    separate_kv=RAW_FIELD_VALUES,
+    grow_on_exhaustion=RAW_FIELD_VALUES,
+    max_blocks=RAW_FIELD_VALUES,
+)
+def test_pool_config_validation_matches_the_spec(
+    block_size: object,
+    n_blocks: object,
+    separate_kv: object,
+    grow_on_exhaustion: object,
+    max_blocks: object,
+) -> None:
+    raw = (block_size, n_blocks, separate_kv, grow_on_exhaustion, max_blocks)
+    predicted = model.make_config(*raw)
+    try:
+        PoolConfig(*raw)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as error:
+        assert isinstance(predicted, model.Err), f"PoolConfig{raw} raised {error!r}"
+        assert type(error).__name__ == predicted.kind.value
+    else:
+        assert not isinstance(predicted, model.Err), f"PoolConfig{raw} accepted; {predicted}"
+
+
+@given(history_len=st.one_of(st.integers(-3, 3), st.sampled_from([True, 1.5, "2", None])))
+def test_history_len_validation_matches_the_spec(history_len: object) -> None:
+    predicted = model.new_pool(model.SpecConfig(n_blocks=2), history_len)
+    try:
+        BlockPoolAllocator(PoolConfig(n_blocks=2), history_len=history_len)  # type: ignore[arg-type]
+    except (TypeError, ValueError) as error:
+        assert isinstance(predicted, model.Err)
+        assert type(error).__name__ == predicted.kind.value
+    else:
+        assert not isinstance(predicted, model.Err)

@@ -1,0 +1,1 @@
+"""Test kits shipped with veloxquant_mlx: conformance suites other backends run."""

@@ -1,0 +1,92 @@
+"""The operation alphabet: one value per public call on a block pool.
+
+Every checker in the project speaks it: the Hypothesis conformance machine
+draws operations, the small-scope exhaustive checker enumerates them, the
+CrossHair drivers decode them from bounded integers, and the stress runner
+records concurrent histories in them. An operation's arguments are the raw
+values passed to the call (bad ones included), except that a ``Block``
+argument is a *reference* the runner resolves against its own handles
+(the spec's ``HandleRef``): a checkout serial number, a foreign block, or
+something that is not a block at all.
+
+Complexity: construction O(1). Thread safety: immutable values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from veloxquant_mlx_spec.model import ForeignBlock, HandleRef, NotABlock, NotAList
+
+__all__ = [
+    "Allocate",
+    "ForeignBlock",
+    "Free",
+    "FreeAll",
+    "HandleRef",
+    "MarkUsed",
+    "NotABlock",
+    "NotAList",
+    "Operation",
+    "RegisterOwner",
+    "ReleaseOwner",
+    "Shrink",
+]
+
+
+@dataclass(frozen=True)
+class Allocate:
+    """``pool.allocate(stream, n_tokens, owner, format)``."""
+
+    stream: object
+    n_tokens: object
+    owner: object
+    format: object = "fp16"
+
+
+@dataclass(frozen=True)
+class Free:
+    """``pool.free(blocks)``; ``as_tuple`` passes a tuple instead of a list."""
+
+    blocks: tuple[HandleRef, ...] | NotAList
+    as_tuple: bool = False
+
+
+@dataclass(frozen=True)
+class FreeAll:
+    """``pool.free_all(owner)``."""
+
+    owner: object
+
+
+@dataclass(frozen=True)
+class RegisterOwner:
+    """``pool.register_owner(owner)``."""
+
+    owner: object
+
+
+@dataclass(frozen=True)
+class ReleaseOwner:
+    """``pool.release_owner(owner)``."""
+
+    owner: object
+
+
+@dataclass(frozen=True)
+class Shrink:
+    """``pool.shrink(stream, target_free)``."""
+
+    stream: object
+    target_free: object
+
+
+@dataclass(frozen=True)
+class MarkUsed:
+    """``pool.mark_used(block, n_used)``."""
+
+    block: HandleRef
+    n_used: object
+
+
+Operation = Allocate | Free | FreeAll | RegisterOwner | ReleaseOwner | Shrink | MarkUsed
