@@ -9,6 +9,7 @@ spec alone. The array-backed classes (``MLXBlockStorage``,
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from veloxquant_mlx.memory.block_pool import (
     AllocationStats,
@@ -22,6 +23,10 @@ from veloxquant_mlx.memory.block_pool import (
     PoolConfig,
 )
 from veloxquant_mlx.memory.storage import BlockStorage
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+    from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
 
 # Name -> module defining it, imported on first access (they need MLX or NumPy).
 _LAZY_NAMES = {

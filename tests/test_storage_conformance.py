@@ -1,0 +1,119 @@
+"""Both reference backing stores pass the shipped storage conformance suite.
+
+The suite itself lives in :mod:`veloxquant_mlx.testing.storage_conformance`
+(third parties run it on their stores); this module runs it on
+``MLXBlockStorage`` and ``NumpyBlockStorage`` and adds the checks that only
+make sense for one backend (memory really released, no view of a slab).
+"""
+
+from __future__ import annotations
+
+import gc
+
+import mlx.core as mx
+import numpy as np
+import numpy.typing as npt
+import pytest
+
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+from veloxquant_mlx.memory.mlx_storage import next_capacity as mlx_next_capacity
+from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
+from veloxquant_mlx.memory.numpy_storage import next_capacity as numpy_next_capacity
+from veloxquant_mlx.memory.storage import BlockStorage
+from veloxquant_mlx.testing.aliasing import mlx_backend, numpy_backend
+from veloxquant_mlx.testing.storage_conformance import (
+    StorageConformance,
+    ThreadSafeStorageConformance,
+)
+
+
+class TestMLXBlockStorage(ThreadSafeStorageConformance[mx.array]):
+    backend = mlx_backend()
+
+
+class TestMLXBlockStorageWithLazyWrites(StorageConformance[mx.array]):
+    backend = mlx_backend(lazy_writes=True)  # single-thread by design: no thread test
+
+
+class TestNumpyBlockStorage(ThreadSafeStorageConformance[npt.NDArray[np.generic]]):
+    backend = numpy_backend()
+
+
+def _as_protocol_mlx(store: MLXBlockStorage) -> BlockStorage[mx.array]:
+    return store  # mypy checks that the class satisfies the protocol
+
+
+def _as_protocol_numpy(store: NumpyBlockStorage) -> BlockStorage[npt.NDArray[np.generic]]:
+    return store
+
+
+def test_both_stores_follow_the_same_capacity_rule() -> None:
+    for capacity in range(0, 20):
+        for id_bound in range(0, 45):
+            assert mlx_next_capacity(capacity, id_bound) == numpy_next_capacity(capacity, id_bound)
+
+
+def test_capacity_rule_grows_geometrically_and_shrinks_at_half() -> None:
+    assert mlx_next_capacity(8, 9) == 16
+    assert mlx_next_capacity(8, 40) == 40
+    assert mlx_next_capacity(0, 3) == 3
+    assert mlx_next_capacity(16, 9) == 16
+    assert mlx_next_capacity(16, 8) == 8
+    assert mlx_next_capacity(16, 0) == 0
+
+
+def test_mlx_shrink_releases_active_memory() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=256, separate_kv=False))
+    store = MLXBlockStorage(pool, n_layers=2, n_kv_heads=4, head_dim=64, dtype=mx.float32)
+    pool.allocate("kv", 16, owner=1)
+    gc.collect()
+    before = mx.get_active_memory()
+    pool.shrink("kv", 0)
+    store.sync()
+    gc.collect()
+    after = mx.get_active_memory()
+    slab_bytes = 256 * 16 * 4 * 64 * 4 * 2
+    assert store.resident_bytes() == slab_bytes // 256
+    assert before - after >= slab_bytes * 255 // 256, (before, after)
+
+
+@pytest.mark.parametrize("lazy_writes", [False, True])
+def test_mlx_write_reuses_the_slab_buffer_unless_a_gather_is_pending(lazy_writes: bool) -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=1024, separate_kv=False))
+    store = MLXBlockStorage(pool, 1, 4, 64, mx.float32, lazy_writes=lazy_writes)
+    slab_bytes = store.resident_bytes()
+    [block] = pool.allocate("kv", 16, owner=1)
+    token = mx.ones((1, 4, 64))
+    mx.eval(token)
+
+    def extra_peak_bytes_of_a_write(slot: int) -> int:
+        gc.collect()
+        mx.reset_peak_memory()
+        before = mx.get_active_memory()
+        store.write(0, block, slot, token)
+        mx.eval(store.gather(0, [block], 16))
+        return mx.get_peak_memory() - before
+
+    assert extra_peak_bytes_of_a_write(0) < slab_bytes // 100  # donated: O(slots written)
+    pending = store.gather(0, [block], 16)
+    assert extra_peak_bytes_of_a_write(1) >= slab_bytes  # copied once: `pending` keeps the old
+    assert np.array(pending)[1].sum() == 0
+
+
+def test_numpy_gather_never_returns_a_view_of_a_slab() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=4, separate_kv=False))
+    store = NumpyBlockStorage(pool, n_layers=1, n_kv_heads=1, head_dim=2)
+    blocks = pool.allocate("kv", 8, owner=1)
+    gathered = store.gather(0, blocks, 5)
+    assert gathered.base is None or not np.shares_memory(gathered, store._slabs[0])
+
+
+def test_mlx_store_casts_written_tokens_to_its_dtype() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=2, separate_kv=False))
+    store = MLXBlockStorage(pool, n_layers=1, n_kv_heads=1, head_dim=1, dtype=mx.float16)
+    [block] = pool.allocate("kv", 2, owner=1)
+    store.write(0, block, 0, mx.array([[[1.5]], [[2.5]]], dtype=mx.float32))
+    gathered = store.gather(0, [block], 2)
+    assert gathered.dtype == mx.float16
+    assert gathered.reshape(-1).tolist() == [1.5, 2.5]

@@ -1,0 +1,325 @@
+"""MLXBlockStorage: the MLX backing store of a block pool, one slab per layer.
+
+Each layer's keys or values live in one ``mx.array`` slab of shape
+``(capacity, block_size, n_kv_heads, head_dim)`` indexed by block id, so a
+paged gather is a single ``mx.take`` and a write a single ``mx.slice_update``.
+The store follows its pool through :meth:`MLXBlockStorage.sync`, which every
+public method calls first (the rule is spelled out in the class docstring).
+
+MLX semantics this relies on (checked by the storage conformance suite and
+the aliasing replay): arrays are values. ``slice_update`` returns a new slab
+and never changes an array computed earlier, even one still unevaluated;
+MLX donates the old slab's buffer to the update only when nothing else
+refers to it, so a gather that is still pending (or a view of the slab)
+keeps its own data. The price: while a gather is left unevaluated, the next
+write to its layer copies the slab once. Evaluate gathers (as a model step
+does) before writing again and writes cost O(slots written).
+
+Since MLX 0.31.2 streams are per thread: a lazy graph built on one thread
+cannot be evaluated on another. So by default every ``write`` evaluates the
+slab it produced before it returns, and any thread may then use the store.
+``lazy_writes=True`` leaves writes lazy (no sync point per write, which a
+GPU decode loop may want) at the cost of thread affinity: use such a store
+from one thread only.
+
+Nothing here converts to NumPy or calls ``.item()``: ``write`` and ``gather``
+only build MLX graphs (and evaluate them as just said), so the module runs
+unchanged on Metal or CUDA.
+
+Complexity: ``write`` O(slots written) (amortised, see above); ``gather``
+O(tokens gathered) plus O(blocks) liveness checks; ``sync`` O(1) unless it
+resizes, then O(capacity) per layer, amortised O(1) per block grown;
+``capacity``, ``resident_bytes`` O(layers).
+
+Thread safety: one ``threading.Lock`` per store guards the slab list and
+capacity; every public method holds it while it reads or replaces a slab
+(and, by default, while it evaluates a write, see above).
+The pool's own lock is taken only through its public methods. A write that
+races a ``free`` of the same handle on another thread is the caller's bug:
+liveness is checked once, at the start of the write.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Final
+
+import mlx.core as mx
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+
+__all__ = ["MLXBlockStorage", "next_capacity"]
+
+
+def next_capacity(capacity: int, id_bound: int) -> int:
+    """The capacity a slab of ``capacity`` blocks should have for ``id_bound``.
+
+    Grow geometrically, to ``max(2 * capacity, id_bound)``, when ``id_bound``
+    exceeds it; shrink exactly to ``id_bound`` once that is at most half the
+    capacity; otherwise keep it. After a resize ``id_bound <= capacity < 2 *
+    id_bound`` (or both are 0), so a slab never holds more than twice what
+    the pool's ids need, and alternating growth and shrinkage costs amortised
+    O(1) per block.
+    """
+    if id_bound > capacity:
+        return max(2 * capacity, id_bound)
+    if 2 * id_bound <= capacity:
+        return id_bound
+    return capacity
+
+
+class MLXBlockStorage:
+    """Per-layer MLX slabs of KV-cache token slots, indexed by block id.
+
+    Implements :class:`veloxquant_mlx.memory.storage.BlockStorage` for
+    ``mx.array``.
+
+    Invariants (after every public call):
+
+    - every slab has shape ``(capacity, block_size, n_kv_heads, head_dim)`` and
+      the store's dtype, and ``pool.id_bound() <= capacity`` as of the last sync;
+    - ``capacity == next_capacity(capacity, id_bound)`` for the last ``id_bound``
+      seen: it never exceeds twice the ids in use unless both are 0;
+    - row ``i`` of a slab is written only through a live handle of ``pool`` with
+      ``block_id == i``: distinct ids never share storage;
+    - growth keeps rows ``0 .. old capacity - 1`` as they were; a shrink keeps
+      rows ``0 .. new capacity - 1``.
+
+    Example::
+
+        pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=256))
+        store = MLXBlockStorage(pool, n_layers=32, n_kv_heads=8, head_dim=128)
+        [block] = pool.allocate("k", 16, owner=1)
+        store.write(0, block, 0, keys)                 # keys: (16, 8, 128)
+        past = store.gather(0, [block], n_tokens=16)   # (16, 8, 128), lazy
+    """
+
+    def __init__(
+        self,
+        pool: BlockPoolAllocator,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: mx.Dtype = mx.float16,
+        *,
+        lazy_writes: bool = False,
+    ) -> None:
+        """Allocate (and evaluate) slabs covering the pool's current ids.
+
+        Args:
+            pool: The pool to follow.
+            n_layers: Slabs to keep, one per layer.
+            n_kv_heads: Heads per token slot.
+            head_dim: Values per head.
+            dtype: Element type of the slabs.
+            lazy_writes: Leave writes unevaluated (single-thread use only).
+
+        Raises:
+            TypeError: ``pool`` is not a ``BlockPoolAllocator``, a size not an int,
+                or ``dtype`` not an MLX dtype.
+            ValueError: A size is below 1.
+        """
+        if not isinstance(pool, BlockPoolAllocator):
+            raise TypeError(f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
+        for name, value in (
+            ("n_layers", n_layers),
+            ("n_kv_heads", n_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if type(value) is not int:
+                raise TypeError(f"{name} must be an int >= 1, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value}")
+        if not isinstance(dtype, mx.Dtype):
+            raise TypeError(f"dtype must be an mlx.core.Dtype, got {dtype!r}")
+        if not isinstance(lazy_writes, bool):
+            raise TypeError(f"lazy_writes must be a bool, got {lazy_writes!r}")
+        self._pool: Final = pool
+        self._block_size: Final = pool.config.block_size
+        self._slot_shape: Final = (n_kv_heads, head_dim)
+        self._dtype: Final = dtype
+        self._lock: Final = threading.Lock()
+        # Whether write() may leave its slab unevaluated (then the store is thread-affine).
+        self._lazy_writes: Final = lazy_writes
+        # Block ids each slab covers; only _resize_locked changes it.
+        self._capacity = pool.id_bound()
+        # One slab per layer; replaced (never mutated) by write and resize.
+        self._slabs: list[mx.array] = [self._zeros(self._capacity) for _ in range(n_layers)]
+        mx.eval(self._slabs)
+
+    # -- protocol: shape ---------------------------------------------------------------
+
+    @property
+    def pool(self) -> BlockPoolAllocator:
+        """The pool whose block ids this store covers."""
+        return self._pool
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers (one slab each)."""
+        return len(self._slabs)
+
+    @property
+    def slot_shape(self) -> tuple[int, int]:
+        """Shape of one token slot: ``(n_kv_heads, head_dim)``."""
+        return self._slot_shape
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Element type of every slab; written tokens are cast to it."""
+        return self._dtype
+
+    # -- protocol: data ----------------------------------------------------------------
+
+    def write(self, layer: int, block: Block, start: int, tokens: mx.array) -> None:
+        """Store ``tokens`` (``(n, n_kv_heads, head_dim)``) in slots ``start .. start + n``.
+
+        The slab is replaced by a ``slice_update``, evaluated before returning
+        unless the store has ``lazy_writes``; arrays gathered before keep their
+        values.
+
+        Raises:
+            TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``mx.array``,
+                ``layer`` or ``start`` not an int.
+            ValueError: ``block`` is not a live handle of the pool, the slots fall
+                outside ``0 .. block_size``, ``layer`` is out of range, or ``tokens``
+                has the wrong shape. Nothing changes.
+        """
+        if not isinstance(tokens, mx.array):
+            raise TypeError(f"tokens must be an mlx.core.array, got {type(tokens).__name__}")
+        n_tokens = self._require_token_shape(tuple(tokens.shape))
+        _require_slots(start, n_tokens, self._block_size)
+        with self._lock:
+            self._require_layer(layer)
+            self._require_live(block, "write to")
+            self._sync_locked()
+            self._require_covered(block)
+            if n_tokens == 0:
+                return
+            if tokens.dtype != self._dtype:
+                tokens = tokens.astype(self._dtype)
+            where = mx.array([block.block_id, start], dtype=mx.int32)
+            self._slabs[layer] = mx.slice_update(self._slabs[layer], tokens[None], where, (0, 1))
+            if not self._lazy_writes:
+                # Only after the old slab is dropped from the list: MLX then donates its
+                # buffer to the update (O(slots written)) unless a pending gather holds it.
+                mx.eval(self._slabs[layer])
+
+    def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
+        """The first ``n_tokens`` slots of ``blocks`` in ``layer``, in order: one ``mx.take``.
+
+        Returns a lazy array of shape ``(n_tokens, n_kv_heads, head_dim)`` that no
+        later write, free, growth or shrink changes.
+
+        Raises:
+            TypeError: ``blocks`` is not a sequence of ``Block``; ``n_tokens`` not an int.
+            ValueError: A block is not a live handle of the pool, ``layer`` is out of
+                range, or ``n_tokens`` is outside ``0 .. len(blocks) * block_size``.
+        """
+        block_list = list(blocks)
+        _require_n_tokens(n_tokens, len(block_list) * self._block_size)
+        with self._lock:
+            self._require_layer(layer)
+            for block in block_list:
+                self._require_live(block, "gather from")
+            self._sync_locked()
+            for block in block_list:
+                self._require_covered(block)
+            ids = mx.array([block.block_id for block in block_list], dtype=mx.int32)
+            picked = mx.take(self._slabs[layer], ids, axis=0)
+        flat = picked.reshape(len(block_list) * self._block_size, *self._slot_shape)
+        return flat[:n_tokens]
+
+    # -- protocol: sizing --------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """Number of block ids each slab covers after a sync (``>= pool.id_bound()``)."""
+        with self._lock:
+            self._sync_locked()
+            return self._capacity
+
+    def resident_bytes(self) -> int:
+        """Bytes of slab memory held after a sync, across all layers (``nbytes`` summed)."""
+        with self._lock:
+            self._sync_locked()
+            return sum(slab.nbytes for slab in self._slabs)
+
+    def sync(self) -> None:
+        """Follow the pool: resize every slab to ``next_capacity(capacity, pool.id_bound())``."""
+        with self._lock:
+            self._sync_locked()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _sync_locked(self) -> None:
+        target = next_capacity(self._capacity, self._pool.id_bound())
+        if target != self._capacity:
+            self._resize_locked(target)
+
+    def _resize_locked(self, target: int) -> None:
+        """Give every slab ``target`` rows, keeping the first ``min(old, target)`` rows."""
+        old = self._capacity
+        if target > old:
+            extra = self._zeros(target - old)
+            self._slabs = [mx.concatenate([slab, extra], axis=0) for slab in self._slabs]
+        else:
+            # A real copy (take), not a slice: a slice would keep the whole old buffer alive.
+            kept = mx.arange(target, dtype=mx.int32)
+            self._slabs = [mx.take(slab, kept, axis=0) for slab in self._slabs]
+        self._capacity = target
+        # Evaluate now so the old buffers are released at once, not at the next step.
+        mx.eval(self._slabs)
+        if target < old:
+            mx.clear_cache()  # hand the freed buffers back to the system, not MLX's cache
+
+    def _zeros(self, n_blocks: int) -> mx.array:
+        return mx.zeros((n_blocks, self._block_size, *self._slot_shape), dtype=self._dtype)
+
+    def _require_token_shape(self, shape: tuple[int, ...]) -> int:
+        if len(shape) != 3 or shape[1:] != self._slot_shape:
+            raise ValueError(
+                f"tokens must have shape (n, {self._slot_shape[0]}, {self._slot_shape[1]}), "
+                f"got {shape}"
+            )
+        return shape[0]
+
+    def _require_layer(self, layer: int) -> None:
+        if type(layer) is not int:
+            raise TypeError(f"layer must be an int, got {layer!r}")
+        if not 0 <= layer < len(self._slabs):
+            raise ValueError(f"layer must be in 0..{len(self._slabs) - 1}, got {layer}")
+
+    def _require_live(self, block: Block, action: str) -> None:
+        if not isinstance(block, Block):
+            raise TypeError(f"block must be a Block, got {type(block).__name__}: {block!r}")
+        if not self._pool.is_live(block):
+            raise ValueError(
+                f"cannot {action} {block!r}: it is not a live handle of this store's pool; "
+                "expected a block checked out from the pool and not yet freed"
+            )
+
+    def _require_covered(self, block: Block) -> None:
+        # Only fails if the block was freed and retired by another thread meanwhile.
+        if block.block_id >= self._capacity:
+            raise ValueError(
+                f"block id {block.block_id} is outside the store's capacity "
+                f"{self._capacity}; was it freed and retired concurrently?"
+            )
+
+
+def _require_slots(start: int, n_tokens: int, block_size: int) -> None:
+    if type(start) is not int:
+        raise TypeError(f"start must be an int, got {start!r}")
+    if start < 0 or start + n_tokens > block_size:
+        raise ValueError(
+            f"slots {start}..{start + n_tokens} fall outside the block; "
+            f"expected 0 <= start and start + n_tokens <= block_size = {block_size}"
+        )
+
+
+def _require_n_tokens(n_tokens: int, available: int) -> None:
+    if type(n_tokens) is not int:
+        raise TypeError(f"n_tokens must be an int, got {n_tokens!r}")
+    if not 0 <= n_tokens <= available:
+        raise ValueError(f"n_tokens must be in 0..{available} (the blocks' slots), got {n_tokens}")

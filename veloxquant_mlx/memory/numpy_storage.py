@@ -1,0 +1,270 @@
+"""NumpyBlockStorage: the second reference backend of the storage protocol.
+
+The same model as :class:`~veloxquant_mlx.memory.mlx_storage.MLXBlockStorage`
+in plain NumPy, written to be read and ported: per layer one ``ndarray`` slab
+of shape ``(capacity, block_size, n_kv_heads, head_dim)`` indexed by block id,
+updated in place. It serves three purposes: it shows that the storage
+protocol and its conformance suite are not MLX-specific; it is the template
+for a CUDA, Metal or Rust port (each rule below maps to a line of code); and
+it runs where MLX does not.
+
+NumPy is eager and mutable, so the protocol's "a gathered array never
+changes" rule is kept by copying: ``gather`` uses fancy indexing, which
+always copies, and never returns a view of a slab.
+
+Capacity follows the pool exactly as the MLX store does (see
+:func:`next_capacity`): geometric growth, and a shrink to ``pool.id_bound()``
+once that falls to half the capacity or less; the shrunk slab is a fresh
+copy, so the old buffer is freed.
+
+Complexity: ``write`` O(slots written); ``gather`` O(tokens gathered) plus
+O(blocks) liveness checks; ``sync`` O(1) unless it resizes, then O(capacity)
+per layer, amortised O(1) per block; ``capacity``, ``resident_bytes``
+O(layers).
+
+Thread safety: one ``threading.Lock`` per store guards the slabs; every
+public method holds it while it reads, writes or replaces a slab. A write
+that races a ``free`` of the same handle on another thread is the caller's
+bug: liveness is checked once, at the start of the write.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Final
+
+import numpy as np
+import numpy.typing as npt
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+
+__all__ = ["NumpyBlockStorage", "next_capacity"]
+
+
+def next_capacity(capacity: int, id_bound: int) -> int:
+    """The capacity a slab of ``capacity`` blocks should have for ``id_bound``.
+
+    The same rule as the MLX store: grow to ``max(2 * capacity, id_bound)``
+    when ``id_bound`` exceeds the capacity; shrink exactly to ``id_bound``
+    once that is at most half the capacity; otherwise keep it.
+    """
+    if id_bound > capacity:
+        return max(2 * capacity, id_bound)
+    if 2 * id_bound <= capacity:
+        return id_bound
+    return capacity
+
+
+class NumpyBlockStorage:
+    """Per-layer NumPy slabs of KV-cache token slots, indexed by block id.
+
+    Implements :class:`veloxquant_mlx.memory.storage.BlockStorage` for
+    ``numpy.ndarray``.
+
+    Invariants (after every public call):
+
+    - every slab has shape ``(capacity, block_size, n_kv_heads, head_dim)`` and
+      the store's dtype, and ``pool.id_bound() <= capacity`` as of the last sync;
+    - ``capacity == next_capacity(capacity, id_bound)`` for the last ``id_bound``
+      seen;
+    - row ``i`` of a slab is written only through a live handle of ``pool`` with
+      ``block_id == i``, and no array handed out shares memory with a slab;
+    - growth keeps rows ``0 .. old capacity - 1``; a shrink keeps rows
+      ``0 .. new capacity - 1``.
+    """
+
+    def __init__(
+        self,
+        pool: BlockPoolAllocator,
+        n_layers: int,
+        n_kv_heads: int,
+        head_dim: int,
+        dtype: npt.DTypeLike = np.float16,
+    ) -> None:
+        """Allocate zeroed slabs covering the pool's current ids.
+
+        Raises:
+            TypeError: ``pool`` is not a ``BlockPoolAllocator`` or a size not an int.
+            ValueError: A size is below 1.
+        """
+        if not isinstance(pool, BlockPoolAllocator):
+            raise TypeError(f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
+        for name, value in (
+            ("n_layers", n_layers),
+            ("n_kv_heads", n_kv_heads),
+            ("head_dim", head_dim),
+        ):
+            if type(value) is not int:
+                raise TypeError(f"{name} must be an int >= 1, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value}")
+        self._pool: Final = pool
+        self._block_size: Final = pool.config.block_size
+        self._slot_shape: Final = (n_kv_heads, head_dim)
+        self._dtype: Final = np.dtype(dtype)
+        self._lock: Final = threading.Lock()
+        # Block ids each slab covers; only _resize_locked changes it.
+        self._capacity = pool.id_bound()
+        # One slab per layer, written in place; replaced only by a resize.
+        self._slabs: list[npt.NDArray[np.generic]] = [
+            self._zeros(self._capacity) for _ in range(n_layers)
+        ]
+
+    # -- protocol: shape ---------------------------------------------------------------
+
+    @property
+    def pool(self) -> BlockPoolAllocator:
+        """The pool whose block ids this store covers."""
+        return self._pool
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers (one slab each)."""
+        return len(self._slabs)
+
+    @property
+    def slot_shape(self) -> tuple[int, int]:
+        """Shape of one token slot: ``(n_kv_heads, head_dim)``."""
+        return self._slot_shape
+
+    @property
+    def dtype(self) -> np.dtype[np.generic]:
+        """Element type of every slab; written tokens are cast to it."""
+        return self._dtype
+
+    # -- protocol: data ----------------------------------------------------------------
+
+    def write(self, layer: int, block: Block, start: int, tokens: npt.NDArray[np.generic]) -> None:
+        """Store ``tokens`` (``(n, n_kv_heads, head_dim)``) in slots ``start .. start + n``.
+
+        Raises:
+            TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``ndarray``,
+                ``layer`` or ``start`` not an int.
+            ValueError: ``block`` is not a live handle of the pool, the slots fall
+                outside ``0 .. block_size``, ``layer`` is out of range, or ``tokens``
+                has the wrong shape. Nothing changes.
+        """
+        if not isinstance(tokens, np.ndarray):
+            raise TypeError(f"tokens must be a numpy.ndarray, got {type(tokens).__name__}")
+        n_tokens = self._require_token_shape(tokens.shape)
+        _require_slots(start, n_tokens, self._block_size)
+        with self._lock:
+            self._require_layer(layer)
+            self._require_live(block, "write to")
+            self._sync_locked()
+            self._require_covered(block)
+            self._slabs[layer][block.block_id, start : start + n_tokens] = tokens
+
+    def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> npt.NDArray[np.generic]:
+        """The first ``n_tokens`` slots of ``blocks`` in ``layer``, in order, as a new array.
+
+        Returns an array of shape ``(n_tokens, n_kv_heads, head_dim)`` that owns
+        its memory (fancy indexing copies), so later writes never reach it.
+
+        Raises:
+            TypeError: ``blocks`` is not a sequence of ``Block``; ``n_tokens`` not an int.
+            ValueError: A block is not a live handle of the pool, ``layer`` is out of
+                range, or ``n_tokens`` is outside ``0 .. len(blocks) * block_size``.
+        """
+        block_list = list(blocks)
+        _require_n_tokens(n_tokens, len(block_list) * self._block_size)
+        with self._lock:
+            self._require_layer(layer)
+            for block in block_list:
+                self._require_live(block, "gather from")
+            self._sync_locked()
+            for block in block_list:
+                self._require_covered(block)
+            ids = np.fromiter((block.block_id for block in block_list), np.intp, len(block_list))
+            picked = self._slabs[layer][ids]
+        flat = picked.reshape(len(block_list) * self._block_size, *self._slot_shape)
+        return flat[:n_tokens]
+
+    # -- protocol: sizing --------------------------------------------------------------
+
+    def capacity(self) -> int:
+        """Number of block ids each slab covers after a sync (``>= pool.id_bound()``)."""
+        with self._lock:
+            self._sync_locked()
+            return self._capacity
+
+    def resident_bytes(self) -> int:
+        """Bytes of slab memory held after a sync, across all layers."""
+        with self._lock:
+            self._sync_locked()
+            return sum(slab.nbytes for slab in self._slabs)
+
+    def sync(self) -> None:
+        """Follow the pool: resize every slab to ``next_capacity(capacity, pool.id_bound())``."""
+        with self._lock:
+            self._sync_locked()
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _sync_locked(self) -> None:
+        target = next_capacity(self._capacity, self._pool.id_bound())
+        if target != self._capacity:
+            self._resize_locked(target)
+
+    def _resize_locked(self, target: int) -> None:
+        """Give every slab ``target`` rows, keeping the first ``min(old, target)`` rows."""
+        kept = min(self._capacity, target)
+        resized = []
+        for slab in self._slabs:
+            new_slab = self._zeros(target)
+            new_slab[:kept] = slab[:kept]  # a copy either way: the old buffer can go
+            resized.append(new_slab)
+        self._slabs = resized
+        self._capacity = target
+
+    def _zeros(self, n_blocks: int) -> npt.NDArray[np.generic]:
+        return np.zeros((n_blocks, self._block_size, *self._slot_shape), dtype=self._dtype)
+
+    def _require_token_shape(self, shape: tuple[int, ...]) -> int:
+        if len(shape) != 3 or shape[1:] != self._slot_shape:
+            raise ValueError(
+                f"tokens must have shape (n, {self._slot_shape[0]}, {self._slot_shape[1]}), "
+                f"got {shape}"
+            )
+        return shape[0]
+
+    def _require_layer(self, layer: int) -> None:
+        if type(layer) is not int:
+            raise TypeError(f"layer must be an int, got {layer!r}")
+        if not 0 <= layer < len(self._slabs):
+            raise ValueError(f"layer must be in 0..{len(self._slabs) - 1}, got {layer}")
+
+    def _require_live(self, block: Block, action: str) -> None:
+        if not isinstance(block, Block):
+            raise TypeError(f"block must be a Block, got {type(block).__name__}: {block!r}")
+        if not self._pool.is_live(block):
+            raise ValueError(
+                f"cannot {action} {block!r}: it is not a live handle of this store's pool; "
+                "expected a block checked out from the pool and not yet freed"
+            )
+
+    def _require_covered(self, block: Block) -> None:
+        # Only fails if the block was freed and retired by another thread meanwhile.
+        if block.block_id >= self._capacity:
+            raise ValueError(
+                f"block id {block.block_id} is outside the store's capacity "
+                f"{self._capacity}; was it freed and retired concurrently?"
+            )
+
+
+def _require_slots(start: int, n_tokens: int, block_size: int) -> None:
+    if type(start) is not int:
+        raise TypeError(f"start must be an int, got {start!r}")
+    if start < 0 or start + n_tokens > block_size:
+        raise ValueError(
+            f"slots {start}..{start + n_tokens} fall outside the block; "
+            f"expected 0 <= start and start + n_tokens <= block_size = {block_size}"
+        )
+
+
+def _require_n_tokens(n_tokens: int, available: int) -> None:
+    if type(n_tokens) is not int:
+        raise TypeError(f"n_tokens must be an int, got {n_tokens!r}")
+    if not 0 <= n_tokens <= available:
+        raise ValueError(f"n_tokens must be in 0..{available} (the blocks' slots), got {n_tokens}")
