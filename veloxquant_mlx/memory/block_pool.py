@@ -15,9 +15,10 @@ Complexity (``k`` = blocks in the call, ``f`` = free blocks of the stream,
 - ``allocate``: O(k) amortised, growth included.
 - ``free``: O(k); ``free_all``: O(k) for the owner's k blocks.
 - ``mark_used``, ``n_free``, ``register_owner``, ``release_owner``, ``stats``,
-  ``AllocationStats.blocks_in_use`` / ``fragmentation``: O(1).
+  ``is_live``, ``id_bound``, ``AllocationStats.blocks_in_use`` /
+  ``fragmentation``: O(1).
 - ``blocks_for``: O(k).  ``history``: O(history_len).
-- ``shrink``: O(f log f).
+- ``shrink``: O(f log f), plus O(r) to lower ``id_bound`` over a retired tail.
 - ``check_invariants``: O(n), for tests and stress runs only.
 
 Thread safety: every public method of ``BlockPoolAllocator`` that reads or
@@ -301,6 +302,9 @@ class BlockPoolAllocator:
       grown - retired; ``blocks_in_use`` and ``_fragmented_count`` equal a
       recount; ``peak_blocks_in_use >= blocks_in_use``.
     - *ever_allocated*: every checked-out id is marked ever allocated.
+    - *retired*: the retired heap and set hold the same ids, in heap order.
+    - *id bound*: ``id_bound()`` is one more than the highest id that is free
+      or checked out.
 
     Example::
 
