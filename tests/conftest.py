@@ -9,13 +9,11 @@ that two points in time can be compared by.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import pytest
-from hypothesis import HealthCheck, settings
 
 from veloxquant_mlx.memory.block_pool import (
     AllocationStats,
@@ -23,24 +21,10 @@ from veloxquant_mlx.memory.block_pool import (
     BlockPoolAllocator,
     PoolConfig,
 )
+from veloxquant_mlx.testing.profiles import load_profile_from_environment
 
-# Profiles: "default" keeps `pytest -n auto tests` well under a minute;
-# "thorough" is for a nightly or pre-release run (HYPOTHESIS_PROFILE=thorough).
-settings.register_profile(
-    "default",
-    max_examples=60,
-    stateful_step_count=30,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.register_profile(
-    "thorough",
-    max_examples=2000,
-    stateful_step_count=80,
-    deadline=None,
-    suppress_health_check=[HealthCheck.too_slow],
-)
-settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+# VELOXQUANT_HYPOTHESIS_PROFILE picks ci (default), nightly or mutation.
+load_profile_from_environment()
 
 # Every counter field of AllocationStats named by the reference, in its order.
 STATS_COUNTERS = (
@@ -224,7 +208,6 @@ class PopulatedPool:
     def unchanged(self) -> AbstractContextManager[None]:
         """Assert that the body leaves the populated pool exactly as it was."""
         return pool_unchanged(self.pool, self.owners, self.handles)
-
 
 
 @pytest.fixture

@@ -8,8 +8,8 @@ from collections import deque
 from typing import Any
 
 import pytest
-
 from conftest import block_ids, make_pool, take_all_free
+
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, BlockPoolExhaustedError, PoolConfig
 
 
