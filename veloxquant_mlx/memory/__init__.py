@@ -25,15 +25,17 @@ from veloxquant_mlx.memory.block_pool import (
 from veloxquant_mlx.memory.storage import BlockStorage
 
 if TYPE_CHECKING:
+    from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache, make_pool_backed_cache
     from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
     from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
+    from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 
 # Name -> module defining it, imported on first access (they need MLX or NumPy).
 _LAZY_NAMES = {
     "MLXBlockStorage": "veloxquant_mlx.memory.mlx_storage",
     "NumpyBlockStorage": "veloxquant_mlx.memory.numpy_storage",
     "PoolBackedKVCache": "veloxquant_mlx.memory.kv_cache",
-    "PooledKVCache": "veloxquant_mlx.memory.kv_cache",
+    "PooledKVCache": "veloxquant_mlx.memory.pooled_kv_cache",
     "make_pool_backed_cache": "veloxquant_mlx.memory.kv_cache",
 }
 

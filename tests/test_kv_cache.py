@@ -1,0 +1,467 @@
+"""Unit tests of PooledKVCache (the books) and PoolBackedKVCache (the mlx-lm protocol).
+
+Small pools and a block size of 4, so that a few tokens cross block
+boundaries; mlx-lm's own ``KVCache`` is the reference every cache
+operation is compared with. Decoding through real models lives in
+``test_mlx_lm_decode.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import mlx.core as mx
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+from mlx_lm.models import llama
+from mlx_lm.models.cache import KVCache, create_attention_mask
+
+from veloxquant_mlx.memory.block_pool import (
+    Block,
+    BlockPoolAllocator,
+    BlockPoolExhaustedError,
+    OwnerAlreadyActiveError,
+    PoolConfig,
+)
+from veloxquant_mlx.memory.kv_cache import (
+    GathersHeadMajor,
+    PoolBackedKVCache,
+    PoolBackedPromptCache,
+    PooledKVCache,
+    make_pool_backed_cache,
+)
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+
+BLOCK_SIZE = 4
+HEADS = 2
+HEAD_DIM = 8
+
+
+def _pool(n_blocks: int = 64, *, separate_kv: bool = True) -> BlockPoolAllocator:
+    return BlockPoolAllocator(
+        PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks, separate_kv=separate_kv)
+    )
+
+
+@pytest.fixture
+def pool() -> Iterator[BlockPoolAllocator]:
+    shared = _pool()
+    yield shared
+    shared.check_invariants()
+
+
+def _storage(pool: BlockPoolAllocator, n_layers: int = 2) -> MLXBlockStorage:
+    return MLXBlockStorage(pool, n_layers, HEADS, HEAD_DIM, mx.float32)
+
+
+def _tokens(n: int, seed: int) -> mx.array:
+    return mx.random.normal((1, HEADS, n, HEAD_DIM), key=mx.random.key(seed))
+
+
+def _reference() -> KVCache:
+    """mlx-lm's own cache, the reference (mlx-lm leaves its cache methods unannotated)."""
+    return KVCache()  # type: ignore[no-untyped-call]
+
+
+def _update_reference(
+    cache: KVCache, keys: mx.array, values: mx.array
+) -> tuple[mx.array, mx.array]:
+    fetched: tuple[mx.array, mx.array] = cache.update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
+    return fetched
+
+
+def _one_layer(pool: BlockPoolAllocator) -> PoolBackedKVCache:
+    return PoolBackedPromptCache(_storage(pool, 1), PooledKVCache(pool))[0]
+
+
+# -- PooledKVCache: the books ---------------------------------------------------------------
+
+
+def test_append_marks_the_last_block_token_by_token(pool: BlockPoolAllocator) -> None:
+    book = PooledKVCache(pool)
+    for n_tokens in range(1, 3 * BLOCK_SIZE + 2):
+        assert book.append() == n_tokens - 1
+        n_blocks = -(-n_tokens // BLOCK_SIZE)
+        assert len(book.key_blocks) == len(book.value_blocks) == n_blocks
+        assert book.key_blocks[-1].n_used == n_tokens - (n_blocks - 1) * BLOCK_SIZE
+        book.check_invariants()
+
+
+def test_keys_and_values_come_from_their_own_streams(pool: BlockPoolAllocator) -> None:
+    book = PooledKVCache(pool, format="int4")
+    book.append(2 * BLOCK_SIZE)
+    assert {block.stream for block in book.key_blocks} == {"k"}
+    assert {block.stream for block in book.value_blocks} == {"v"}
+    assert {block.format for block in book.key_blocks} == {"int4"}
+
+
+def test_a_shared_kv_pool_serves_both_streams() -> None:
+    pool = _pool(separate_kv=False)
+    book = PooledKVCache(pool)
+    book.append(BLOCK_SIZE + 1)
+    assert pool.stats.blocks_in_use() == 4
+    book.check_invariants()
+    book.release()
+    assert pool.stats.blocks_in_use() == 0
+
+
+def test_append_is_all_or_nothing_when_values_run_out() -> None:
+    pool = _pool(n_blocks=3)  # "k" gets 2 blocks, "v" only 1
+    book = PooledKVCache(pool, owner=5)
+    with pytest.raises(BlockPoolExhaustedError):
+        book.append(BLOCK_SIZE + 1)
+    assert (book.offset, book.key_blocks, pool.stats.blocks_in_use()) == (0, (), 0)
+    with pytest.raises(OwnerAlreadyActiveError):
+        pool.register_owner(5)  # the book still claims its owner
+
+
+def test_trim_frees_whole_blocks_past_the_new_offset(pool: BlockPoolAllocator) -> None:
+    book = PooledKVCache(pool)
+    book.append(3 * BLOCK_SIZE)
+    free_before = pool.n_free("k")
+    assert book.trim(BLOCK_SIZE + 1) == BLOCK_SIZE + 1
+    assert len(book.key_blocks) == 2
+    assert book.key_blocks[-1].n_used == BLOCK_SIZE - 1
+    assert pool.n_free("k") == free_before + 1
+    book.check_invariants()
+
+
+def test_trim_returns_at_most_the_offset(pool: BlockPoolAllocator) -> None:
+    book = PooledKVCache(pool)
+    book.append(3)
+    assert book.trim(10) == 3
+    assert book.empty()
+    assert pool.stats.blocks_in_use() == 0
+
+
+def test_trim_to_zero_keeps_the_owner_claimed(pool: BlockPoolAllocator) -> None:
+    book = PooledKVCache(pool, owner=9)
+    book.append(5)
+    book.trim(5)
+    with pytest.raises(OwnerAlreadyActiveError):
+        pool.register_owner(9)
+
+
+def test_one_layer_trimmed_keeps_the_blocks_others_still_use(pool: BlockPoolAllocator) -> None:
+    book = PooledKVCache(pool, n_layers=2)
+    for layer in (0, 1):
+        book.append(2 * BLOCK_SIZE, layer=layer)
+    book.trim(BLOCK_SIZE, layer=0)
+    assert (book.offset, len(book.key_blocks)) == (2 * BLOCK_SIZE, 2)
+    book.trim(BLOCK_SIZE, layer=1)
+    assert (book.offset, len(book.key_blocks)) == (BLOCK_SIZE, 1)
+    book.check_invariants()
+
+
+def test_layers_share_one_block_table(pool: BlockPoolAllocator) -> None:
+    book = PooledKVCache(pool, n_layers=3)
+    for layer in range(3):
+        book.append(BLOCK_SIZE + 1, layer=layer)
+    assert pool.stats.blocks_in_use() == 4
+
+
+def test_release_returns_every_block_and_the_owner(pool: BlockPoolAllocator) -> None:
+    book = PooledKVCache(pool, owner=3, n_layers=2)
+    book.append(7, layer=0)
+    book.release()
+    book.release()  # idempotent
+    assert book.released
+    assert pool.blocks_for(3) == []
+    pool.register_owner(3)  # free again
+
+
+def test_context_manager_releases_when_the_body_raises(pool: BlockPoolAllocator) -> None:
+    with pytest.raises(KeyError), PooledKVCache(pool) as book:
+        book.append(9)
+        raise KeyError("aborted")
+    assert pool.stats.blocks_in_use() == 0
+
+
+def test_a_released_book_refuses_appends_and_trims_nothing(pool: BlockPoolAllocator) -> None:
+    book = PooledKVCache(pool)
+    book.release()
+    with pytest.raises(RuntimeError, match="released"):
+        book.append()
+    assert book.trim(1) == 0
+    assert not book.is_trimmable()
+
+
+def test_an_active_owner_is_refused(pool: BlockPoolAllocator) -> None:
+    pool.register_owner(7)
+    with pytest.raises(OwnerAlreadyActiveError):
+        PooledKVCache(pool, owner=7)
+
+
+def test_automatic_owners_are_distinct(pool: BlockPoolAllocator) -> None:
+    assert PooledKVCache(pool).owner != PooledKVCache(pool).owner
+
+
+@pytest.mark.parametrize(
+    ("call", "error"),
+    [
+        (lambda book: book.append(-1), ValueError),
+        (lambda book: book.append(True), TypeError),
+        (lambda book: book.append(1, layer=2), ValueError),
+        (lambda book: book.trim(-1), ValueError),
+        (lambda book: book.trim(1, layer=-1), ValueError),
+    ],
+)
+def test_bad_arguments_raise_and_change_nothing(
+    pool: BlockPoolAllocator, call: object, error: type[Exception]
+) -> None:
+    book = PooledKVCache(pool, n_layers=2)
+    book.append(3)
+    with pytest.raises(error):
+        call(book)  # type: ignore[operator]
+    assert (book.offset, book.layer_offset(0), len(book.key_blocks)) == (3, 3, 1)
+
+
+@given(
+    st.lists(
+        st.tuples(st.sampled_from(["append", "trim"]), st.integers(0, 2), st.integers(0, 9)),
+        max_size=40,
+    )
+)
+def test_any_append_and_trim_sequence_keeps_the_books_exact(
+    operations: list[tuple[str, int, int]],
+) -> None:
+    pool = _pool(n_blocks=256)
+    with PooledKVCache(pool, n_layers=3) as book:
+        for operation, layer, n in operations:
+            if operation == "append":
+                book.append(n, layer=layer)
+            else:
+                book.trim(n, layer=layer)
+            book.check_invariants()
+            assert book.offset == max(book.layer_offset(layer) for layer in range(3))
+            assert 0 <= book.slots_wasted() < BLOCK_SIZE
+            assert pool.stats.blocks_in_use() == 2 * len(book.key_blocks)
+    assert pool.stats.blocks_in_use() == 0
+    pool.check_invariants()
+
+
+# -- PoolBackedKVCache: the mlx-lm protocol -------------------------------------------------
+
+
+@pytest.mark.parametrize("chunks", [[1] * 9, [7, 1, 1, 4], [12], [3, 5, 1]])
+def test_update_and_fetch_matches_mlx_lm_kv_cache(
+    pool: BlockPoolAllocator, chunks: list[int]
+) -> None:
+    ours, reference = _one_layer(pool), _reference()
+    for seed, n in enumerate(chunks):
+        keys, values = _tokens(n, seed), _tokens(n, seed + 100)
+        got = ours.update_and_fetch(keys, values)
+        expected = _update_reference(reference, keys, values)
+        assert ours.offset == reference.offset
+        for ours_array, reference_array in zip(got, expected, strict=True):
+            assert ours_array.shape == reference_array.shape
+            assert mx.array_equal(ours_array, reference_array)
+    ours.book.release()
+
+
+def test_an_empty_update_returns_what_is_held(pool: BlockPoolAllocator) -> None:
+    cache = _one_layer(pool)
+    for n in (0, 2 * BLOCK_SIZE, 0):
+        keys, values = cache.update_and_fetch(_tokens(n, n), _tokens(n, n + 1))
+        assert keys.shape == values.shape == (1, HEADS, cache.offset, HEAD_DIM)
+    assert cache.offset == 2 * BLOCK_SIZE
+    cache.book.release()
+
+
+def test_trim_then_update_rewrites_like_mlx_lm(pool: BlockPoolAllocator) -> None:
+    ours, reference = _one_layer(pool), _reference()
+    for cache in (ours, reference):
+        cache.update_and_fetch(_tokens(10, 1), _tokens(10, 2))
+        assert cache.trim(3) == 3
+        got = cache.update_and_fetch(_tokens(2, 3), _tokens(2, 4))
+    assert ours.offset == reference.offset == 9
+    assert mx.array_equal(got[0], reference.state[0][..., :9, :])
+    ours.book.release()
+
+
+@pytest.mark.parametrize(
+    ("n_queries", "offset", "return_array", "window_size"),
+    [
+        (1, 5, False, None),
+        (3, 5, False, None),
+        (3, 5, True, None),
+        (1, 5, True, None),
+        (4, 0, False, None),
+        (2, 6, False, 3),
+        (1, 6, False, 3),
+    ],
+)
+def test_make_mask_matches_mlx_lm(
+    pool: BlockPoolAllocator,
+    n_queries: int,
+    offset: int,
+    return_array: bool,
+    window_size: int | None,
+) -> None:
+    cache = _one_layer(pool)
+    if offset:
+        cache.update_and_fetch(_tokens(offset, 0), _tokens(offset, 1))
+    ours = cache.make_mask(n_queries, return_array=return_array, window_size=window_size)
+    expected = create_attention_mask(n_queries, offset, return_array, window_size)
+    if isinstance(expected, mx.array):
+        assert isinstance(ours, mx.array)
+        assert mx.array_equal(ours, expected)
+    else:
+        assert ours == expected
+    cache.book.release()
+
+
+def test_state_round_trips_into_another_request(pool: BlockPoolAllocator) -> None:
+    source, target = _one_layer(pool), _one_layer(pool)
+    source.update_and_fetch(_tokens(6, 1), _tokens(6, 2))
+    target.update_and_fetch(_tokens(2, 3), _tokens(2, 4))
+    target.state = source.state
+    assert target.offset == 6
+    for target_array, source_array in zip(target.state, source.state, strict=True):
+        assert mx.array_equal(target_array, source_array)
+    assert target.book.slots_held() == 2 * BLOCK_SIZE
+    source.book.release()
+    target.book.release()
+
+
+def test_state_accepts_mlx_lm_kv_cache_state(pool: BlockPoolAllocator) -> None:
+    reference = _reference()
+    _update_reference(reference, _tokens(5, 1), _tokens(5, 2))
+    cache = _one_layer(pool)
+    cache.state = reference.state  # (padded keys, padded values, offset)
+    assert cache.offset == 5
+    assert mx.array_equal(cache.state[1], reference.state[1][..., :5, :])
+    cache.state = _reference().state  # an empty cache's (None, None, 0)
+    assert cache.empty()
+    assert pool.stats.blocks_in_use() == 0
+    cache.book.release()
+
+
+def test_meta_state_round_trips_the_offset(pool: BlockPoolAllocator) -> None:
+    cache = _one_layer(pool)
+    cache.update_and_fetch(_tokens(7, 1), _tokens(7, 2))
+    assert cache.meta_state == ("7",)
+    cache.meta_state = ("5",)
+    assert cache.offset == 5
+    for bad in (("9",), ("x",), ("1", "2")):
+        with pytest.raises(ValueError, match="meta_state"):
+            cache.meta_state = bad
+    cache.book.release()
+
+
+def test_sizes_and_nbytes_are_block_granular(pool: BlockPoolAllocator) -> None:
+    cache = _one_layer(pool)
+    assert (cache.size(), cache.empty(), cache.nbytes) == (0, True, 0)
+    cache.update_and_fetch(_tokens(5, 1), _tokens(5, 2))
+    slot_bytes = HEADS * HEAD_DIM * mx.float32.size
+    assert (cache.size(), cache.empty(), cache.is_trimmable()) == (5, False, True)
+    assert cache.nbytes == 2 * (2 * BLOCK_SIZE) * slot_bytes  # keys and values, 2 blocks each
+    reference = _reference()
+    _update_reference(reference, _tokens(5, 1), _tokens(5, 2))
+    assert cache.nbytes < reference.nbytes  # 256-token steps
+    cache.book.release()
+
+
+def test_a_wrong_shape_is_refused_before_anything_changes(pool: BlockPoolAllocator) -> None:
+    cache = _one_layer(pool)
+    batch_of_two = mx.zeros((2, HEADS, 1, HEAD_DIM))
+    with pytest.raises(ValueError, match="batch size 1"):
+        cache.update_and_fetch(batch_of_two, batch_of_two)
+    with pytest.raises(ValueError, match="shape"):
+        cache.update_and_fetch(_tokens(1, 0), mx.zeros((1, HEADS, 2, HEAD_DIM)))
+    assert (cache.offset, pool.stats.blocks_in_use()) == (0, 0)
+    cache.book.release()
+
+
+def test_exhaustion_leaves_the_cache_unchanged() -> None:
+    pool = _pool(n_blocks=4)
+    cache = _one_layer(pool)
+    cache.update_and_fetch(_tokens(2 * BLOCK_SIZE, 1), _tokens(2 * BLOCK_SIZE, 2))
+    with pytest.raises(BlockPoolExhaustedError):
+        cache.update_and_fetch(_tokens(1, 3), _tokens(1, 4))
+    assert cache.offset == 2 * BLOCK_SIZE
+    cache.book.check_invariants()
+    cache.book.release()
+
+
+def test_book_and_storage_must_share_a_pool(pool: BlockPoolAllocator) -> None:
+    with pytest.raises(ValueError, match="pool"):
+        PoolBackedKVCache(_storage(_pool()), PooledKVCache(pool), 0)
+    with pytest.raises(ValueError, match="layer"):
+        PoolBackedKVCache(_storage(pool, 1), PooledKVCache(pool, n_layers=2), 1)
+
+
+# -- make_pool_backed_cache -----------------------------------------------------------------
+
+
+def _tiny_llama(**overrides: object) -> llama.Model:
+    arguments: dict[str, object] = {
+        "model_type": "llama",
+        "hidden_size": HEADS * 2 * HEAD_DIM,
+        "num_hidden_layers": 2,
+        "intermediate_size": 32,
+        "num_attention_heads": HEADS * 2,
+        "num_key_value_heads": HEADS,
+        "rms_norm_eps": 1e-5,
+        "vocab_size": 32,
+    }
+    arguments.update(overrides)
+    return llama.Model(llama.ModelArgs(**arguments))  # type: ignore[arg-type]
+
+
+def test_make_pool_backed_cache_builds_one_cache_per_layer(pool: BlockPoolAllocator) -> None:
+    with make_pool_backed_cache(_tiny_llama(), _storage(pool), owner=42) as caches:
+        assert len(caches) == 2
+        assert all(isinstance(cache, PoolBackedKVCache) for cache in caches)
+        assert caches.book.owner == 42
+        assert caches.book.format == "fp32"
+        caches[0].update_and_fetch(_tokens(1, 0), _tokens(1, 1))
+        assert pool.blocks_for(42) != []
+    assert pool.blocks_for(42) == []
+
+
+def test_make_pool_backed_cache_refuses_sliding_window_layers(pool: BlockPoolAllocator) -> None:
+    model = _tiny_llama(layer_types=["full_attention", "sliding_attention"], sliding_window=8)
+    with pytest.raises(ValueError, match="RotatingKVCache"):
+        make_pool_backed_cache(model, _storage(pool))
+
+
+def test_make_pool_backed_cache_needs_a_slab_per_layer(pool: BlockPoolAllocator) -> None:
+    with pytest.raises(ValueError, match="layers"):
+        make_pool_backed_cache(_tiny_llama(num_hidden_layers=3), _storage(pool))
+
+
+class _HeadMajorView:
+    """A store that also gathers in attention layout (delegating), counting those gathers."""
+
+    def __init__(self, storage: MLXBlockStorage) -> None:
+        self._storage = storage
+        self.pool = storage.pool
+        self.n_layers = storage.n_layers
+        self.slot_shape = storage.slot_shape
+        self.dtype = storage.dtype
+        self.write = storage.write
+        self.gather = storage.gather
+        self.capacity = storage.capacity
+        self.resident_bytes = storage.resident_bytes
+        self.sync = storage.sync
+        self.head_major_gathers = 0
+
+    def gather_heads(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
+        self.head_major_gathers += 1
+        return self._storage.gather(layer, blocks, n_tokens).transpose(1, 0, 2)
+
+
+def test_a_store_with_gather_heads_is_used_for_the_fetch(pool: BlockPoolAllocator) -> None:
+    store = _HeadMajorView(_storage(pool, 1))
+    assert isinstance(store, GathersHeadMajor)
+    ours = PoolBackedPromptCache(store, PooledKVCache(pool))[0]
+    reference = _reference()
+    for seed, n in enumerate([5, 1, 1]):
+        keys, values = _tokens(n, seed), _tokens(n, seed + 50)
+        got = ours.update_and_fetch(keys, values)
+        expected = _update_reference(reference, keys, values)
+        assert all(mx.array_equal(a, b) for a, b in zip(got, expected, strict=True))
+    assert store.head_major_gathers == 6  # keys and values, three updates
+    ours.book.release()

@@ -1,0 +1,428 @@
+"""PoolBackedKVCache: an mlx-lm KV cache whose keys and values live in pool blocks.
+
+Drop-in for mlx-lm's ``KVCache`` in any model that calls
+``cache.update_and_fetch(keys, values)`` and reads ``cache.offset``
+(llama, qwen2, mistral, phi3, ...). It is truly paged: a request's keys and
+values are written into the blocks of its
+:class:`~veloxquant_mlx.memory.pooled_kv_cache.PooledKVCache` (one block
+table per request, shared by all its layers) inside one backing store
+(``MLXBlockStorage``: a slab per layer indexed by block id) that serves
+every layer of every concurrent request. No per-request buffer exists, so
+a request holds whole blocks only: at most ``block_size - 1`` idle slots
+per stream per layer, against up to 255 for ``KVCache``'s 256-token steps.
+
+``make_pool_backed_cache(model, storage)`` builds a model's list of caches
+the way ``make_prompt_cache`` does; the list releases every block on
+``release()`` or when used as a context manager, also when generation is
+aborted by an exception.
+
+Complexity (``T`` = positions of the layer, ``n`` = new ones, ``b`` =
+``block_size``): ``update_and_fetch`` O(n) to write plus O(T) to gather
+(one ``mx.take`` per stream and a copy into the ``(1, heads, T, head_dim)``
+layout attention reads; a store with ``gather_heads`` saves the copy).
+``KVCache`` returns a slice of its buffer instead, so its fetch is free;
+the gather is the price of paging without a paged-attention kernel.
+``trim`` O(layers + blocks freed); ``state`` O(T); ``make_mask`` O(1),
+O(n * T) for an array mask; ``offset``, ``size``, ``nbytes`` O(1).
+
+Running it well: a single-threaded decode loop wants
+``MLXBlockStorage(..., lazy_writes=True)`` (no evaluation inside the
+forward pass). On MLX's CPU backend the buffer cache is capped at 32 MB by
+default, below a long context's per-step gathers: raise it
+(``mx.set_cache_limit``) or steps page-fault fresh memory.
+
+Limits: batch size 1 (one request per cache; run concurrent requests with
+one cache list each over the shared pool and storage); keys and values of
+the same head dimension; full attention only (no sliding window).
+
+Nothing here converts to NumPy or calls ``.item()``: the module builds MLX
+graphs only, so it runs unchanged on Metal or CUDA.
+
+Thread safety: a cache list belongs to one request and is used from one
+thread at a time; the pool and the storage are shared and lock themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence, Sized
+from types import TracebackType
+from typing import Final, Protocol, runtime_checkable
+
+import mlx.core as mx
+
+from veloxquant_mlx.memory.block_pool import Block
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.memory.storage import BlockStorage
+
+__all__ = [
+    "GathersHeadMajor",
+    "MLXStorage",
+    "PoolBackedKVCache",
+    "PoolBackedPromptCache",
+    "PooledKVCache",
+    "causal_mask",
+    "make_pool_backed_cache",
+]
+
+#: mlx-lm's mask for N queries at ``offset``; a str ("causal"), an array or None.
+MaskT = mx.array | str | None
+
+#: Block format tags for the usual storage dtypes; others use the dtype's name.
+_FORMAT_OF_DTYPE: Final = {mx.float16: "fp16", mx.bfloat16: "bf16", mx.float32: "fp32"}
+
+
+class MLXStorage(BlockStorage[mx.array], Protocol):
+    """A block store of ``mx.array`` slabs that names its element type."""
+
+    @property
+    def dtype(self) -> mx.Dtype:
+        """Element type of the stored slots."""
+        ...
+
+
+@runtime_checkable
+class GathersHeadMajor(Protocol):
+    """A store that can gather straight into the layout attention reads (optional).
+
+    ``BlockStorage.gather`` returns ``(n_tokens, heads, head_dim)``, which the
+    cache must transpose and copy into ``(heads, n_tokens, head_dim)`` every
+    step; a store that keeps its slabs head-major can return that layout from
+    a single ``take``, and the cache then uses it instead.
+    """
+
+    def gather_heads(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
+        """The first ``n_tokens`` slots of ``blocks`` in ``layer`` as ``(heads, n_tokens,
+        head_dim)``; never changed by later writes."""
+        ...
+
+
+class PoolBackedKVCache:
+    """One layer's view of a request's paged keys and values (mlx-lm cache protocol).
+
+    Invariants: ``offset`` is the book's offset for this layer; positions
+    ``0 .. offset - 1`` of this layer live in slots of the book's key and
+    value blocks, in order, in row ``layer`` of the storage; the cache holds
+    no array of its own.
+    """
+
+    def __init__(self, storage: MLXStorage, book: PooledKVCache, layer: int) -> None:
+        """Bind ``layer`` of ``storage`` to the block table ``book``.
+
+        Raises:
+            ValueError: ``book`` draws from another pool than ``storage`` follows, or
+                ``layer`` is outside both the storage's and the book's layers.
+        """
+        if book.pool is not storage.pool:
+            raise ValueError("book and storage must share one pool; got two different pools")
+        if type(layer) is not int or not 0 <= layer < min(book.n_layers, storage.n_layers):
+            raise ValueError(
+                f"layer must be in 0..{min(book.n_layers, storage.n_layers) - 1} "
+                f"(the book's and the storage's layers), got {layer!r}"
+            )
+        # The shared store: row `layer` of its slabs holds this layer's positions.
+        self._storage: Final = storage
+        # The request's block table and per-layer offsets, shared with its other layers.
+        self._book: Final = book
+        self._layer: Final = layer
+        self._block_size: Final = book.block_size
+        # Shape of one token slot, (n_kv_heads, head_dim): what every update must match.
+        self._heads, self._head_dim = storage.slot_shape
+        # The store's attention-layout gather if it has one: it saves a copy per step.
+        self._gather_heads = storage.gather_heads if isinstance(storage, GathersHeadMajor) else None
+
+    # -- mlx-lm protocol: the hot path -------------------------------------------------
+
+    @property
+    def offset(self) -> int:
+        """Positions this layer holds; the rotary offset of the next token."""
+        return self._book.layer_offset(self._layer)
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append ``keys`` and ``values`` (``(1, heads, n, head_dim)``); return all positions.
+
+        Returns:
+            Keys and values of positions ``0 .. offset`` after the append, each of shape
+            ``(1, heads, offset, head_dim)`` in the storage's dtype.
+
+        Raises:
+            ValueError: A shape is not ``(1, heads, n, head_dim)`` of the storage.
+            RuntimeError: The cache was released.
+            BlockPoolExhaustedError: The pool has too few free blocks; nothing changed.
+        """
+        n_tokens = self._require_batch(keys, values)
+        if n_tokens:
+            start = self._book.append(n_tokens, layer=self._layer)
+            try:
+                self._write(start, keys, values)
+            except BaseException:
+                self._book.trim(n_tokens, layer=self._layer)
+                raise
+        return self._fetch()
+
+    def make_mask(
+        self,
+        N: int,  # noqa: N803 (mlx-lm's keyword)
+        return_array: bool = False,
+        window_size: int | None = None,
+    ) -> MaskT:
+        """The attention mask for ``N`` new queries, exactly as mlx-lm's ``KVCache`` makes it.
+
+        ``None`` for one query, ``"causal"`` for several, a boolean ``(N, offset + N)``
+        array when ``return_array`` or a ``window_size`` asks for one.
+        """
+        if window_size is None and not (return_array and N > 1):
+            return None if N == 1 else "causal"
+        return causal_mask(N, self.offset, window_size)
+
+    # -- mlx-lm protocol: state and sizes ----------------------------------------------
+
+    @property
+    def state(self) -> tuple[mx.array, mx.array]:
+        """Keys and values of every held position, each ``(1, heads, offset, head_dim)``."""
+        return self._fetch()
+
+    @state.setter
+    def state(self, state: Sequence[object]) -> None:
+        """Replace this layer's contents by ``(keys, values)`` (or mlx-lm's
+        ``(keys, values, offset)``), written into the request's blocks.
+
+        Raises:
+            TypeError, ValueError: Not such a tuple, or shapes of another storage.
+            BlockPoolExhaustedError: Too few free blocks; the layer is left empty.
+        """
+        keys, values, offset = _split_state(state)
+        self._book.trim(self.offset, layer=self._layer)
+        if offset:
+            self.update_and_fetch(keys[..., :offset, :], values[..., :offset, :])
+
+    @property
+    def meta_state(self) -> tuple[str]:
+        """The scalar part of the state, as strings: ``(str(offset),)``."""
+        return (str(self.offset),)
+
+    @meta_state.setter
+    def meta_state(self, meta_state: Sequence[str]) -> None:
+        """Set the offset from ``(str(offset),)``: positions past it are dropped.
+
+        Raises:
+            ValueError: Not one decimal string, or an offset above the one held.
+        """
+        if len(meta_state) != 1 or not str(meta_state[0]).isdecimal():
+            raise ValueError(f"meta_state must be (str(offset),), got {meta_state!r}")
+        offset = int(meta_state[0])
+        if offset > self.offset:
+            raise ValueError(f"meta_state offset must be <= {self.offset} (held), got {offset}")
+        self.trim(self.offset - offset)
+
+    def is_trimmable(self) -> bool:
+        """Whether ``trim`` may be called: until the request is released."""
+        return self._book.is_trimmable()
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions of this layer; whole blocks past every layer go back.
+
+        Returns:
+            Positions dropped: ``min(n, offset)``.
+        """
+        return self._book.trim(n, layer=self._layer)
+
+    def size(self) -> int:
+        """Positions held by this layer (mlx-lm's ``size()``)."""
+        return self.offset
+
+    def empty(self) -> bool:
+        """Whether this layer holds no position."""
+        return self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of this layer's rows of the request's blocks (whole blocks, keys and values)."""
+        slots = len(self._book.key_blocks) + len(self._book.value_blocks)
+        return slots * self._block_size * self._heads * self._head_dim * self._storage.dtype.size
+
+    @property
+    def book(self) -> PooledKVCache:
+        """The request's block table, shared by all its layers."""
+        return self._book
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _require_batch(self, keys: mx.array, values: mx.array) -> int:
+        expected = (1, self._heads, keys.shape[2] if keys.ndim == 4 else -1, self._head_dim)
+        if tuple(keys.shape) != expected or tuple(values.shape) != expected:
+            raise ValueError(
+                f"keys and values must both have shape (1, {self._heads}, n, {self._head_dim}) "
+                f"(batch size 1), got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        return int(expected[2])
+
+    def _write(self, start: int, keys: mx.array, values: mx.array) -> None:
+        """Write positions ``start ..`` of ``keys`` and ``values`` block by block."""
+        block_size, layer, write = self._block_size, self._layer, self._storage.write
+        key_blocks, value_blocks = self._book.key_blocks, self._book.value_blocks
+        # (n, heads, head_dim): the storage's slot layout.
+        key_tokens = keys[0].transpose(1, 0, 2)
+        value_tokens = values[0].transpose(1, 0, 2)
+        n_tokens = key_tokens.shape[0]
+        index, slot = divmod(start, block_size)
+        if slot + n_tokens <= block_size:  # the decode step: one block, no slicing
+            write(layer, key_blocks[index], slot, key_tokens)
+            write(layer, value_blocks[index], slot, value_tokens)
+            return
+        done = 0
+        while done < n_tokens:
+            index, slot = divmod(start + done, block_size)
+            upto = min(done + block_size - slot, n_tokens)
+            write(layer, key_blocks[index], slot, key_tokens[done:upto])
+            write(layer, value_blocks[index], slot, value_tokens[done:upto])
+            done = upto
+
+    def _fetch(self) -> tuple[mx.array, mx.array]:
+        """Gather this layer's positions into ``(1, heads, offset, head_dim)`` arrays."""
+        n_tokens = self.offset
+        n_blocks = -(-n_tokens // self._block_size)
+        return (
+            self._gather(self._book.key_blocks, n_blocks, n_tokens),
+            self._gather(self._book.value_blocks, n_blocks, n_tokens),
+        )
+
+    def _gather(self, blocks: tuple[Block, ...], n_blocks: int, n_tokens: int) -> mx.array:
+        if n_tokens == 0:
+            return mx.zeros((1, self._heads, 0, self._head_dim), dtype=self._storage.dtype)
+        if n_blocks < len(blocks):
+            blocks = blocks[:n_blocks]
+        if self._gather_heads is not None:
+            return self._gather_heads(self._layer, blocks, n_tokens)[None]
+        tokens = self._storage.gather(self._layer, blocks, n_tokens)
+        # Attention reads (heads, tokens, head_dim); a strided view would make it slower.
+        return mx.contiguous(tokens.transpose(1, 0, 2))[None]
+
+
+class PoolBackedPromptCache(list[PoolBackedKVCache]):
+    """A model's per-layer caches for one request, which returns its blocks on release.
+
+    A plain list to mlx-lm (``generate_step(prompt_cache=...)``,
+    ``trim_prompt_cache``); also a context manager.
+    """
+
+    def __init__(self, storage: MLXStorage, book: PooledKVCache) -> None:
+        """One :class:`PoolBackedKVCache` per layer of ``book``, all over ``storage``."""
+        super().__init__(PoolBackedKVCache(storage, book, layer) for layer in range(book.n_layers))
+        # The one block table every cache of the list appends to; release() frees it.
+        self._book: Final = book
+
+    @property
+    def book(self) -> PooledKVCache:
+        """The request's block table."""
+        return self._book
+
+    def release(self) -> None:
+        """Return every block of the request to the pool. Idempotent."""
+        self._book.release()
+
+    def __enter__(self) -> PoolBackedPromptCache:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+def make_pool_backed_cache(
+    model: object,
+    storage: MLXStorage,
+    *,
+    owner: int | None = None,
+    format: str | None = None,
+) -> PoolBackedPromptCache:
+    """Build ``model``'s caches for one request, paged in ``storage``'s pool.
+
+    Like mlx-lm's ``make_prompt_cache``: one cache per layer of
+    ``model.layers``; a model with ``make_cache()`` is accepted when every
+    cache it makes is a plain ``KVCache`` (its full-attention layers).
+
+    Args:
+        model: An mlx-lm model.
+        storage: The shared store; its pool lends the blocks.
+        owner: Request id for the blocks; ``None`` picks an unused one.
+        format: Format tag on the blocks; by default from the storage dtype
+            (``"fp16"``, ``"bf16"``, ``"fp32"``).
+
+    Raises:
+        ValueError: The model has more layers than the storage, or a layer needs
+            a cache other than ``KVCache`` (sliding window, state space, ...).
+        OwnerAlreadyActiveError: ``owner`` is in use.
+    """
+    n_layers = _n_attention_layers(model)
+    if n_layers > storage.n_layers:
+        raise ValueError(
+            f"the model has {n_layers} layers but the storage only {storage.n_layers}; "
+            "expected a storage with a slab per layer"
+        )
+    tag = format if format is not None else _FORMAT_OF_DTYPE.get(storage.dtype, str(storage.dtype))
+    book = PooledKVCache(storage.pool, owner, n_layers=n_layers, format=tag)
+    return PoolBackedPromptCache(storage, book)
+
+
+def causal_mask(n_queries: int, offset: int, window_size: int | None = None) -> mx.array:
+    """mlx-lm's ``create_causal_mask``: query ``i`` (at ``offset + i``) sees keys ``<= offset + i``.
+
+    With ``window_size`` it sees only the last ``window_size`` of them. Shape
+    ``(n_queries, offset + n_queries)``, boolean.
+    """
+    keys = mx.arange(offset + n_queries)[None]
+    queries = mx.arange(offset, offset + n_queries)[:, None]
+    mask = queries >= keys
+    if window_size is not None:
+        mask = mask & (queries < keys + window_size)
+    return mask
+
+
+def _n_attention_layers(model: object) -> int:
+    """Layers of ``model``, after checking that each would use a plain ``KVCache``."""
+    make_cache = getattr(model, "make_cache", None)
+    if make_cache is None:
+        layers = getattr(model, "layers", None)
+        if not isinstance(layers, Sized):
+            raise TypeError(
+                f"model must be an mlx-lm model with a list of layers, got {type(model).__name__}"
+            )
+        return len(layers)
+    # mlx-lm is only needed here, for a model that comes from it (it has make_cache()).
+    from mlx_lm.models.cache import KVCache  # noqa: PLC0415
+
+    upstream: list[object] = make_cache()
+    for index, cache in enumerate(upstream):
+        if type(cache) is not KVCache:
+            raise ValueError(
+                f"layer {index} of the model uses {type(cache).__name__}; "
+                "PoolBackedKVCache replaces plain KVCache layers only"
+            )
+    return len(upstream)
+
+
+def _split_state(state: Sequence[object]) -> tuple[mx.array, mx.array, int]:
+    """``(keys, values[, offset])`` as arrays and an offset (their length if absent).
+
+    ``(None, None[, 0])``, an empty mlx-lm ``KVCache``'s state, means no positions.
+    """
+    if not isinstance(state, Sequence) or len(state) not in (2, 3):
+        raise ValueError(f"state must be (keys, values) or (keys, values, offset), got {state!r}")
+    keys, values = state[0], state[1]
+    if keys is None and values is None:
+        empty = mx.zeros((1, 0, 0, 0))
+        return empty, empty, 0
+    if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+        raise TypeError(
+            f"state's keys and values must be mlx arrays, got {type(keys).__name__} "
+            f"and {type(values).__name__}"
+        )
+    length = keys.shape[2] if keys.ndim == 4 else 0
+    offset = state[2] if len(state) == 3 else length
+    if type(offset) is not int or not 0 <= offset <= length:
+        raise ValueError(f"state's offset must be an int in 0..{length}, got {offset!r}")
+    return keys, values, offset

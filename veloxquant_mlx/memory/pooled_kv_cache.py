@@ -1,0 +1,370 @@
+"""PooledKVCache: one request's KV-cache token slots, kept in block pool blocks.
+
+The backend-free half of a paged KV cache. A request owns a *block table*:
+a key block and a value block (pool streams ``"k"`` and ``"v"``, or the one
+``"kv"`` list of a shared pool) for every ``block_size`` token positions.
+A block id names those positions in *every* layer, as in vLLM: a store
+such as ``MLXBlockStorage`` keeps one slab per layer indexed by block id,
+so one table serves all layers and the pool counts each block once (a
+block is then ``block_size`` positions of every layer). This
+class keeps the table and the fill levels (through ``mark_used``, token by
+token) but holds no array data, so a server on any backend can use it for
+admission and accounting, and :class:`~veloxquant_mlx.memory.kv_cache.PoolBackedKVCache`
+builds on it to store MLX keys and values.
+
+Each layer has its own offset (layers of one forward pass append in turn);
+the table covers the furthest of them and gives back whole blocks past it
+when every layer has been trimmed. Waste is therefore below one block per
+stream per request: at most ``block_size - 1`` unused slots per stream in
+each layer.
+
+Ownership: the book claims its ``owner`` id in the pool on construction
+(``register_owner``, so two live books cannot share an id) and ``release()``
+returns every block with ``free_all(owner)``; the owner must not be used
+by anyone else meanwhile. ``release()`` is idempotent, and the book is a
+context manager, so an aborted generation still returns its blocks.
+
+Complexity (``L`` = layers): ``append`` O(1) when it stays in the last
+block, else O(k) for the k blocks it checks out (amortised O(1) per token);
+``trim`` O(L + k) for the k blocks it frees; ``release`` O(blocks held);
+``check_invariants`` O(blocks held + L).
+
+Thread safety: a book belongs to one request and is used from one thread
+at a time; the pool it draws from is shared and locks itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+from types import TracebackType
+from typing import Final
+
+from veloxquant_mlx.memory._arguments import require_format, require_int
+from veloxquant_mlx.memory.block_pool import (
+    Block,
+    BlockPoolAllocator,
+    InvariantViolationError,
+    OwnerAlreadyActiveError,
+)
+
+__all__ = ["PooledKVCache"]
+
+#: Owner ids handed out when the caller names none: far above typical request ids.
+_AUTO_OWNERS: Final = itertools.count(1 << 48)
+
+
+class PooledKVCache:
+    """The block table and per-layer fill levels of one request, with no data.
+
+    Invariants (``check_invariants`` verifies them until ``release()``):
+
+    - ``n_tokens == max(layer offsets)``: the table covers exactly the
+      furthest layer.
+    - both streams hold ``ceil(n_tokens / block_size)`` live handles of the
+      pool, checked out to ``owner``;
+    - every block is full except the last of each stream, whose ``n_used``
+      is the remainder (``n_tokens - (blocks - 1) * block_size``).
+
+    Example::
+
+        with PooledKVCache(pool, owner=request_id) as book:
+            book.append(prompt_length)      # prefill
+            book.append(1)                  # one decode step
+            book.trim(3)                    # speculative rewind
+        # every block of request_id is back in the pool
+    """
+
+    def __init__(
+        self,
+        pool: BlockPoolAllocator,
+        owner: int | None = None,
+        *,
+        n_layers: int = 1,
+        format: str = "fp16",
+    ) -> None:
+        """Claim ``owner`` (a fresh id if ``None``) in ``pool``; no block is taken yet.
+
+        Args:
+            pool: The pool to draw blocks from.
+            owner: Request id recorded on every block; ``None`` picks an unused one.
+            n_layers: Number of layers appending to this table.
+            format: Compression-format tag recorded on every block.
+
+        Raises:
+            TypeError: ``pool`` is not a ``BlockPoolAllocator``, ``owner`` or
+                ``n_layers`` not an int, ``format`` not a str.
+            ValueError: ``n_layers < 1`` or ``format`` empty.
+            OwnerAlreadyActiveError: ``owner`` holds blocks or is registered.
+        """
+        if not isinstance(pool, BlockPoolAllocator):
+            raise TypeError(f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
+        require_int("n_layers", n_layers, minimum=1)
+        require_format(format)
+        self._pool: Final = pool
+        self._block_size: Final = pool.config.block_size
+        self._format: Final = format
+        # The request id every block is checked out to; claimed until release().
+        self._owner: Final = _claim_owner(pool, owner)
+        # The block table, one handle per block_size positions; tuples, rebuilt on change.
+        self._key_blocks: tuple[Block, ...] = ()
+        self._value_blocks: tuple[Block, ...] = ()
+        # Positions covered by the table: the furthest layer offset.
+        self._n_tokens = 0
+        # Per layer, positions appended and not trimmed.
+        self._offsets: Final = [0] * n_layers
+        self._released = False
+
+    # -- read-only views -------------------------------------------------------------
+
+    @property
+    def pool(self) -> BlockPoolAllocator:
+        """The pool the blocks come from."""
+        return self._pool
+
+    @property
+    def owner(self) -> int:
+        """The request id the blocks are checked out to."""
+        return self._owner
+
+    @property
+    def format(self) -> str:
+        """The compression-format tag recorded on every block."""
+        return self._format
+
+    @property
+    def block_size(self) -> int:
+        """Token slots per block (the pool's)."""
+        return self._block_size
+
+    @property
+    def n_layers(self) -> int:
+        """Number of layers appending to this table."""
+        return len(self._offsets)
+
+    @property
+    def released(self) -> bool:
+        """Whether ``release()`` has returned the blocks (the book is then unusable)."""
+        return self._released
+
+    @property
+    def offset(self) -> int:
+        """Positions covered by the table: the furthest layer's offset."""
+        return self._n_tokens
+
+    @property
+    def key_blocks(self) -> tuple[Block, ...]:
+        """The key blocks, in position order; block ``i`` holds positions ``i * block_size ..``."""
+        return self._key_blocks
+
+    @property
+    def value_blocks(self) -> tuple[Block, ...]:
+        """The value blocks, in position order, parallel to :attr:`key_blocks`."""
+        return self._value_blocks
+
+    def layer_offset(self, layer: int) -> int:
+        """Positions ``layer`` has appended and not trimmed."""
+        return self._offsets[layer]
+
+    def size(self) -> int:
+        """Positions held (mlx-lm's ``size()``): the same as :attr:`offset`."""
+        return self._n_tokens
+
+    def empty(self) -> bool:
+        """Whether no position is held."""
+        return self._n_tokens == 0
+
+    def is_trimmable(self) -> bool:
+        """Whether ``trim`` may be called: until ``release()``."""
+        return not self._released
+
+    def slots_held(self) -> int:
+        """Token slots held per stream per layer: whole blocks, ``>= offset``."""
+        return len(self._key_blocks) * self._block_size
+
+    def slots_wasted(self) -> int:
+        """Slots held but unused per stream per layer, at most ``block_size - 1``."""
+        return self.slots_held() - self._n_tokens
+
+    # -- appending and trimming --------------------------------------------------------
+
+    def append(self, n_tokens: int = 1, *, layer: int = 0) -> int:
+        """Append ``n_tokens`` positions to ``layer``, checking out blocks as needed.
+
+        All or nothing: if the pool cannot supply the blocks of both streams,
+        nothing changes.
+
+        Returns:
+            The first appended position (the layer's offset before the call).
+
+        Raises:
+            RuntimeError: The book was released.
+            TypeError, ValueError: ``n_tokens`` is not an int ``>= 0`` or ``layer``
+                is out of range.
+            BlockPoolExhaustedError: The pool has too few free blocks.
+        """
+        self._require_open()
+        if type(n_tokens) is not int or n_tokens < 0:
+            require_int("n_tokens", n_tokens, minimum=0)
+        self._require_layer(layer)
+        start = self._offsets[layer]
+        end = start + n_tokens
+        if end > self._n_tokens:
+            self._grow_to(end)
+        self._offsets[layer] = end
+        return start
+
+    def trim(self, n: int, *, layer: int | None = None) -> int:
+        """Drop the last ``n`` positions of ``layer`` (of every layer if ``None``).
+
+        Whole blocks past the furthest remaining layer offset go back to the
+        pool; the new last blocks are marked with their fill.
+
+        Returns:
+            Positions dropped: ``min(n, offset)`` of the layer (of the book if ``None``).
+
+        Raises:
+            TypeError, ValueError: ``n`` is not an int ``>= 0`` or ``layer`` is out of range.
+            OwnerAlreadyActiveError: The last block went back and, before the book could
+                claim its owner id again, someone else took it (an id collision).
+        """
+        require_int("n", n, minimum=0)
+        if self._released:
+            return 0
+        if layer is None:
+            n = min(n, self._n_tokens)
+            end = self._n_tokens - n
+            for index, offset in enumerate(self._offsets):
+                self._offsets[index] = min(offset, end)
+        else:
+            self._require_layer(layer)
+            n = min(n, self._offsets[layer])
+            self._offsets[layer] -= n
+        furthest = max(self._offsets)
+        if furthest < self._n_tokens:
+            self._shrink_to(furthest)
+        return n
+
+    def release(self) -> None:
+        """Return every block to the pool and release the owner. Idempotent."""
+        if self._released:
+            return
+        self._released = True
+        self._key_blocks = self._value_blocks = ()
+        self._n_tokens = 0
+        self._offsets[:] = [0] * len(self._offsets)
+        self._pool.free_all(self._owner)
+
+    def __enter__(self) -> PooledKVCache:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.release()
+
+    # -- checking ------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Verify the class invariants against the pool. O(blocks held + layers).
+
+        Raises:
+            InvariantViolationError: Naming the invariant that is broken and how.
+        """
+        problem = self._first_violation()
+        if problem is not None:
+            raise InvariantViolationError(problem)
+
+    def _first_violation(self) -> str | None:
+        n_tokens = self._n_tokens
+        if self._released:
+            return None if n_tokens == 0 and not self._key_blocks else "released: still holds"
+        if n_tokens != max(self._offsets):
+            return f"coverage: n_tokens={n_tokens} but layer offsets are {self._offsets}"
+        n_blocks = -(-n_tokens // self._block_size)
+        for stream, blocks in (("k", self._key_blocks), ("v", self._value_blocks)):
+            if len(blocks) != n_blocks:
+                return f"table: {len(blocks)} {stream} blocks for {n_tokens} tokens"
+            for index, block in enumerate(blocks):
+                fill = min(self._block_size, n_tokens - index * self._block_size)
+                if not self._pool.is_live(block) or block.owner != self._owner:
+                    return f"handles: {stream} block {index} {block!r} is not live for the owner"
+                if block.n_used != fill:
+                    return f"fill: {stream} block {index} has n_used={block.n_used}, not {fill}"
+        return None
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _require_open(self) -> None:
+        if self._released:
+            raise RuntimeError(
+                f"the KV cache of owner {self._owner} was released; "
+                "expected a cache that still holds its blocks"
+            )
+
+    def _require_layer(self, layer: int) -> None:
+        if type(layer) is not int or not 0 <= layer < len(self._offsets):
+            require_int("layer", layer, minimum=0)
+            raise ValueError(f"layer must be in 0..{len(self._offsets) - 1}, got {layer}")
+
+    def _grow_to(self, n_tokens: int) -> None:
+        """Cover ``n_tokens`` positions: fill the last blocks, then check out new ones."""
+        pool, block_size = self._pool, self._block_size
+        n_more = n_tokens - len(self._key_blocks) * block_size
+        if n_more > 0:
+            new_keys = pool.allocate("k", n_more, self._owner, self._format)
+            try:
+                new_values = pool.allocate("v", n_more, self._owner, self._format)
+            except BaseException:
+                self._free(new_keys)
+                raise
+            if self._key_blocks:
+                pool.mark_used(self._key_blocks[-1], block_size)
+                pool.mark_used(self._value_blocks[-1], block_size)
+            self._key_blocks += tuple(new_keys)
+            self._value_blocks += tuple(new_values)
+        else:
+            last_fill = n_tokens - (len(self._key_blocks) - 1) * block_size
+            pool.mark_used(self._key_blocks[-1], last_fill)
+            pool.mark_used(self._value_blocks[-1], last_fill)
+        self._n_tokens = n_tokens
+
+    def _shrink_to(self, n_tokens: int) -> None:
+        """Keep ``n_tokens`` positions: mark the new last blocks, free the ones past them."""
+        block_size = self._block_size
+        n_kept = -(-n_tokens // block_size)
+        tail = [*self._key_blocks[n_kept:], *self._value_blocks[n_kept:]]
+        self._key_blocks = self._key_blocks[:n_kept]
+        self._value_blocks = self._value_blocks[:n_kept]
+        self._n_tokens = n_tokens
+        if n_kept:
+            last_fill = n_tokens - (n_kept - 1) * block_size
+            self._pool.mark_used(self._key_blocks[-1], last_fill)
+            self._pool.mark_used(self._value_blocks[-1], last_fill)
+        if tail:
+            self._free(tail)
+
+    def _free(self, blocks: list[Block]) -> None:
+        """Free ``blocks``; keep the owner claimed even if they were its last ones."""
+        self._pool.free(blocks)
+        if not self._key_blocks:
+            # The pool released the owner with its last block; claim it again so that
+            # no other book can take the id while this one is still open.
+            self._pool.register_owner(self._owner)
+
+
+def _claim_owner(pool: BlockPoolAllocator, owner: int | None) -> int:
+    """Register ``owner`` in ``pool``, or the first unused automatic id if ``None``."""
+    if owner is not None:
+        require_int("owner", owner)
+        pool.register_owner(owner)
+        return owner
+    for candidate in _AUTO_OWNERS:
+        try:
+            pool.register_owner(candidate)
+        except OwnerAlreadyActiveError:
+            continue
+        return candidate
+    raise AssertionError("itertools.count() ended")  # pragma: no cover
