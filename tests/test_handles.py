@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from conftest import block_ids, handle_view, make_pool, pool_unchanged
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, InvalidFreeError
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, InvalidFreeError, PoolConfig
 
 
 def test_block_defaults_match_the_reference() -> None:
@@ -129,3 +129,16 @@ def test_a_live_handle_from_blocks_for_can_be_freed(pool: BlockPoolAllocator) ->
     pool.free(pool.blocks_for(1))
     assert pool.blocks_for(1) == []
     assert pool.n_free("k") == 4
+
+
+def test_all_live_is_true_only_when_every_item_is_a_live_handle_of_this_pool() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
+    other = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
+    held = pool.allocate("k", 8, owner=1)
+    freed = pool.allocate("k", 4, owner=2)
+    pool.free_all(2)
+    assert pool.all_live(held)
+    assert pool.all_live([])
+    assert not pool.all_live([*held, *freed])
+    assert not pool.all_live([*held, other.allocate("k", 1, owner=1)[0]])
+    assert not pool.all_live([*held, "not a block"])

@@ -17,7 +17,7 @@ Complexity (``k`` = blocks in the call, ``f`` = free blocks of the stream,
 - ``mark_used``, ``n_free``, ``register_owner``, ``release_owner``, ``stats``,
   ``is_live``, ``id_bound``, ``AllocationStats.blocks_in_use`` /
   ``fragmentation``: O(1).
-- ``blocks_for``: O(k).  ``history``: O(history_len).
+- ``blocks_for``, ``all_live``: O(k).  ``history``: O(history_len).
 - ``shrink``: O(f log f), plus O(r) to lower ``id_bound`` over a retired tail.
 - ``check_invariants``: O(n), for tests and stress runs only.
 
@@ -416,6 +416,15 @@ class BlockPoolAllocator:
         """
         with self._lock:
             return self._is_live(block)
+
+    def all_live(self, blocks: Iterable[object]) -> bool:
+        """Whether every item of ``blocks`` is a live handle of this pool (one lock, O(k)).
+
+        The batched form of :meth:`is_live`, for a store that checks a whole
+        gather's blocks at once.
+        """
+        with self._lock:
+            return all(self._is_live(block) for block in blocks)
 
     def id_bound(self) -> int:
         """One more than the highest block id that is free or checked out (0 if none).
