@@ -55,7 +55,7 @@ from mlx.utils import tree_map
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
-from veloxquant_mlx.memory import Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache, make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 
@@ -74,90 +74,6 @@ class ConcatPerBlockKVCache(KVCache):
     """mlx-lm's ``KVCache`` grown by one block at a time: a concatenation every block."""
 
     step = BLOCK_SIZE
-
-
-class HeadMajorStorage:
-    """Benchmark-only prototype of a store laid out for attention (a proposal, not API).
-
-    Each layer's slab is ``(heads * capacity, block_size, head_dim)``: head
-    ``h`` of block ``b`` is row ``h * capacity + b``. ``gather_heads`` is then
-    one ``take`` that lands in ``(heads, tokens, head_dim)``, the layout
-    attention reads, where ``MLXBlockStorage`` needs a ``take`` and a
-    transposing copy. Liveness is checked per block exactly as there, so
-    only the layout differs. Fixed capacity (the benchmark's pools never
-    grow); writes are lazy (single thread).
-    """
-
-    def __init__(
-        self,
-        pool: BlockPoolAllocator,
-        n_layers: int,
-        n_kv_heads: int,
-        head_dim: int,
-        dtype: mx.Dtype = mx.float16,
-    ) -> None:
-        self._pool = pool
-        self._capacity = pool.id_bound()
-        self._block_size = pool.config.block_size
-        self._slot_shape = (n_kv_heads, head_dim)
-        self._dtype = dtype
-        rows = n_kv_heads * self._capacity
-        self._slabs = [
-            mx.zeros((rows, self._block_size, head_dim), dtype=dtype) for _ in range(n_layers)
-        ]
-        # Row of head h of block 0: add a block id to get its rows, one per head.
-        self._head_rows = (mx.arange(n_kv_heads, dtype=mx.int32) * self._capacity)[:, None]
-        mx.eval(self._slabs, self._head_rows)
-
-    @property
-    def pool(self) -> BlockPoolAllocator:
-        return self._pool
-
-    @property
-    def n_layers(self) -> int:
-        return len(self._slabs)
-
-    @property
-    def slot_shape(self) -> tuple[int, int]:
-        return self._slot_shape
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        return self._dtype
-
-    def capacity(self) -> int:
-        return self._capacity
-
-    def resident_bytes(self) -> int:
-        return sum(slab.nbytes for slab in self._slabs)
-
-    def sync(self) -> None:
-        if self._pool.id_bound() > self._capacity:
-            raise RuntimeError("the prototype store cannot grow; size the pool up front")
-
-    def write(self, layer: int, block: Block, start: int, tokens: mx.array) -> None:
-        self._require_live(block)
-        heads, head_dim = self._slot_shape
-        by_block = self._slabs[layer].reshape(heads, self._capacity, self._block_size, head_dim)
-        update = tokens.astype(self._dtype).transpose(1, 0, 2)[:, None]  # (heads, 1, n, dim)
-        where = mx.array([0, block.block_id, start], dtype=mx.int32)
-        by_block = mx.slice_update(by_block, update, where, (0, 1, 2))
-        self._slabs[layer] = by_block.reshape(heads * self._capacity, self._block_size, head_dim)
-
-    def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
-        return self.gather_heads(layer, blocks, n_tokens).transpose(1, 0, 2)
-
-    def gather_heads(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
-        for block in blocks:
-            self._require_live(block)
-        ids = mx.array([block.block_id for block in blocks], dtype=mx.int32)
-        picked = mx.take(self._slabs[layer], self._head_rows + ids[None], axis=0)
-        heads, head_dim = self._slot_shape
-        return picked.reshape(heads, len(blocks) * self._block_size, head_dim)[:, :n_tokens]
-
-    def _require_live(self, block: Block) -> None:
-        if not self._pool.is_live(block) or block.block_id >= self._capacity:
-            raise ValueError(f"{block!r} is not a live block of this store's pool")
 
 
 @dataclass(frozen=True)
@@ -340,24 +256,21 @@ def bench_decode(options: Options) -> dict[str, object]:
     model = _model(n_layers=N_LAYERS, scale=1.0)
     n_positions = max(options.contexts) + options.rounds * options.steps_per_round
 
-    def paged(
-        store: type[MLXBlockStorage] | type[HeadMajorStorage], **kw: bool
-    ) -> Callable[[], Sequence[Any]]:
+    def paged(**kw: bool) -> Callable[[], Sequence[Any]]:
         # Each pool-backed variant gets its own pool: two streams, a block to spare.
         pool = BlockPoolAllocator(
             PoolConfig(block_size=BLOCK_SIZE, n_blocks=2 * (n_positions // BLOCK_SIZE + 2))
         )
-        storage = store(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, **kw)
+        storage = MLXBlockStorage(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, **kw)
         return lambda: make_pool_backed_cache(model, storage)
 
     variants: dict[str, Callable[[], Sequence[Any]]] = {
-        "pool_backed": paged(MLXBlockStorage, lazy_writes=True),
+        "pool_backed": paged(lazy_writes=True),
         "kv_cache": lambda: mlx_lm_caches(KVCache),
         "concat_per_block": lambda: mlx_lm_caches(ConcatPerBlockKVCache),
     }
     if not options.quick:
-        variants["pool_backed_eager_writes"] = paged(MLXBlockStorage)
-        variants["pool_backed_head_major_store"] = paged(HeadMajorStorage)
+        variants["pool_backed_eager_writes"] = paged()
     at_default_limit = None
     if not options.quick:
         # First, in a fresh process, at MLX's default cache limit.
@@ -383,7 +296,7 @@ def bench_decode(options: Options) -> dict[str, object]:
             "dtype": "float32",
         },
         "block_size": BLOCK_SIZE,
-        "pool_backed_storage": "MLXBlockStorage(lazy_writes=True)",
+        "pool_backed_storage": "MLXBlockStorage(lazy_writes=True), head-major gather_heads",
         "mlx_cache_limit_mb": options.mlx_cache_limit_mb,
         "mlx_default_cache_limit_mb": default_limit / 2**20,
         "rounds": options.rounds,

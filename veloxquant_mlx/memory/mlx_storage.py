@@ -1,8 +1,16 @@
 """MLXBlockStorage: the MLX backing store of a block pool, one slab per layer.
 
 Each layer's keys or values live in one ``mx.array`` slab of shape
-``(capacity, block_size, n_kv_heads, head_dim)`` indexed by block id, so a
-paged gather is a single ``mx.take`` and a write a single ``mx.slice_update``.
+``(n_kv_heads, capacity, block_size, head_dim)``: head-major, so that head
+``h`` of block ``b`` is row ``h * capacity + b`` of the slab seen as
+``(n_kv_heads * capacity, block_size, head_dim)``. A paged
+:meth:`~MLXBlockStorage.gather_heads` is then a single ``mx.take`` of those
+rows that lands in ``(n_kv_heads, tokens, head_dim)``, the layout attention
+reads, with no transposing copy (on CPU, at 4K tokens, measured about 2.5x
+cheaper than a block-major take plus that copy); a write is a single
+``mx.slice_update``.
+Because the row stride is the capacity, a resize re-lays every slab out
+(it copies anyway).
 The store follows its pool through :meth:`MLXBlockStorage.sync`, which every
 public method calls first (the rule is spelled out in the class docstring).
 
@@ -22,14 +30,16 @@ slab it produced before it returns, and any thread may then use the store.
 GPU decode loop may want) at the cost of thread affinity: use such a store
 from one thread only.
 
-Nothing here converts to NumPy or calls ``.item()``: ``write`` and ``gather``
+Nothing here converts to NumPy or calls ``.item()``: ``write`` and the gathers
 only build MLX graphs (and evaluate them as just said), so the module runs
 unchanged on Metal or CUDA.
 
-Complexity: ``write`` O(slots written) (amortised, see above); ``gather``
-O(tokens gathered) plus O(blocks) liveness checks; ``sync`` O(1) unless it
-resizes, then O(capacity) per layer, amortised O(1) per block grown;
-``capacity``, ``resident_bytes`` O(layers).
+Complexity: ``write`` O(slots written) (amortised, see above);
+``gather_heads`` O(tokens gathered) plus one pool call (``all_live``) that
+checks the O(blocks) handles under one lock; ``gather`` the same plus a
+lazy transpose; ``sync`` O(1) unless it resizes, then O(capacity) per
+layer, amortised O(1) per block grown; ``capacity``, ``resident_bytes``
+O(layers).
 
 Thread safety: one ``threading.Lock`` per store guards the slab list and
 capacity; every public method holds it while it reads or replaces a slab
@@ -77,14 +87,16 @@ class MLXBlockStorage:
 
     Invariants (after every public call):
 
-    - every slab has shape ``(capacity, block_size, n_kv_heads, head_dim)`` and
-      the store's dtype, and ``pool.id_bound() <= capacity`` as of the last sync;
+    - every slab has shape ``(n_kv_heads, capacity, block_size, head_dim)`` (head-major)
+      and the store's dtype, and ``pool.id_bound() <= capacity`` as of the last sync;
     - ``capacity == next_capacity(capacity, id_bound)`` for the last ``id_bound``
       seen: it never exceeds twice the ids in use unless both are 0;
-    - row ``i`` of a slab is written only through a live handle of ``pool`` with
-      ``block_id == i``: distinct ids never share storage;
-    - growth keeps rows ``0 .. old capacity - 1`` as they were; a shrink keeps
-      rows ``0 .. new capacity - 1``.
+    - ``slab[:, i]`` (block ``i``, every head) is written only through a live handle
+      of ``pool`` with ``block_id == i``: distinct ids never share storage;
+    - ``_head_rows`` is ``[[0], [capacity], [2 * capacity], ...]``, one row per head:
+      adding a block id gives that block's rows in the flattened slab;
+    - growth keeps blocks ``0 .. old capacity - 1`` as they were; a shrink keeps
+      blocks ``0 .. new capacity - 1``.
 
     Example::
 
@@ -93,6 +105,7 @@ class MLXBlockStorage:
         [block] = pool.allocate("k", 16, owner=1)
         store.write(0, block, 0, keys)                 # keys: (16, 8, 128)
         past = store.gather(0, [block], n_tokens=16)   # (16, 8, 128), lazy
+        heads = store.gather_heads(0, [block], 16)     # (8, 16, 128), lazy
     """
 
     def __init__(
@@ -146,7 +159,9 @@ class MLXBlockStorage:
         self._capacity = pool.id_bound()
         # One slab per layer; replaced (never mutated) by write and resize.
         self._slabs: list[mx.array] = [self._zeros(self._capacity) for _ in range(n_layers)]
-        mx.eval(self._slabs)
+        # First row of each head in a flattened slab, (n_kv_heads, 1); follows the capacity.
+        self._head_rows = self._first_rows(self._capacity)
+        mx.eval(self._slabs, self._head_rows)
 
     # -- protocol: shape ---------------------------------------------------------------
 
@@ -199,18 +214,35 @@ class MLXBlockStorage:
                 return
             if tokens.dtype != self._dtype:
                 tokens = tokens.astype(self._dtype)
+            # (n, heads, dim) -> (heads, 1 block, n, dim): slots of every head of one block.
+            update = tokens.transpose(1, 0, 2)[:, None]
             where = mx.array([block.block_id, start], dtype=mx.int32)
-            self._slabs[layer] = mx.slice_update(self._slabs[layer], tokens[None], where, (0, 1))
+            self._slabs[layer] = mx.slice_update(self._slabs[layer], update, where, (1, 2))
             if not self._lazy_writes:
                 # Only after the old slab is dropped from the list: MLX then donates its
                 # buffer to the update (O(slots written)) unless a pending gather holds it.
                 mx.eval(self._slabs[layer])
 
     def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
-        """The first ``n_tokens`` slots of ``blocks`` in ``layer``, in order: one ``mx.take``.
+        """The first ``n_tokens`` slots of ``blocks`` in ``layer``, in order.
 
-        Returns a lazy array of shape ``(n_tokens, n_kv_heads, head_dim)`` that no
-        later write, free, growth or shrink changes.
+        Returns a lazy array of shape ``(n_tokens, n_kv_heads, head_dim)`` (a
+        transposed view of :meth:`gather_heads`) that no later write, free,
+        growth or shrink changes.
+
+        Raises:
+            TypeError: ``blocks`` is not a sequence of ``Block``; ``n_tokens`` not an int.
+            ValueError: A block is not a live handle of the pool, ``layer`` is out of
+                range, or ``n_tokens`` is outside ``0 .. len(blocks) * block_size``.
+        """
+        return self.gather_heads(layer, blocks, n_tokens).transpose(1, 0, 2)
+
+    def gather_heads(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
+        """The first ``n_tokens`` slots of ``blocks`` in ``layer``, head-major: one ``mx.take``.
+
+        Returns a lazy array of shape ``(n_kv_heads, n_tokens, head_dim)``, the
+        layout attention reads, equal to ``gather(...).transpose(1, 0, 2)`` and
+        never changed by later writes, frees, growth or shrink.
 
         Raises:
             TypeError: ``blocks`` is not a sequence of ``Block``; ``n_tokens`` not an int.
@@ -219,17 +251,18 @@ class MLXBlockStorage:
         """
         block_list = list(blocks)
         _require_n_tokens(n_tokens, len(block_list) * self._block_size)
+        heads, head_dim = self._slot_shape
         with self._lock:
             self._require_layer(layer)
-            for block in block_list:
-                self._require_live(block, "gather from")
+            self._require_all_live(block_list)
             self._sync_locked()
-            for block in block_list:
-                self._require_covered(block)
+            self._require_all_covered(block_list)
             ids = mx.array([block.block_id for block in block_list], dtype=mx.int32)
-            picked = mx.take(self._slabs[layer], ids, axis=0)
-        flat = picked.reshape(len(block_list) * self._block_size, *self._slot_shape)
-        return flat[:n_tokens]
+            rows = self._head_rows + ids[None]  # (heads, blocks): row h * capacity + b
+            flat = self._slabs[layer].reshape(heads * self._capacity, self._block_size, head_dim)
+            picked = mx.take(flat, rows, axis=0)  # (heads, blocks, block_size, head_dim)
+        by_head = picked.reshape(heads, len(block_list) * self._block_size, head_dim)
+        return by_head[:, :n_tokens]
 
     # -- protocol: sizing --------------------------------------------------------------
 
@@ -258,23 +291,31 @@ class MLXBlockStorage:
             self._resize_locked(target)
 
     def _resize_locked(self, target: int) -> None:
-        """Give every slab ``target`` rows, keeping the first ``min(old, target)`` rows."""
+        """Give every slab ``target`` blocks, keeping the first ``min(old, target)`` blocks."""
         old = self._capacity
+        # Blocks sit on axis 1, so either way every head's rows move: the row stride
+        # of the flattened slab is the capacity.
         if target > old:
             extra = self._zeros(target - old)
-            self._slabs = [mx.concatenate([slab, extra], axis=0) for slab in self._slabs]
+            self._slabs = [mx.concatenate([slab, extra], axis=1) for slab in self._slabs]
         else:
             # A real copy (take), not a slice: a slice would keep the whole old buffer alive.
             kept = mx.arange(target, dtype=mx.int32)
-            self._slabs = [mx.take(slab, kept, axis=0) for slab in self._slabs]
+            self._slabs = [mx.take(slab, kept, axis=1) for slab in self._slabs]
         self._capacity = target
+        self._head_rows = self._first_rows(target)
         # Evaluate now so the old buffers are released at once, not at the next step.
-        mx.eval(self._slabs)
+        mx.eval(self._slabs, self._head_rows)
         if target < old:
             mx.clear_cache()  # hand the freed buffers back to the system, not MLX's cache
 
     def _zeros(self, n_blocks: int) -> mx.array:
-        return mx.zeros((n_blocks, self._block_size, *self._slot_shape), dtype=self._dtype)
+        heads, head_dim = self._slot_shape
+        return mx.zeros((heads, n_blocks, self._block_size, head_dim), dtype=self._dtype)
+
+    def _first_rows(self, capacity: int) -> mx.array:
+        """``[[0], [capacity], ...]``: row of block 0 of each head in a flattened slab."""
+        return (mx.arange(self._slot_shape[0], dtype=mx.int32) * capacity)[:, None]
 
     def _require_token_shape(self, shape: tuple[int, ...]) -> int:
         if len(shape) != 3 or shape[1:] != self._slot_shape:
@@ -299,6 +340,22 @@ class MLXBlockStorage:
                 "expected a block checked out from the pool and not yet freed"
             )
 
+    def _require_all_live(self, blocks: list[Block]) -> None:
+        """Refuse unless every item of ``blocks`` is a live handle: one pool lock, not one each."""
+        if self._pool.all_live(blocks):
+            return
+        for block in blocks:
+            self._require_live(block, "gather from")
+        # Every block was live when asked again: one was freed or reissued meanwhile.
+        raise ValueError(
+            "cannot gather from blocks that were not all live handles of this store's pool "
+            "when checked; was one freed concurrently?"
+        )
+
+    def _require_all_covered(self, blocks: list[Block]) -> None:
+        if blocks:
+            self._require_covered(max(blocks, key=_block_id))
+
     def _require_covered(self, block: Block) -> None:
         # Only fails if the block was freed and retired by another thread meanwhile.
         if block.block_id >= self._capacity:
@@ -306,6 +363,10 @@ class MLXBlockStorage:
                 f"block id {block.block_id} is outside the store's capacity "
                 f"{self._capacity}; was it freed and retired concurrently?"
             )
+
+
+def _block_id(block: Block) -> int:
+    return block.block_id
 
 
 def _require_slots(start: int, n_tokens: int, block_size: int) -> None:

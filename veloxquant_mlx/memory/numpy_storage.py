@@ -9,16 +9,22 @@ for a CUDA, Metal or Rust port (each rule below maps to a line of code); and
 it runs where MLX does not.
 
 NumPy is eager and mutable, so the protocol's "a gathered array never
-changes" rule is kept by copying: ``gather`` uses fancy indexing, which
-always copies, and never returns a view of a slab.
+changes" rule is kept by copying: ``gather`` and ``gather_heads`` use fancy
+indexing, which always copies, and never return a view of a slab.
+
+The slab stays block-major, the plainest layout to read and port: the
+head-major order attention wants is a store's own choice (the MLX store
+makes it to save a copy per decode step), so ``gather_heads`` here
+reorders its copy, which costs one more copy of the gathered tokens.
 
 Capacity follows the pool exactly as the MLX store does (see
 :func:`next_capacity`): geometric growth, and a shrink to ``pool.id_bound()``
 once that falls to half the capacity or less; the shrunk slab is a fresh
 copy, so the old buffer is freed.
 
-Complexity: ``write`` O(slots written); ``gather`` O(tokens gathered) plus
-O(blocks) liveness checks; ``sync`` O(1) unless it resizes, then O(capacity)
+Complexity: ``write`` O(slots written); ``gather`` and ``gather_heads``
+O(tokens gathered) plus one pool call (``all_live``) checking the O(blocks)
+handles under one lock; ``sync`` O(1) unless it resizes, then O(capacity)
 per layer, amortised O(1) per block; ``capacity``, ``resident_bytes``
 O(layers).
 
@@ -167,19 +173,29 @@ class NumpyBlockStorage:
             ValueError: A block is not a live handle of the pool, ``layer`` is out of
                 range, or ``n_tokens`` is outside ``0 .. len(blocks) * block_size``.
         """
-        block_list = list(blocks)
-        _require_n_tokens(n_tokens, len(block_list) * self._block_size)
-        with self._lock:
-            self._require_layer(layer)
-            for block in block_list:
-                self._require_live(block, "gather from")
-            self._sync_locked()
-            for block in block_list:
-                self._require_covered(block)
-            ids = np.fromiter((block.block_id for block in block_list), np.intp, len(block_list))
-            picked = self._slabs[layer][ids]
-        flat = picked.reshape(len(block_list) * self._block_size, *self._slot_shape)
+        picked = self._take(layer, blocks, n_tokens)  # (blocks, block_size, heads, dim)
+        flat = picked.reshape(picked.shape[0] * self._block_size, *self._slot_shape)
         return flat[:n_tokens]
+
+    def gather_heads(
+        self, layer: int, blocks: Sequence[Block], n_tokens: int
+    ) -> npt.NDArray[np.generic]:
+        """The first ``n_tokens`` slots of ``blocks`` in ``layer``, head-major, as a new array.
+
+        Returns a C-contiguous array of shape ``(n_kv_heads, n_tokens, head_dim)``
+        equal to ``gather(...).transpose(1, 0, 2)``; it shares no memory with a
+        slab, so later writes never reach it.
+
+        Raises:
+            TypeError: ``blocks`` is not a sequence of ``Block``; ``n_tokens`` not an int.
+            ValueError: A block is not a live handle of the pool, ``layer`` is out of
+                range, or ``n_tokens`` is outside ``0 .. len(blocks) * block_size``.
+        """
+        picked = self._take(layer, blocks, n_tokens)  # (blocks, block_size, heads, dim)
+        heads, head_dim = self._slot_shape
+        by_head = picked.transpose(2, 0, 1, 3)  # a view of the copy, not of the slab
+        flat = by_head.reshape(heads, picked.shape[0] * self._block_size, head_dim)
+        return np.ascontiguousarray(flat[:, :n_tokens])
 
     # -- protocol: sizing --------------------------------------------------------------
 
@@ -201,6 +217,19 @@ class NumpyBlockStorage:
             self._sync_locked()
 
     # -- internals ---------------------------------------------------------------------
+
+    def _take(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> npt.NDArray[np.generic]:
+        """Check a gather's arguments; a copy of ``blocks``' rows of ``layer``, in order."""
+        block_list = list(blocks)
+        _require_n_tokens(n_tokens, len(block_list) * self._block_size)
+        with self._lock:
+            self._require_layer(layer)
+            self._require_all_live(block_list)
+            self._sync_locked()
+            ids = np.fromiter((block.block_id for block in block_list), np.intp, len(block_list))
+            if block_list:
+                self._require_covered(block_list[int(ids.argmax())])
+            return self._slabs[layer][ids]  # fancy indexing: a copy, never a view
 
     def _sync_locked(self) -> None:
         target = next_capacity(self._capacity, self._pool.id_bound())
@@ -243,6 +272,18 @@ class NumpyBlockStorage:
                 f"cannot {action} {block!r}: it is not a live handle of this store's pool; "
                 "expected a block checked out from the pool and not yet freed"
             )
+
+    def _require_all_live(self, blocks: list[Block]) -> None:
+        """Refuse unless every item of ``blocks`` is a live handle: one pool lock, not one each."""
+        if self._pool.all_live(blocks):
+            return
+        for block in blocks:
+            self._require_live(block, "gather from")
+        # Every block was live when asked again: one was freed or reissued meanwhile.
+        raise ValueError(
+            "cannot gather from blocks that were not all live handles of this store's pool "
+            "when checked; was one freed concurrently?"
+        )
 
     def _require_covered(self, block: Block) -> None:
         # Only fails if the block was freed and retired by another thread meanwhile.

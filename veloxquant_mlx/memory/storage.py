@@ -12,7 +12,13 @@ from; the store does not care which. The store is paired with one pool and
 follows it: it covers every id below ``pool.id_bound()``, grows its
 capacity geometrically (never moving or changing existing data) when the
 pool issues higher ids, and gives memory back when ``shrink()`` retires the
-top of the id range.
+top of the id range. How a slab is laid out in memory (block-major,
+head-major, ...) is the store's choice; the protocol fixes only what the
+gathers return: ``gather`` token-major ``(n_tokens, n_kv_heads, head_dim)``
+and ``gather_heads`` head-major ``(n_kv_heads, n_tokens, head_dim)``, the
+layout attention reads. A store whose slab is head-major serves
+``gather_heads`` with a single take and no transposing copy, which is
+what a decode step calls for every layer.
 
 Rules every implementation keeps (the storage conformance suite in
 ``veloxquant_mlx.testing`` checks them):
@@ -22,16 +28,21 @@ Rules every implementation keeps (the storage conformance suite in
    (``TypeError`` for a non-``Block``) and changes nothing.
 2. Distinct ids never share storage: a write to one block never changes what
    any other block holds.
-3. An array returned by ``gather`` never changes afterwards, whatever is
-   written, freed, grown or shrunk later (including arrays whose evaluation a
-   lazy backend defers).
-4. ``resident_bytes`` is what the store holds now; after the pool's id range
+3. An array returned by ``gather`` or ``gather_heads`` never changes
+   afterwards, whatever is written, freed, grown or shrunk later (including
+   arrays whose evaluation a lazy backend defers).
+4. ``gather_heads`` returns exactly ``gather`` transposed to
+   ``(n_kv_heads, n_tokens, head_dim)``. Both refuse a handle that is not
+   live (``ValueError``) or not a ``Block`` (``TypeError``); a store checks
+   a whole gather with one ``pool.all_live`` call (one pool lock, not one
+   per block) and looks for the culprit only when that says no.
+5. ``resident_bytes`` is what the store holds now; after the pool's id range
    shrinks, ``sync()`` (called by every operation) brings it down.
 
 Thread safety: implementations must be safe to share between threads in the
 same way as the pool (the MLX and NumPy stores hold a lock around slab
-updates). Complexity: ``write`` O(slots written); ``gather`` O(tokens
-gathered); growth amortised O(1) per block.
+updates). Complexity: ``write`` O(slots written); ``gather`` and
+``gather_heads`` O(tokens gathered); growth amortised O(1) per block.
 """
 
 from __future__ import annotations
@@ -78,6 +89,15 @@ class BlockStorage(Protocol[ArrayT]):
     def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> ArrayT:
         """The first ``n_tokens`` slots of ``blocks`` in ``layer``, in order, as one array
         of shape ``(n_tokens, n_kv_heads, head_dim)``; never changed by later writes.
+        """
+        ...
+
+    def gather_heads(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> ArrayT:
+        """The same slots as :meth:`gather`, head-major: shape ``(n_kv_heads, n_tokens,
+        head_dim)``, equal to ``gather(...)`` transposed; never changed by later writes.
+
+        The layout attention reads, so a KV cache can hand it over without a copy.
+        Raises as :meth:`gather` does.
         """
         ...
 

@@ -23,9 +23,10 @@ few lines of its own, the way ``zarr.testing`` serves store authors::
 
 :class:`StorageConformance` holds one test per rule of the protocol (round
 trips, distinct ids never sharing storage, gathered arrays never changing,
-lazy ones included, bad writes refused without effect, geometric growth
-that keeps data, shrinkage that gives memory back, concurrent writers, and
-canned traces through the aliasing replay). :func:`random_trace_test` builds
+lazy ones included, ``gather_heads`` agreeing with ``gather``, bad writes
+refused without effect, geometric growth that keeps data, shrinkage that
+gives memory back, concurrent writers, and canned traces through the
+aliasing replay). :func:`random_trace_test` builds
 a Hypothesis test that replays random traces of every pool and store
 operation through :class:`~veloxquant_mlx.testing.aliasing.AliasingReplay`;
 a failing example is printed as a JSON-lines trace (and saved when the
@@ -186,6 +187,12 @@ class StorageConformance(Generic[ArrayT]):
             n = len(blocks) * store.pool.config.block_size
         return self.backend.to_numpy(store.gather(layer, blocks, n))
 
+    def read_heads(
+        self, store: BlockStorage[ArrayT], layer: int, blocks: Sequence[Block], n: int
+    ) -> Values:
+        """``gather_heads`` evaluated to NumPy: ``(n_kv_heads, n, head_dim)``."""
+        return self.backend.to_numpy(store.gather_heads(layer, blocks, n))
+
     def fill(self, store: BlockStorage[ArrayT], blocks: Sequence[Block]) -> dict[int, Values]:
         """Write distinct values into every slot of ``blocks`` in layer 0; return them by id."""
         block_size = store.pool.config.block_size
@@ -282,6 +289,79 @@ class StorageConformance(Generic[ArrayT]):
         self.write(store, 0, blocks[0], self.tokens(4, first=800))
         expected = np.concatenate([written[block.block_id] for block in blocks])
         np.testing.assert_array_equal(self.backend.to_numpy(lazy), expected)
+
+    # -- head-major gathers -------------------------------------------------------------
+
+    @pytest.mark.parametrize("n_tokens", [0, 1, 5, 12])
+    def test_gather_heads_is_gather_transposed(self, n_tokens: int) -> None:
+        pool, store = self.make(block_size=4)
+        blocks = pool.allocate("kv", 12, owner=1)
+        self.fill(store, blocks)
+        for layer, order in ((0, [blocks[2], blocks[0], blocks[1]]), (1, blocks)):
+            heads = self.read_heads(store, layer, order, n_tokens)
+            assert heads.shape == (self.spec.n_kv_heads, n_tokens, self.spec.head_dim)
+            np.testing.assert_array_equal(
+                heads, self.read(store, layer, order, n_tokens).transpose(1, 0, 2)
+            )
+
+    def test_gather_heads_of_no_blocks_is_empty(self) -> None:
+        _, store = self.make()
+        heads, head_dim = store.slot_shape
+        assert self.read_heads(store, 0, [], 0).shape == (heads, 0, head_dim)
+
+    def test_gather_heads_keeps_its_values_through_writes_frees_growth_and_shrink(self) -> None:
+        pool, store = self.make(n_blocks=2, grow=True)
+        blocks = pool.allocate("kv", 8, owner=1)
+        written = self.fill(store, blocks)
+        lazy = store.gather_heads(0, blocks, 7)  # not evaluated until the very end
+        self.write(store, 0, blocks[1], self.tokens(4, first=700))
+        grown = pool.allocate("kv", 16, owner=2)  # growth re-lays out a head-major slab
+        self.fill(store, grown)
+        pool.free_all(2)
+        pool.shrink("kv", 0)
+        store.sync()
+        self.write(store, 0, blocks[0], self.tokens(4, first=800))
+        expected = np.concatenate([written[block.block_id] for block in blocks])[:7]
+        np.testing.assert_array_equal(self.backend.to_numpy(lazy), expected.transpose(1, 0, 2))
+
+    def test_gather_heads_after_growth_and_shrink_matches_what_was_written(self) -> None:
+        pool, store = self.make(n_blocks=2, grow=True)
+        kept = pool.allocate("kv", 8, owner=1)
+        written = self.fill(store, kept)
+        written.update(self.fill(store, pool.allocate("kv", 24, owner=2)))
+        everything = _live_blocks(pool)
+        expected = np.concatenate([written[block.block_id] for block in everything])
+        np.testing.assert_array_equal(
+            self.read_heads(store, 0, everything, len(expected)), expected.transpose(1, 0, 2)
+        )
+        pool.free_all(2)
+        pool.shrink("kv", 0)
+        expected = np.concatenate([written[block.block_id] for block in kept])
+        np.testing.assert_array_equal(
+            self.read_heads(store, 0, kept, 8), expected.transpose(1, 0, 2)
+        )
+
+    @pytest.mark.parametrize("method", ["gather", "gather_heads"])
+    def test_gathers_reject_a_freed_handle_among_live_ones(self, method: str) -> None:
+        pool, store = self.make()
+        live, freed = pool.allocate("kv", 8, owner=1)
+        pool.free([freed])
+        with pytest.raises(ValueError):
+            getattr(store, method)(0, [live, freed], 5)
+
+    @pytest.mark.parametrize("method", ["gather", "gather_heads"])
+    def test_gathers_reject_a_non_block(self, method: str) -> None:
+        pool, store = self.make()
+        [live] = pool.allocate("kv", 4, owner=1)
+        with pytest.raises(TypeError):
+            getattr(store, method)(0, [live, live.block_id], 5)
+
+    @pytest.mark.parametrize("n_tokens", [-1, 9])
+    def test_gather_heads_rejects_n_tokens_outside_the_blocks(self, n_tokens: int) -> None:
+        pool, store = self.make(block_size=4)
+        blocks = pool.allocate("kv", 8, owner=1)
+        with pytest.raises(ValueError):
+            store.gather_heads(0, blocks, n_tokens)
 
     # -- refused writes and reads --------------------------------------------------------
 
