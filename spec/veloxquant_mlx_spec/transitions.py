@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from veloxquant_mlx_spec.invariants import all_invariants_hold  # noqa: F401 -- PEP 316 conditions
 from veloxquant_mlx_spec.model import (
     BlockId,
     Err,
@@ -115,9 +114,7 @@ def allocate(
 ) -> tuple[PoolState, tuple[HandleId, ...] | Err]:
     """`allocate(...)`: ceil(n_tokens / block_size) blocks, popped from the top, then grown.
 
-    pre: all_invariants_hold(state)
-    post: all_invariants_hold(__return__[0])
-    post: isinstance(__return__[1], Err) or len(__return__[1]) * state.config.block_size >= n_tokens
+    Preserves every invariant (checked from new_pool by crosshair_drivers).
     """
     s = storage_stream(state, stream)
     if isinstance(s, Err):
@@ -192,8 +189,7 @@ def free(
 ) -> tuple[PoolState, Err | None]:
     """`free(blocks)`: all items checked first; each must be a live handle, listed once.
 
-    pre: all_invariants_hold(state)
-    post: all_invariants_hold(__return__[0])
+    Preserves every invariant (checked from new_pool by crosshair_drivers).
     """
     if isinstance(blocks, NotAList):
         return state, Err(ErrorKind.TYPE, "blocks must be a list or tuple of Block")
@@ -209,8 +205,7 @@ def free(
 def free_all(state: PoolState, owner: object) -> tuple[PoolState, Err | None]:
     """`free_all(owner)`: frees the owner's blocks in allocation order; always releases it.
 
-    pre: all_invariants_hold(state)
-    post: all_invariants_hold(__return__[0])
+    Preserves every invariant (checked from new_pool by crosshair_drivers).
     """
     if not is_int(owner):
         return state, _owner_type_error(owner)
@@ -225,9 +220,7 @@ def free_all(state: PoolState, owner: object) -> tuple[PoolState, Err | None]:
 def shrink(state: PoolState, stream: object, target_free: object) -> tuple[PoolState, int | Err]:
     """`shrink(stream, target_free)`: retires free blocks, highest id first; returns the count.
 
-    pre: all_invariants_hold(state)
-    post: all_invariants_hold(__return__[0])
-    post: isinstance(__return__[1], Err) or __return__[1] >= 0
+    Preserves every invariant (checked from new_pool by crosshair_drivers).
     """
     s = storage_stream(state, stream)
     if isinstance(s, Err):
@@ -253,9 +246,7 @@ def mark_used(state: PoolState, block: HandleRef, n_used: object) -> tuple[PoolS
     A `ForeignBlock` with owner None is accepted and changes no state: the
     harness sets that object's n_used itself. Never adds a history snapshot.
 
-    pre: all_invariants_hold(state)
-    post: all_invariants_hold(__return__[0])
-    post: __return__[0].history == state.history
+    Preserves every invariant (checked from new_pool by crosshair_drivers).
     """
     if isinstance(block, NotABlock):
         return state, Err(ErrorKind.TYPE, "block must be a Block")

@@ -30,6 +30,10 @@ def require_int(name: str, value: object, *, minimum: int | None = None) -> int:
     Raises:
         TypeError: ``value`` is not an ``int``, or is a ``bool``.
         ValueError: ``value`` is below ``minimum``.
+
+    raises: TypeError, ValueError
+    post: __return__ is value and not isinstance(__return__, bool)
+    post: minimum is None or __return__ >= minimum
     """
     expected = "an int" if minimum is None else f"an int >= {minimum}"
     if not isinstance(value, int) or isinstance(value, bool):
@@ -40,7 +44,11 @@ def require_int(name: str, value: object, *, minimum: int | None = None) -> int:
 
 
 def require_bool(name: str, value: object) -> bool:
-    """Return ``value`` if it is a ``bool``; raise ``TypeError`` otherwise."""
+    """Return ``value`` if it is a ``bool``; raise ``TypeError`` otherwise.
+
+    raises: TypeError
+    post: __return__ is value and isinstance(__return__, bool)
+    """
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be a bool, got {value!r} ({type(value).__name__})")
     return value
@@ -52,6 +60,9 @@ def require_format(value: object) -> str:
     Raises:
         TypeError: ``value`` is not a ``str``.
         ValueError: ``value`` is the empty string.
+
+    raises: TypeError, ValueError
+    post: __return__ is value and isinstance(__return__, str) and __return__ != ""
     """
     if not isinstance(value, str):
         raise TypeError(f"format must be a non-empty str, got {value!r} ({type(value).__name__})")
@@ -73,6 +84,9 @@ def resolve_stream(stream: object, free_list_names: Mapping[str, str]) -> str:
 
     Raises:
         ValueError: ``stream`` is not one of the accepted names (of any type).
+
+    raises: ValueError
+    post: isinstance(stream, str) and __return__ == free_list_names[stream]
     """
     if isinstance(stream, str):
         resolved = free_list_names.get(stream)
