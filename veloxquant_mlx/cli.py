@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from veloxquant_mlx import __version__
 from veloxquant_mlx.simulate import command as simulate_command
 from veloxquant_mlx.simulate import options as simulate_options
+from veloxquant_mlx.stress import cli as stress_command
 
 PROG = "veloxquant-mlx"
 
@@ -52,6 +53,14 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         add_arguments=simulate_options.add_arguments,
         validate=simulate_options.validate,
         run=simulate_command.run,
+    ),
+    Subcommand(
+        name="stress",
+        summary=stress_command.SUMMARY,
+        description=stress_command.DESCRIPTION,
+        add_arguments=stress_command.add_arguments,
+        validate=stress_command.validate,
+        run=stress_command.run,
     ),
 )
 

@@ -1,0 +1,243 @@
+"""Options of a stress run, the operation mix, and the named profiles (smoke, nightly).
+
+:class:`StressConfig` holds everything a run needs; :func:`profile` returns
+the preset of a profile, which command-line options then override:
+
+- ``smoke``: the CI run. 4 threads, 8,000 calls, a small growing pool, the
+  shortest GIL switch interval; well under 60 seconds with its checks.
+- ``nightly``: 8 threads for 10 minutes on a larger pool, the same checks.
+
+Complexity: O(1). Thread safety: immutable values.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from types import MappingProxyType
+from typing import Final, Literal
+
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.testing.traces import StoreSpec
+
+__all__ = [
+    "DEFAULT_MIX",
+    "OPERATION_KINDS",
+    "PROFILES",
+    "OperationMix",
+    "StressConfig",
+    "default_out_dir",
+    "profile",
+]
+
+#: Every kind of call a worker makes, as named in the mix and the report.
+OPERATION_KINDS: Final = (
+    "allocate",
+    "free",
+    "free_all",
+    "shrink",
+    "mark_used",
+    "register_owner",
+    "release_owner",
+    "stats",
+    "prometheus",
+    "history",
+    "n_free",
+    "blocks_for",
+    "is_live",
+    "id_bound",
+    "write",
+    "read",
+)
+
+#: Relative weights of the default mix: mostly allocation and freeing, every call present.
+DEFAULT_MIX: Final = MappingProxyType(
+    {
+        "allocate": 24,
+        "free": 14,
+        "free_all": 6,
+        "shrink": 3,
+        "mark_used": 12,
+        "register_owner": 3,
+        "release_owner": 3,
+        "stats": 5,
+        "prometheus": 2,
+        "history": 1,
+        "n_free": 4,
+        "blocks_for": 5,
+        "is_live": 4,
+        "id_bound": 2,
+        "write": 6,
+        "read": 6,
+    }
+)
+
+StorageName = Literal["mlx", "numpy", "none"]
+
+
+@dataclass(frozen=True)
+class OperationMix:
+    """Relative weights of the kinds of call; a kind of weight 0 is never made.
+
+    Invariant: every key is in :data:`OPERATION_KINDS`, every weight ``>= 0``,
+    and at least one weight is positive.
+    """
+
+    weights: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_MIX))
+
+    def __post_init__(self) -> None:
+        unknown = sorted(set(self.weights) - set(OPERATION_KINDS))
+        if unknown:
+            raise ValueError(
+                f"unknown operation kind(s) {unknown}; expected some of {OPERATION_KINDS}"
+            )
+        for kind, weight in self.weights.items():
+            if type(weight) is not int or weight < 0:
+                raise ValueError(f"the weight of {kind!r} must be an int >= 0, got {weight!r}")
+        if not any(self.weights.values()):
+            raise ValueError("at least one operation kind needs a positive weight")
+
+    @classmethod
+    def parse(cls, text: str) -> OperationMix:
+        """``"allocate=30,free=10,shrink=0"``: the default mix with those weights changed.
+
+        Raises:
+            ValueError: An item is not ``kind=int``, or the result is invalid.
+        """
+        weights = dict(DEFAULT_MIX)
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            kind, sep, value = item.partition("=")
+            if not sep or not value.strip().isdigit():
+                raise ValueError(f"a mix item must be kind=weight (an int >= 0), got {item!r}")
+            weights[kind.strip()] = int(value)
+        return cls(weights)
+
+    def without(self, *kinds: str) -> OperationMix:
+        """This mix with ``kinds`` turned off."""
+        return OperationMix({k: 0 if k in kinds else w for k, w in self.weights.items()})
+
+    def text(self) -> str:
+        """The mix in the form :meth:`parse` reads."""
+        return ",".join(f"{kind}={weight}" for kind, weight in self.weights.items())
+
+
+#: A pool small enough that threads collide on its blocks, that grows and runs out.
+SMALL_POOL: Final = PoolConfig(
+    block_size=4, n_blocks=24, separate_kv=True, grow_on_exhaustion=True, max_blocks=40
+)
+#: A store shape small enough that replaying every call on it stays fast.
+SMALL_STORE: Final = StoreSpec(n_layers=2, n_kv_heads=1, head_dim=2, dtype="float32")
+
+AllocatorFactory = Callable[[PoolConfig, int], BlockPoolAllocator]
+"""Builds the pool under test from its config and ``history_len``."""
+
+
+def _default_allocator(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
+    return BlockPoolAllocator(config, history_len=history_len)
+
+
+@dataclass(frozen=True)
+class StressConfig:
+    """Everything one stress run needs. Stop after ``ops`` calls or ``duration`` seconds.
+
+    Attributes:
+        profile: Name shown in the report (``smoke``, ``nightly`` or ``custom``).
+        threads: Worker threads sharing the pool and the store.
+        ops: Stop once this many calls were made (all threads), if set.
+        duration: Stop after this many seconds, if set.
+        seed: Seeds every thread's choices (the interleaving is the OS's).
+        pool: The shared pool's configuration.
+        history_len: The pool's ``history_len`` (small: it is part of every spec state).
+        mix: Relative weights of the kinds of call.
+        window_ops: Calls per thread between two barriers, i.e. quiescent points.
+        switch_interval: ``sys.setswitchinterval`` for the run; ``None`` leaves it.
+        check_interval: Seconds between ``check_invariants()`` calls; 0 disables them.
+        progress_interval: Seconds between progress lines; 0 disables them.
+        stall_timeout: Seconds without progress after which the run is a deadlock.
+        storage: The store the workers share: ``mlx``, ``numpy`` or ``none``.
+        store: Shape of that store (and of the replay's).
+        replay_backend: Store the linearized history is replayed on (``none``: skip).
+        search_budget: Configurations one window's linearizability search may expand.
+        max_queued_windows: Windows recorded but not yet checked before workers wait.
+        out_dir: Where the report, trace and reproducers go (``None``: nowhere).
+        allocator_factory: Builds the pool under test (tests plant bugs here).
+    """
+
+    profile: str = "custom"
+    threads: int = 4
+    ops: int | None = 8_000
+    duration: float | None = None
+    seed: int = 0
+    pool: PoolConfig = SMALL_POOL
+    history_len: int = 4
+    mix: OperationMix = field(default_factory=OperationMix)
+    window_ops: int = 24
+    switch_interval: float | None = 1e-6
+    check_interval: float = 0.02
+    progress_interval: float = 1.0
+    stall_timeout: float = 30.0
+    storage: StorageName = "mlx"
+    store: StoreSpec = SMALL_STORE
+    replay_backend: StorageName = "mlx"
+    search_budget: int = 200_000
+    max_queued_windows: int = 16
+    out_dir: Path | None = None
+    allocator_factory: AllocatorFactory = _default_allocator
+
+    def __post_init__(self) -> None:
+        if self.threads < 1:
+            raise ValueError(f"threads must be >= 1, got {self.threads}")
+        if self.ops is None and self.duration is None:
+            raise ValueError("a run needs a limit: ops, duration, or both")
+        if self.ops is not None and self.ops < 1:
+            raise ValueError(f"ops must be >= 1, got {self.ops}")
+        if self.duration is not None and self.duration <= 0:
+            raise ValueError(f"duration must be > 0 seconds, got {self.duration}")
+        if self.window_ops < 1:
+            raise ValueError(f"window_ops must be >= 1, got {self.window_ops}")
+        if self.history_len < 0:
+            raise ValueError(f"history_len must be >= 0, got {self.history_len}")
+
+    def with_options(self, **changes: object) -> StressConfig:
+        """A copy with some fields changed (validated again)."""
+        return replace(self, **changes)  # type: ignore[arg-type]  # checked by __post_init__
+
+
+PROFILES: Final[Mapping[str, StressConfig]] = MappingProxyType(
+    {
+        "smoke": StressConfig(profile="smoke"),
+        "nightly": StressConfig(
+            profile="nightly",
+            threads=8,
+            ops=None,
+            duration=600.0,
+            pool=PoolConfig(
+                block_size=4, n_blocks=48, separate_kv=True, grow_on_exhaustion=True, max_blocks=80
+            ),
+            window_ops=32,
+            check_interval=0.1,
+            progress_interval=10.0,
+            stall_timeout=120.0,
+            search_budget=1_000_000,
+        ),
+    }
+)
+
+
+def default_out_dir(profile_name: str) -> Path:
+    """``reports/stress-PROFILE-YYYYmmdd-HHMMSS``, under the current directory."""
+    return Path("reports") / f"stress-{profile_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+
+
+def profile(name: str) -> StressConfig:
+    """The preset of profile ``name``.
+
+    Raises:
+        ValueError: No such profile.
+    """
+    try:
+        return PROFILES[name]
+    except KeyError:
+        raise ValueError(f"profile must be one of {sorted(PROFILES)}, got {name!r}") from None

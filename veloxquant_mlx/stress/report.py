@@ -1,0 +1,184 @@
+"""The outcome of a stress run: a JSON report for machines and a summary for people.
+
+:class:`StressReport` holds what the run did (calls per kind, per second,
+errors by kind), what was checked (invariant checks, windows and calls of
+the history checked for linearizability, calls replayed on storage, the
+conservation audit) and every :class:`Finding`. :attr:`StressReport.ok` is
+false iff there is a finding; the command's exit status follows it.
+
+JSON keys (``report_to_json``; ``schema`` is bumped when one changes meaning):
+``schema, ok, profile, seed, threads, python, pool, history_len, mix,
+window_ops, switch_interval, wall_seconds, operations, operations_per_second,
+operations_by_kind{kind: {count, per_second, errors{kind: n}}},
+errors_by_kind, invariant_checks, histories_checked{windows, events,
+configurations, max_end_states, largest_window, inconclusive_window,
+events_not_checked},
+replay{backend, ops_replayed, ops_written, trace}, conservation{problems},
+violations[{kind, message, path}]``.
+
+Complexity: O(kinds + findings). Thread safety: immutable once built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import platform
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Final
+
+from veloxquant_mlx.memory.block_pool import PoolConfig
+
+__all__ = ["SCHEMA_VERSION", "Finding", "StressReport", "python_description", "summary_text"]
+
+SCHEMA_VERSION: Final = 1
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One violation: its kind (``linearizability``, ``invariant``, ``storage``,
+    ``replay``, ``conservation``, ``deadlock``, ``crash``), what broke, and the
+    reproducer file, if one was written."""
+
+    kind: str
+    message: str
+    path: str | None = None
+
+
+def python_description() -> dict[str, object]:
+    """The interpreter: version, implementation, and whether the GIL is on."""
+    is_gil_enabled = getattr(sys, "_is_gil_enabled", None)
+    return {
+        "version": platform.python_version(),
+        "implementation": platform.python_implementation(),
+        "gil_enabled": True if is_gil_enabled is None else bool(is_gil_enabled()),
+    }
+
+
+@dataclass(frozen=True)
+class StressReport:
+    """Everything a finished run reports (see the module docstring for the JSON keys)."""
+
+    profile: str
+    seed: int
+    threads: int
+    pool: PoolConfig
+    history_len: int
+    mix: str
+    window_ops: int
+    switch_interval: float | None
+    wall_seconds: float
+    calls_by_kind: Mapping[str, int]
+    errors_by_call_kind: Mapping[str, Mapping[str, int]]
+    invariant_checks: int
+    histories_checked: Mapping[str, int | None]
+    replay: Mapping[str, object]
+    conservation_problems: tuple[str, ...]
+    findings: tuple[Finding, ...]
+    python: Mapping[str, object] = field(default_factory=python_description)
+
+    @property
+    def ok(self) -> bool:
+        """True iff nothing was found."""
+        return not self.findings
+
+    @property
+    def operations(self) -> int:
+        """Calls made on the pool and the store, all threads."""
+        return sum(self.calls_by_kind.values())
+
+    def errors_by_kind(self) -> dict[str, int]:
+        """How many calls raised each error class, whatever the call."""
+        totals: dict[str, int] = {}
+        for errors in self.errors_by_call_kind.values():
+            for kind, count in errors.items():
+                totals[kind] = totals.get(kind, 0) + count
+        return dict(sorted(totals.items()))
+
+    def per_second(self, count: int) -> float:
+        """``count`` over the run's wall time."""
+        return round(count / self.wall_seconds, 1) if self.wall_seconds > 0 else 0.0
+
+    def to_json(self) -> dict[str, object]:
+        """The report as plain JSON data."""
+        return {
+            "schema": SCHEMA_VERSION,
+            "ok": self.ok,
+            "profile": self.profile,
+            "seed": self.seed,
+            "threads": self.threads,
+            "python": dict(self.python),
+            "pool": dataclasses.asdict(self.pool),
+            "history_len": self.history_len,
+            "mix": self.mix,
+            "window_ops": self.window_ops,
+            "switch_interval": self.switch_interval,
+            "wall_seconds": round(self.wall_seconds, 3),
+            "operations": self.operations,
+            "operations_per_second": self.per_second(self.operations),
+            "operations_by_kind": {
+                kind: {
+                    "count": count,
+                    "per_second": self.per_second(count),
+                    "errors": dict(sorted(self.errors_by_call_kind.get(kind, {}).items())),
+                }
+                for kind, count in sorted(self.calls_by_kind.items())
+            },
+            "errors_by_kind": self.errors_by_kind(),
+            "invariant_checks": self.invariant_checks,
+            "histories_checked": dict(self.histories_checked),
+            "replay": dict(self.replay),
+            "conservation": {"problems": list(self.conservation_problems)},
+            "violations": [dataclasses.asdict(finding) for finding in self.findings],
+        }
+
+
+def summary_text(report: StressReport) -> str:
+    """A few lines for a person: what ran, what was checked, and any violation."""
+    python = report.python
+    gil = "GIL" if python.get("gil_enabled") else "free-threaded"
+    checked = report.histories_checked
+    lines = [
+        f"stress {report.profile}: {'OK' if report.ok else 'FAILED'}",
+        f"  Python {python.get('version')} ({gil}), {report.threads} threads, seed "
+        f"{report.seed}, {report.wall_seconds:.1f} s",
+        f"  pool: {report.pool}",
+        f"  calls: {report.operations:,} ({report.per_second(report.operations):,.0f}/s)",
+    ]
+    for kind, count in sorted(report.calls_by_kind.items(), key=lambda item: -item[1]):
+        errors = report.errors_by_call_kind.get(kind, {})
+        error_text = ", ".join(f"{name} {n}" for name, n in sorted(errors.items()))
+        lines.append(
+            f"    {kind:<15}{count:>9,}  {report.per_second(count):>9,.0f}/s"
+            + (f"   errors: {error_text}" if error_text else "")
+        )
+    lines += [
+        f"  invariant checks: {report.invariant_checks:,}",
+        f"  linearizability: {checked.get('windows', 0):,} windows, "
+        f"{checked.get('events', 0):,} calls checked, {checked.get('configurations', 0):,} "
+        f"configurations; largest window {checked.get('largest_window', 0)} calls, at most "
+        f"{checked.get('max_end_states', 0)} possible states at a cut",
+    ]
+    if checked.get("inconclusive_window") is not None:
+        lines.append(
+            f"    search budget exhausted in window {checked['inconclusive_window']}: "
+            f"{checked.get('events_not_checked', 0):,} calls not checked (not a violation)"
+        )
+    replay = report.replay
+    lines.append(
+        f"  replay on {replay.get('backend')}: {replay.get('ops_replayed', 0):,} ops replayed, "
+        f"{replay.get('ops_written', 0):,} written to {replay.get('trace') or '(no file)'}"
+    )
+    lines.append(
+        "  conservation: "
+        + (
+            "ok"
+            if not report.conservation_problems
+            else f"{len(report.conservation_problems)} problems"
+        )
+    )
+    for finding in report.findings:
+        where = f" (reproducer: {finding.path})" if finding.path else ""
+        lines.append(f"VIOLATION [{finding.kind}]{where}: {finding.message}")
+    return "\n".join(lines)
