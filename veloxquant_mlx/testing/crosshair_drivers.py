@@ -68,6 +68,7 @@ from veloxquant_mlx.testing.operations import (
     RegisterOwner,
     ReleaseOwner,
     Shrink,
+    apply_to_spec,
 )
 from veloxquant_mlx_spec import invariants, model, transitions
 
@@ -212,24 +213,6 @@ def _fresh(config_code: int) -> model.PoolState:
     return state
 
 
-def _step(state: model.PoolState, operation: Operation) -> tuple[model.PoolState, object]:
-    """Apply ``operation`` to the spec state only: the new state and the call's result."""
-    op = operation
-    if isinstance(op, Allocate):
-        return transitions.allocate(state, op.stream, op.n_tokens, op.owner, op.format)
-    if isinstance(op, Free):
-        return transitions.free(state, op.blocks)
-    if isinstance(op, FreeAll):
-        return transitions.free_all(state, op.owner)
-    if isinstance(op, RegisterOwner):
-        return transitions.register_owner(state, op.owner)
-    if isinstance(op, ReleaseOwner):
-        return transitions.release_owner(state, op.owner)
-    if isinstance(op, Shrink):
-        return transitions.shrink(state, op.stream, op.target_free)
-    return transitions.mark_used(state, op.block, op.n_used)
-
-
 def _keeps_its_promise(
     before: model.PoolState, operation: Operation, after: model.PoolState, result: object
 ) -> bool:
@@ -265,7 +248,7 @@ def spec_replay_keeps_invariants(codes: list[int], config_code: int) -> bool:
     state = _fresh(config_code)
     for code in codes:
         operation = decode(code, len(state.handles))
-        after, result = _step(state, operation)
+        after, result = apply_to_spec(state, operation)
         if not invariants.all_invariants_hold(after):
             return False
         if not _keeps_its_promise(state, operation, after, result):
@@ -333,7 +316,7 @@ def spec_exhaustion_changes_only_its_counter(codes: list[int], config_code: int)
     """
     state = _fresh(config_code)
     for code in codes:
-        state = _step(state, decode(code, len(state.handles)))[0]
+        state = apply_to_spec(state, decode(code, len(state.handles)))[0]
     after, result = transitions.allocate(state, "k", 7, 0)
     if not (isinstance(result, model.Err) and result.kind is model.ErrorKind.EXHAUSTED):
         return True

@@ -38,6 +38,7 @@ from veloxquant_mlx.testing.operations import (
     RegisterOwner,
     ReleaseOwner,
     Shrink,
+    apply_to_spec,
 )
 from veloxquant_mlx_spec import invariants, model, transitions
 
@@ -152,20 +153,8 @@ class Lockstep:
         return actual
 
     def _predict(self, op: Operation) -> tuple[model.PoolState, object]:
-        state = self.state
-        if isinstance(op, Allocate):
-            return transitions.allocate(state, op.stream, op.n_tokens, op.owner, op.format)
-        if isinstance(op, Free):
-            return transitions.free(state, op.blocks)
-        if isinstance(op, FreeAll):
-            return transitions.free_all(state, op.owner)
-        if isinstance(op, RegisterOwner):
-            return transitions.register_owner(state, op.owner)
-        if isinstance(op, ReleaseOwner):
-            return transitions.release_owner(state, op.owner)
-        if isinstance(op, Shrink):
-            return transitions.shrink(state, op.stream, op.target_free)
-        return transitions.mark_used(state, op.block, op.n_used)
+        """The spec's side of ``op`` (a seam: the exhaustive checker observes it)."""
+        return apply_to_spec(self.state, op)
 
     def _run(self, op: Operation) -> tuple[Any, BaseException | None]:
         try:

@@ -9,6 +9,9 @@ argument is a *reference* the runner resolves against its own handles
 (the spec's ``HandleRef``): a checkout serial number, a foreign block, or
 something that is not a block at all.
 
+``apply_to_spec`` is the one place that maps an operation to the spec's
+transition.
+
 Complexity: construction O(1). Thread safety: immutable values.
 """
 
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from veloxquant_mlx_spec import model, transitions
 from veloxquant_mlx_spec.model import ForeignBlock, HandleRef, NotABlock, NotAList
 
 __all__ = [
@@ -31,6 +35,7 @@ __all__ = [
     "RegisterOwner",
     "ReleaseOwner",
     "Shrink",
+    "apply_to_spec",
 ]
 
 
@@ -90,3 +95,20 @@ class MarkUsed:
 
 
 Operation = Allocate | Free | FreeAll | RegisterOwner | ReleaseOwner | Shrink | MarkUsed
+
+
+def apply_to_spec(state: model.PoolState, op: Operation) -> tuple[model.PoolState, object]:
+    """The spec's transition for ``op``: the state after it, and its result or ``Err``."""
+    if isinstance(op, Allocate):
+        return transitions.allocate(state, op.stream, op.n_tokens, op.owner, op.format)
+    if isinstance(op, Free):
+        return transitions.free(state, op.blocks)
+    if isinstance(op, FreeAll):
+        return transitions.free_all(state, op.owner)
+    if isinstance(op, RegisterOwner):
+        return transitions.register_owner(state, op.owner)
+    if isinstance(op, ReleaseOwner):
+        return transitions.release_owner(state, op.owner)
+    if isinstance(op, Shrink):
+        return transitions.shrink(state, op.stream, op.target_free)
+    return transitions.mark_used(state, op.block, op.n_used)
