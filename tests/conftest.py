@@ -221,3 +221,23 @@ def populated() -> PopulatedPool:
     other_pool = make_pool(block_size=4, n_blocks=12)
     foreign = other_pool.allocate("k", 4, owner=1, format="int2")[0]
     return PopulatedPool(pool, other_pool, owner1, owner2, stale, foreign)
+
+
+# The exhaustive checker's CI-depth tests record "states / transitions" lines as
+# user properties; print them at the end of the run (also under xdist, where a
+# passing test's own output is never shown).
+_EXHAUSTIVE_COVERAGE: list[str] = []
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if report.when == "call":
+        _EXHAUSTIVE_COVERAGE.extend(
+            str(value) for key, value in report.user_properties if key == "exhaustive"
+        )
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if _EXHAUSTIVE_COVERAGE:
+        terminalreporter.section("exhaustive check coverage")
+        for line in sorted(_EXHAUSTIVE_COVERAGE):
+            terminalreporter.write_line(line)

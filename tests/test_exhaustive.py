@@ -1,0 +1,233 @@
+"""The small-scope exhaustive checker: the allocator passes it, and it has teeth.
+
+Every operation sequence up to the CI depth, on every scope, runs in
+lockstep with the spec (one test per scope, so ``pytest -n auto`` spreads
+them). Allocators with planted bugs fail it, and the sequence it reports is
+a shortest one: exploring one letter less finds nothing shorter.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections.abc import Callable
+
+import pytest
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.testing.exhaustive import (
+    PROFILE_DEPTHS,
+    SCOPES,
+    Scope,
+    canonical_key,
+    default_factory,
+    explore,
+    main,
+)
+from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError, Lockstep
+from veloxquant_mlx.testing.operations import Allocate, Free, Operation, RegisterOwner, Shrink
+from veloxquant_mlx_spec import model
+
+SEPARATE_4 = next(scope for scope in SCOPES if scope.name == "separate-4")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", SCOPES, ids=[scope.name for scope in SCOPES])
+def test_every_sequence_up_to_the_ci_depth_conforms(
+    scope: Scope, record_property: Callable[[str, object], None]
+) -> None:
+    result = explore(scope, PROFILE_DEPTHS["ci"])
+    print(result.summary())
+    record_property("exhaustive", result.summary())
+    assert result.counterexample is None, str(result.counterexample)
+    assert result.states > 1_000
+    assert len(result.new_states_per_depth) == PROFILE_DEPTHS["ci"]
+
+
+# ---- planted bugs ------------------------------------------------------------------
+
+
+class _FreeCountsBlocks(BlockPoolAllocator):
+    """Planted bug: n_frees counts blocks instead of calls (the upstream's bug)."""
+
+    def free(self, blocks: list[Block]) -> None:
+        super().free(blocks)
+        with self._lock:
+            self._stats.n_frees += max(0, len(blocks) - 1)
+
+
+class _FreeListIsFifo(BlockPoolAllocator):
+    """Planted bug: after free(), the lowest free id is reused first, not the last freed."""
+
+    def free(self, blocks: list[Block]) -> None:
+        streams = {block.stream for block in blocks if isinstance(block, Block)}
+        super().free(blocks)
+        with self._lock:
+            for stream in streams & set(self._free_lists):
+                free_list = self._free_lists[stream]
+                free_list[:] = sorted(free_list, reverse=True)
+
+
+class _ShrinkRetiresLowestIds(BlockPoolAllocator):
+    """Planted bug: shrink() retires the lowest free ids, so the slab cannot shrink."""
+
+    def shrink(self, stream: str, target_free: int) -> int:
+        valid = type(target_free) is int and target_free >= 0 and stream in self._stream_names
+        with self._lock:
+            free_list = self._free_lists[self._stream_names[stream]] if valid else []
+            n_to_retire = len(free_list) - target_free
+            if not valid or n_to_retire <= 0:
+                return 0 if valid else super().shrink(stream, target_free)  # raises
+            retiring = set(heapq.nsmallest(n_to_retire, free_list))
+            free_list[:] = [block_id for block_id in free_list if block_id not in retiring]
+            for block_id in retiring:
+                heapq.heappush(self._retired_ids, block_id)
+            self._retired_set.update(retiring)
+            while self._id_bound and self._id_bound - 1 in self._retired_set:
+                self._id_bound -= 1
+            self._stats.n_blocks -= n_to_retire
+            self._stats.n_retired += n_to_retire
+            self._record_history()
+            return n_to_retire
+
+
+class _EmptyFreeCountsAFree(BlockPoolAllocator):
+    """Planted bug: free([]) counts as a free, though it frees nothing."""
+
+    def free(self, blocks: list[Block]) -> None:
+        super().free(blocks)
+        if isinstance(blocks, list | tuple) and not blocks:
+            with self._lock:
+                self._stats.n_frees += 1
+
+
+class _GrowthIgnoresCap(BlockPoolAllocator):
+    """Planted bug: max_blocks is off by one (as in test_conformance)."""
+
+    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+        config = self.config
+        if config.grow_on_exhaustion and config.max_blocks is not None:
+            object.__setattr__(config, "max_blocks", config.max_blocks + 1)
+            try:
+                return super().allocate(stream, n_tokens, owner, format)
+            finally:
+                object.__setattr__(config, "max_blocks", config.max_blocks - 1)
+        return super().allocate(stream, n_tokens, owner, format)
+
+
+def _factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:
+    return lambda config, history_len: cls(config, history_len=history_len)
+
+
+# Each bug, a pool, and the shortest sequence that exposes the bug there:
+# - counting blocks: a two-block free is the first call where blocks != calls;
+# - FIFO: two single frees must leave the higher id on top, and only an
+#   allocation shows which id is on top. That state is merged into the one
+#   reached by free() then free_all(), which the bug does not touch, so it is
+#   the merge probe's allocation of every free block that exposes it;
+# - lowest ids: shrinking "v" (ids 2, 3) to one block must lower id_bound to 3;
+# - empty free: free([]) is a no-op, checked on the fresh pool;
+# - cap: the pool starts empty with a cap of 3; two 2-block allocations need
+#   4 blocks, so the second must be refused.
+PLANTED_BUGS = [
+    (_FreeCountsBlocks, "separate-4", [Allocate("k", 3, 0, "fp16"), Free((1, 0))]),
+    (
+        _FreeListIsFifo,
+        "separate-4",
+        [Allocate("k", 3, 0, "fp16"), Free((0,)), Free((1,)), Allocate("k", 4, 0, "fp16")],
+    ),
+    (_ShrinkRetiresLowestIds, "separate-4", [Shrink("v", 1)]),
+    (_EmptyFreeCountsAFree, "shared-4", [Free(())]),
+    (
+        _GrowthIgnoresCap,
+        "shared-grow-0-to-3",
+        [Allocate("k", 3, 0, "fp16"), Allocate("k", 3, 0, "fp16")],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("buggy", "scope_name", "shortest"),
+    PLANTED_BUGS,
+    ids=[bug.__name__ for bug, _, _ in PLANTED_BUGS],
+)
+def test_a_planted_bug_is_reported_with_a_shortest_failing_sequence(
+    buggy: type[BlockPoolAllocator], scope_name: str, shortest: list[Operation]
+) -> None:
+    scope = next(scope for scope in SCOPES if scope.name == scope_name)
+    factory = _factory_of(buggy)
+    result = explore(scope, PROFILE_DEPTHS["ci"], factory)
+    print(result.summary(), result.counterexample, sep="\n")
+    assert result.counterexample is not None, f"{buggy.__name__} passed the exhaustive check"
+    assert list(result.counterexample.operations) == shortest
+    assert len(result.counterexample.letters) == len(shortest)
+    shorter = explore(scope, len(shortest) - 1, factory).counterexample
+    # Every sequence one call shorter passes (a probe may still find the same length).
+    assert shorter is None or len(shorter.operations) >= len(shortest)
+
+
+def test_a_reported_sequence_replays_to_the_same_failure() -> None:
+    factory = _factory_of(_FreeListIsFifo)
+    found = explore(SEPARATE_4, PROFILE_DEPTHS["ci"], factory).counterexample
+    assert found is not None
+    lockstep = Lockstep(factory, SEPARATE_4.config, SEPARATE_4.history_len)
+    *prefix, last = found.operations
+    for operation in prefix:
+        lockstep.apply(operation)
+    with pytest.raises(ConformanceError, match="handle 2 shows"):
+        lockstep.apply(last)
+
+
+# ---- the canonical key -------------------------------------------------------------
+
+
+def _state_after(operations: list[Operation]) -> model.PoolState:
+    lockstep = Lockstep(default_factory, SEPARATE_4.config, SEPARATE_4.history_len)
+    for operation in operations:
+        lockstep.apply(operation)
+    return lockstep.state
+
+
+def test_the_key_merges_states_that_differ_only_in_stale_handle_numbering() -> None:
+    k_then_v = _state_after([Allocate("k", 1, 0), Allocate("v", 1, 0), Free((0,)), Free((1,))])
+    v_then_k = _state_after([Allocate("v", 1, 0), Allocate("k", 1, 0), Free((1,)), Free((0,))])
+    assert k_then_v != v_then_k  # handle 0 is a "k" block in one, a "v" block in the other
+    assert canonical_key(k_then_v, 1) == canonical_key(v_then_k, 0)
+
+
+def test_the_key_keeps_the_checkout_order_of_live_handles() -> None:
+    k_then_v = _state_after([Allocate("k", 1, 0), Allocate("v", 1, 0)])
+    v_then_k = _state_after([Allocate("v", 1, 0), Allocate("k", 1, 0)])
+    assert canonical_key(k_then_v, None) != canonical_key(v_then_k, None)  # blocks_for differs
+
+
+def test_the_key_ignores_the_registration_of_an_owner_that_holds_blocks() -> None:
+    registered_first = _state_after([RegisterOwner(0), Allocate("k", 1, 0)])
+    not_registered = _state_after([Allocate("k", 1, 0)])
+    assert registered_first != not_registered
+    assert canonical_key(registered_first, None) == canonical_key(not_registered, None)
+
+
+def test_the_key_keeps_which_stale_handle_was_freed_last() -> None:
+    state = _state_after([Allocate("k", 1, 0), Allocate("v", 1, 0), Free((0,)), Free((1,))])
+    assert canonical_key(state, 1) != canonical_key(state, 0)
+
+
+# ---- command line ------------------------------------------------------------------
+
+
+def test_main_prints_states_and_transitions_per_scope_as_json(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--depth", "2", "--json", "--scope", "shared-4", "--scope", "separate-4"]) == 0
+    results = json.loads(capsys.readouterr().out)
+    assert [result["scope"] for result in results] == ["separate-4", "shared-4"]
+    assert all(result["states"] > 1 and result["transitions"] > 1 for result in results)
+    assert all(result["counterexample"] is None for result in results)
+
+
+def test_main_prints_one_summary_line_per_scope(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--depth", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == len(SCOPES)
+    assert all("distinct states" in line and "transitions" in line for line in lines)
