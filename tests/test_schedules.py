@@ -1,0 +1,196 @@
+"""Systematic schedules: every interleaving of small scenarios, and planted races found.
+
+The explorer (``veloxquant_mlx.stress.schedules``) runs each scenario under
+every schedule of its scheduling points and checks each against the spec's
+sequential orders. Here: the real allocator passes every scenario; two
+planted races, one per granularity, are found on every run with the same
+failing schedule, which replays; and the scheduler itself finds a textbook
+lost update and a lock-order deadlock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import pytest
+
+from veloxquant_mlx.memory.block_pool import AllocationStats, Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.stress.controlled_scheduler import (
+    ControlledLock,
+    ControlledRun,
+    next_choices,
+)
+from veloxquant_mlx.stress.schedules import (
+    SCENARIOS,
+    Exploration,
+    Scenario,
+    explore,
+    replay,
+)
+
+
+class CheckThenActAllocator(BlockPoolAllocator):
+    """Planted race: counts the free blocks under the lock, drops it, then pops them."""
+
+    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+        simple = stream in ("k", "v") and type(n_tokens) is int and n_tokens > 0
+        n_needed = -(-n_tokens // self.config.block_size) if simple else 0
+        if not simple or self.n_free(stream) < n_needed:
+            return super().allocate(stream, n_tokens, owner, format)
+        with self._lock:  # the bug: the blocks counted above may be gone by now
+            free_list = self._free_lists[stream]
+            block_ids = [free_list.pop() for _ in range(n_needed)]
+            return self._check_out(block_ids, stream, owner, format, n_tokens)
+
+
+class UnlockedStatsAllocator(BlockPoolAllocator):
+    """Planted race: ``stats`` copies the live counters without taking the lock."""
+
+    @property
+    def stats(self) -> AllocationStats:
+        return self._stats.snapshot()
+
+
+def check_then_act(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
+    return CheckThenActAllocator(config, history_len=history_len)
+
+
+def unlocked_stats(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
+    return UnlockedStatsAllocator(config, history_len=history_len)
+
+
+def scenario(name: str) -> Scenario:
+    return next(s for s in SCENARIOS if s.name == name)
+
+
+def test_scenarios_have_two_or_three_threads_of_a_few_calls() -> None:
+    assert len(SCENARIOS) >= 5
+    for each in SCENARIOS:
+        assert 2 <= len(each.threads) <= 3
+        assert all(1 <= len(steps) <= 3 for steps in each.threads)
+
+
+@pytest.mark.parametrize("each", SCENARIOS, ids=lambda s: s.name)
+def test_every_lock_level_schedule_of_a_scenario_matches_a_sequential_order(
+    each: Scenario,
+) -> None:
+    result = explore(each)
+    assert result.violations == ()
+    assert result.exhaustive
+    assert result.outcomes_seen == result.outcomes_allowed, "some sequential order was never run"
+
+
+LINE_LEVEL = ("two_threads_take_the_last_block", "free_vs_shrink", "stats_read_during_allocate")
+
+
+@pytest.mark.parametrize("name", LINE_LEVEL)
+def test_line_level_schedules_with_one_preemption_match_a_sequential_order(name: str) -> None:
+    result = explore(scenario(name), granularity="line", max_preemptions=1)
+    assert result.violations == ()
+    assert result.schedules > explore(scenario(name)).schedules
+
+
+def assert_found(result: Exploration) -> tuple[int, ...]:
+    assert len(result.violations) == 1, "the explorer stops at the first violation"
+    return result.violations[0].choices
+
+
+def test_planted_check_then_act_race_is_found_on_every_run_by_the_same_schedule() -> None:
+    race = scenario("two_threads_take_the_last_block")
+    first, second = explore(race, check_then_act), explore(race, check_then_act)
+    assert assert_found(first) == assert_found(second)
+    assert first.schedules == second.schedules
+    violation = first.violations[0]
+    assert "IndexError" in violation.message  # the loser popped an empty free list
+    assert any("at acquire" in line for line in violation.trace)
+    assert replay(race, violation.choices, check_then_act) == violation
+
+
+def test_the_check_then_act_schedule_is_harmless_on_the_real_allocator() -> None:
+    race = scenario("two_threads_take_the_last_block")
+    choices = assert_found(explore(race, check_then_act))
+    assert replay(race, choices) is None
+
+
+def test_planted_unlocked_stats_read_is_found_at_line_granularity_every_run() -> None:
+    race = scenario("stats_read_during_allocate")
+    runs = [explore(race, unlocked_stats, granularity="line", max_preemptions=1) for _ in "ab"]
+    assert assert_found(runs[0]) == assert_found(runs[1])
+    violation = runs[0].violations[0]
+    assert "no sequential order" in violation.message  # a torn snapshot, not a crash
+    assert replay(race, violation.choices, unlocked_stats, granularity="line") == violation
+
+
+def test_unlocked_stats_read_is_invisible_at_lock_granularity() -> None:
+    result = explore(scenario("stats_read_during_allocate"), unlocked_stats)
+    assert result.violations == ()
+    assert result.exhaustive
+
+
+def test_a_preemption_bound_cuts_the_exploration_and_says_so() -> None:
+    each = scenario("register_owner_race")
+    bounded, full = explore(each, max_preemptions=0), explore(each)
+    assert not bounded.exhaustive
+    assert full.exhaustive
+    assert bounded.schedules < full.schedules
+
+
+def test_a_schedule_that_does_not_fit_the_scenario_is_refused() -> None:
+    with pytest.raises(RuntimeError, match="does not belong to this scenario"):
+        replay(scenario("free_vs_shrink"), [2])
+
+
+# ---- the scheduler alone ---------------------------------------------------------
+
+
+def explore_bodies(
+    make_bodies: Callable[[ControlledRun], Sequence[Callable[[], None]]],
+    n_threads: int,
+) -> list[ControlledRun]:
+    """Run every schedule of some thread bodies (fresh bodies per schedule)."""
+    runs: list[ControlledRun] = []
+    choices: list[int] | None = []
+    while choices is not None:
+        run = ControlledRun(n_threads, choices, frozenset())
+        run.run(make_bodies(run), line_points=False)
+        runs.append(run)
+        choices, _ = next_choices(run.decisions, None)
+    return runs
+
+
+def test_scheduler_finds_the_lost_update_of_a_read_then_write_increment() -> None:
+    finals: set[int] = set()
+
+    def make_bodies(run: ControlledRun) -> list[Callable[[], None]]:
+        lock, counter = ControlledLock(run), [0]
+
+        def increment() -> None:
+            with lock:
+                seen = counter[0]
+            with lock:
+                counter[0] = seen + 1
+                finals.add(counter[0]) if len(finals) < 10 else None
+
+        return [increment, increment]
+
+    runs = explore_bodies(make_bodies, 2)
+    assert all(run.failure is None for run in runs)
+    assert 1 in finals, "some schedule loses one of the two updates"
+
+
+def test_scheduler_reports_a_lock_order_deadlock() -> None:
+    def make_bodies(run: ControlledRun) -> list[Callable[[], None]]:
+        first, second = ControlledLock(run), ControlledLock(run)
+
+        def nested(outer: ControlledLock, inner: ControlledLock) -> Callable[[], None]:
+            def body() -> None:
+                with outer, inner:
+                    pass
+
+            return body
+
+        return [nested(first, second), nested(second, first)]
+
+    failures = [run.failure for run in explore_bodies(make_bodies, 2) if run.failure]
+    assert failures
+    assert all(failure.startswith("deadlock") for failure in failures)

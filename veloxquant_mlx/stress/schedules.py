@@ -1,0 +1,404 @@
+"""Systematic schedules: small concurrent scenarios explored over every thread interleaving.
+
+A stress run samples the interleavings the OS happens to produce, so a race
+whose window is a few bytecodes wide may never show. Here a *scenario* (two
+or three threads, a few pool calls each) runs under a controlled scheduler
+that lets exactly one thread run at a time and decides, at every scheduling
+point, which thread goes next. The explorer enumerates those decisions
+depth-first (stateless model checking, as in CHESS and VeriSoft): every
+interleaving of the scheduling points, up to an optional bound on
+preemptions, runs once, from a fresh pool, and a failing one is replayed
+exactly from its list of choices.
+
+Scheduling points:
+
+- ``granularity="lock"``: before every acquire of the pool's lock (the
+  explorer swaps it for a :class:`ControlledLock` for the length of a
+  schedule) and while blocked on it. When every access to shared state is
+  made under the lock, the order of the lock acquisitions decides the
+  outcome, so these points cover every behaviour of a correct pool, and a
+  lock released too early (check-then-act) shows as a second acquire.
+- ``granularity="line"``: also at every line executed in the watched source
+  files (``sys.settrace``): the pool's module and those of its subclasses.
+  This exposes reads and writes made outside the lock.
+
+A thread that is still runnable when another is chosen has been preempted;
+``max_preemptions`` bounds that number per schedule (CHESS's preemption
+bounding). An exploration is *exhaustive* when the bound cut no branch.
+
+After each schedule the explorer checks that the calls' results and the
+pool's final observable state (stats, history, free counts, every handle,
+``blocks_for``, ``is_live``, ``id_bound``) equal those of SOME sequential
+order of the scenario's calls, consistent with each thread's program order,
+run through the executable spec (``veloxquant_mlx_spec.transitions``); and
+that ``check_invariants()`` passes.
+
+``python -m veloxquant_mlx.stress.schedules`` prints each scenario's
+explored-schedule count. The engine is
+:mod:`~veloxquant_mlx.stress.controlled_scheduler`; the scenarios live in
+:mod:`~veloxquant_mlx.stress.schedule_scenarios` and the spec's side of the
+judgement in :mod:`~veloxquant_mlx.stress.schedule_outcomes`.
+
+Complexity: one schedule costs one setup, the scenario's calls and one
+observation; the number of schedules grows as (points x threads) to the
+power ``max_preemptions``. The spec's sequential outcomes are enumerated once
+per scenario: the multinomial number of program-order merges.
+
+Thread safety: an exploration creates and joins its own threads; run one
+exploration per thread.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from veloxquant_mlx.memory.block_pool import AllocationStats, Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.stress.controlled_scheduler import ControlledLock, ControlledRun, next_choices
+from veloxquant_mlx.stress.schedule_outcomes import (
+    HandleName,
+    Outcome,
+    Result,
+    allowed_outcomes,
+    owners_named,
+    program_orders,
+    stats_tuple,
+    streams,
+)
+from veloxquant_mlx.stress.schedule_scenarios import SCENARIOS, ReadStats, Scenario, Step
+from veloxquant_mlx.testing.lockstep import Lockstep
+from veloxquant_mlx.testing.operations import (
+    Allocate,
+    Free,
+    FreeAll,
+    MarkUsed,
+    RegisterOwner,
+    ReleaseOwner,
+)
+
+__all__ = [
+    "SCENARIOS",
+    "Exploration",
+    "Granularity",
+    "PoolFactory",
+    "ReadStats",
+    "Scenario",
+    "ScheduleViolation",
+    "explore",
+    "replay",
+]
+
+Granularity = Literal["lock", "line"]
+
+#: Builds the pool under test from a config and a ``history_len``.
+PoolFactory = Callable[[PoolConfig, int], BlockPoolAllocator]
+
+
+def default_factory(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
+    """The real allocator."""
+    return BlockPoolAllocator(config, history_len=history_len)
+
+
+# ---- running one schedule --------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ScheduleViolation:
+    """A schedule whose outcome no sequential order explains, or that broke an invariant.
+
+    ``choices`` replays it exactly (:func:`replay`); ``trace`` lists its
+    calls and context switches in order.
+    """
+
+    scenario: str
+    choices: tuple[int, ...]
+    message: str
+    trace: tuple[str, ...]
+
+    def __str__(self) -> str:
+        steps = "\n".join(f"  {line}" for line in self.trace)
+        return (
+            f"scenario {self.scenario!r}: {self.message}\n"
+            f"schedule choices {list(self.choices)} ran:\n{steps}"
+        )
+
+
+class _Schedule:
+    """One fresh pool, its setup, and the scenario's threads under one ``ControlledRun``."""
+
+    def __init__(self, scenario: Scenario, factory: PoolFactory) -> None:
+        created: list[BlockPoolAllocator] = []
+
+        def make(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
+            created.append(factory(config, history_len))
+            return created[-1]
+
+        self.lockstep = Lockstep(make, scenario.config, scenario.history_len)
+        for operation in scenario.setup:
+            self.lockstep.apply(operation)
+        self.pool = created[0]
+        self.scenario = scenario
+        self.named: list[tuple[HandleName, Block]] = [
+            ((-1, 0, n), handle) for n, handle in enumerate(self.lockstep.handles)
+        ]
+        self.results: list[list[Result]] = [[] for _ in scenario.threads]
+
+    def run(self, run: ControlledRun, granularity: Granularity) -> Outcome | None:
+        pool_vars = vars(self.pool)  # the lock is private and Final: swapped for this run only
+        original_lock = pool_vars["_lock"]
+        pool_vars["_lock"] = ControlledLock(run)
+        try:
+            bodies = [self._body(run, t) for t in range(len(self.scenario.threads))]
+            run.run(bodies, line_points=granularity == "line")
+        finally:
+            pool_vars["_lock"] = original_lock
+        return None if run.failure else self._observe()
+
+    def _body(self, run: ControlledRun, thread: int) -> Callable[[], None]:
+        def body() -> None:
+            for step_index, step in enumerate(self.scenario.threads[thread]):
+                run.trace.append(f"t{thread} calls {step}")
+                self.results[thread].append(self._perform(thread, step_index, step))
+
+        return body
+
+    def _perform(self, thread: int, step_index: int, step: Step) -> Result:
+        try:
+            value = self._call(step)
+        except Exception as error:  # every error is an outcome compared with the spec
+            return ("raised", type(error).__name__)
+        if isinstance(step, Allocate):
+            assert isinstance(value, list)
+            self.named.extend(((thread, step_index, i), block) for i, block in enumerate(value))
+            return ("blocks", tuple(block.block_id for block in value))
+        if isinstance(value, AllocationStats):
+            return ("stats", stats_tuple(value))
+        return ("returned", value)
+
+    def _call(self, step: Step) -> object:
+        pool, resolve = self.lockstep.pool, self.lockstep.resolve  # the protocol takes raw values
+        if isinstance(step, ReadStats):
+            return pool.stats
+        if isinstance(step, Allocate):
+            return pool.allocate(step.stream, step.n_tokens, step.owner, step.format)
+        if isinstance(step, Free):
+            assert isinstance(step.blocks, tuple), "scenarios free lists of handles"
+            return pool.free([resolve(ref) for ref in step.blocks])
+        if isinstance(step, MarkUsed):
+            return pool.mark_used(resolve(step.block), step.n_used)
+        if isinstance(step, FreeAll):
+            return pool.free_all(step.owner)
+        if isinstance(step, RegisterOwner):
+            return pool.register_owner(step.owner)
+        if isinstance(step, ReleaseOwner):
+            return pool.release_owner(step.owner)
+        return pool.shrink(step.stream, step.target_free)
+
+    def _observe(self) -> Outcome:
+        pool = self.pool
+        handles = tuple(
+            (name, b.block_id, b.stream, b.format, b.n_used, b.owner, pool.is_live(b))
+            for name, b in self.named
+        )
+        name_of = {id(block): name for name, block in self.named}
+        owners = tuple(
+            (owner, tuple(name_of.get(id(b), (-2, 0, 0)) for b in pool.blocks_for(owner)))
+            for owner in owners_named(self.scenario)
+        )
+        final = (
+            stats_tuple(pool.stats),
+            tuple(stats_tuple(entry) for entry in pool.history),
+            tuple((s, pool.n_free(s)) for s in streams(self.scenario.config)),
+            tuple(sorted(handles)),
+            owners,
+            pool.id_bound(),
+        )
+        return Outcome(tuple(map(tuple, self.results)), final)
+
+
+class _Checker:
+    """Runs schedules of one scenario on one kind of pool and judges each against the spec."""
+
+    def __init__(self, scenario: Scenario, factory: PoolFactory, granularity: Granularity) -> None:
+        self.scenario = scenario
+        self.factory = factory
+        self.granularity = granularity
+        first = _Schedule(scenario, factory)
+        self.n_orders = sum(1 for _ in program_orders([len(t) for t in scenario.threads]))
+        self.allowed = allowed_outcomes(scenario, first.lockstep.state)
+        self.watched = _source_files(type(first.pool)) if granularity == "line" else frozenset()
+        self.seen: set[Outcome] = set()  # the allowed outcomes some schedule produced
+
+    def run_once(self, choices: Sequence[int]) -> tuple[ControlledRun, ScheduleViolation | None]:
+        """Run the schedule ``choices`` begins; return it and what it broke, if anything."""
+        schedule = _Schedule(self.scenario, self.factory)
+        run = ControlledRun(len(self.scenario.threads), choices, self.watched)
+        message = self._judge(schedule, run, schedule.run(run, self.granularity))
+        if message is None:
+            return run, None
+        taken = tuple(d.chosen for d in run.decisions)
+        return run, ScheduleViolation(self.scenario.name, taken, message, tuple(run.trace))
+
+    def _judge(
+        self, schedule: _Schedule, run: ControlledRun, outcome: Outcome | None
+    ) -> str | None:
+        if outcome is None:
+            return run.failure
+        if outcome in self.allowed:
+            self.seen.add(outcome)
+        else:
+            return (
+                "no sequential order of the calls gives these results and this final state; "
+                f"results per thread: {outcome.results}; final state: {outcome.final}"
+            )
+        try:
+            schedule.pool.check_invariants()
+        except AssertionError as error:
+            return f"check_invariants() failed: {error}"
+        return None
+
+
+def _source_files(pool_type: type) -> frozenset[str]:
+    """Source files of a pool class and its bases: where line-level points go."""
+    files = set()
+    for cls in pool_type.__mro__:
+        try:
+            files.add(inspect.getsourcefile(cls))
+        except TypeError:  # builtins such as object
+            continue
+    return frozenset(f for f in files if f is not None)
+
+
+# ---- exploring -------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Exploration:
+    """What one exploration did and found.
+
+    Attributes:
+        scenario: The scenario's name.
+        granularity: Where the scheduling points were.
+        max_preemptions: The preemption bound (``None``: unbounded).
+        schedules: Schedules run.
+        exhaustive: True if no schedule was cut by the bound or ``max_schedules``.
+        sequential_orders: Program-order merges the spec ran to get the allowed outcomes.
+        outcomes_allowed: Distinct outcomes (results and final state) those orders give.
+        outcomes_seen: How many of them some schedule produced; all of them, when the
+            exploration is exhaustive and every call takes the lock.
+        violations: The failing schedules found (the first only, by default).
+        seconds: Wall-clock time of the exploration.
+    """
+
+    scenario: str
+    granularity: Granularity
+    max_preemptions: int | None
+    schedules: int
+    exhaustive: bool
+    sequential_orders: int
+    outcomes_allowed: int
+    outcomes_seen: int
+    violations: tuple[ScheduleViolation, ...]
+    seconds: float
+
+
+def explore(
+    scenario: Scenario,
+    factory: PoolFactory = default_factory,
+    *,
+    granularity: Granularity = "lock",
+    max_preemptions: int | None = None,
+    max_schedules: int = 100_000,
+    stop_at_first: bool = True,
+) -> Exploration:
+    """Run ``scenario`` under every schedule (DFS), checking each against the spec.
+
+    Args:
+        scenario: The threads and their calls.
+        factory: Builds the pool under test (a subclass to check, or a planted bug).
+        granularity: ``"lock"`` or ``"line"`` scheduling points (module docstring).
+        max_preemptions: Preemptions allowed per schedule; ``None`` for no bound.
+        max_schedules: Stop after this many schedules (the result is then not exhaustive).
+        stop_at_first: Stop at the first violation.
+
+    Returns:
+        The counts and any violations; deterministic for a given scenario and pool.
+    """
+    started = time.perf_counter()
+    checker = _Checker(scenario, factory, granularity)
+    violations: list[ScheduleViolation] = []
+    choices: list[int] | None = []
+    schedules, any_pruned = 0, False
+    while choices is not None and schedules < max_schedules:
+        run, violation = checker.run_once(choices)
+        schedules += 1
+        if violation is not None:
+            violations.append(violation)
+            if stop_at_first:
+                break
+        choices, pruned = next_choices(run.decisions, max_preemptions)
+        any_pruned = any_pruned or pruned
+    return Exploration(
+        scenario=scenario.name,
+        granularity=granularity,
+        max_preemptions=max_preemptions,
+        schedules=schedules,
+        exhaustive=choices is None and not any_pruned,
+        sequential_orders=checker.n_orders,
+        outcomes_allowed=len(checker.allowed),
+        outcomes_seen=len(checker.seen),
+        violations=tuple(violations),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def replay(
+    scenario: Scenario,
+    choices: Sequence[int],
+    factory: PoolFactory = default_factory,
+    *,
+    granularity: Granularity = "lock",
+) -> ScheduleViolation | None:
+    """Run the one schedule ``choices`` names (a violation's) and judge it again."""
+    return _Checker(scenario, factory, granularity).run_once(choices)[1]
+
+
+# ---- report ----------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Explore every built-in scenario and print its schedule count; 1 on a violation."""
+    parser = argparse.ArgumentParser(prog="python -m veloxquant_mlx.stress.schedules")
+    parser.add_argument("--granularity", choices=("lock", "line"), default="lock")
+    parser.add_argument("--max-preemptions", type=int, default=None)
+    args = parser.parse_args(argv)
+    bound = "none" if args.max_preemptions is None else str(args.max_preemptions)
+    print(f"granularity={args.granularity} max_preemptions={bound}")
+    print(
+        f"{'scenario':<36} {'threads':>7} {'orders':>6} {'outcomes':>8} {'seen':>4} "
+        f"{'schedules':>9} exhaustive  seconds"
+    )
+    failed = False
+    for scenario in SCENARIOS:
+        result = explore(
+            scenario, granularity=args.granularity, max_preemptions=args.max_preemptions
+        )
+        failed = failed or bool(result.violations)
+        exhaustive = "yes" if result.exhaustive else "no"
+        print(
+            f"{scenario.name:<36} {len(scenario.threads):>7} {result.sequential_orders:>6} "
+            f"{result.outcomes_allowed:>8} {result.outcomes_seen:>4} {result.schedules:>9} "
+            f"{exhaustive:<10} {result.seconds:8.2f}"
+        )
+        for violation in result.violations:
+            print(violation)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
