@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Mutation testing of the block pool allocator and its executable spec: the one command.
+#
+#   mutation/run.sh            fresh run of every mutant, then the score (exit 1 below 95%)
+#   mutation/run.sh --resume   continue an interrupted run, keeping mutants/
+#   mutation/run.sh NAME...    re-test the named mutants (globs allowed), keeping mutants/
+#
+# Configuration lives in pyproject.toml [tool.mutmut]; see mutation/README.md.
+# Environment: MUTATION_WORKERS (default 2), MUTATION_MIN_SCORE (default 95).
+set -euo pipefail
+
+cd "$(dirname "$0")/.."
+if [[ -x .venv/bin/mutmut ]]; then
+    bin=.venv/bin
+else
+    bin="$(dirname "$(command -v mutmut)")"
+fi
+
+# Derandomised, unshrunk Hypothesis runs: every mutant sees the same examples.
+export VELOXQUANT_HYPOTHESIS_PROFILE=mutation
+
+case "${1:-}" in
+    "") rm -rf mutants; args=() ;;
+    --resume) args=() ;;
+    *) args=("$@") ;;
+esac
+
+# mutmut redraws a spinner line with carriage returns; in a log keep only real lines.
+if [[ -t 1 ]]; then
+    show_progress() { cat; }
+else
+    show_progress() { tr '\r' '\n' | grep -v '^[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏] ' || true; }
+fi
+
+start=$SECONDS
+"$bin/mutmut" run --max-children "${MUTATION_WORKERS:-2}" ${args[@]+"${args[@]}"} | show_progress
+echo "mutmut run took $(( (SECONDS - start) / 60 ))m $(( (SECONDS - start) % 60 ))s"
+"$bin/python" mutation/score.py --min-score "${MUTATION_MIN_SCORE:-95}"
