@@ -9,61 +9,23 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import run_state_machine_as_test
+from planted_bugs import FreeCountsBlocks, FreeListIsFifo, GrowthIgnoresCap, factory_of
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.testing.conformance import (
     PoolConformanceMachine,
     conformance_test_case,
     default_factory,
 )
-from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError
+from veloxquant_mlx.testing.lockstep import ConformanceError
 from veloxquant_mlx_spec import model
 
 TestBlockPoolAllocatorConformsToTheSpec = conformance_test_case(default_factory)
 
 
-class _FreeCountsBlocks(BlockPoolAllocator):
-    """Planted bug: n_frees counts blocks instead of calls (the upstream's bug)."""
-
-    def free(self, blocks: list[Block]) -> None:
-        super().free(blocks)
-        with self._lock:
-            self._stats.n_frees += max(0, len(blocks) - 1)
-
-
-class _FreeListIsFifo(BlockPoolAllocator):
-    """Planted bug: freed blocks go to the bottom of the stack, not the top."""
-
-    def free(self, blocks: list[Block]) -> None:
-        streams = {block.stream for block in blocks if isinstance(block, Block)}
-        super().free(blocks)
-        with self._lock:
-            for stream in streams & set(self._free_lists):
-                free_list = self._free_lists[stream]
-                free_list[:] = sorted(free_list, reverse=True)
-
-
-class _GrowthIgnoresCap(BlockPoolAllocator):
-    """Planted bug: max_blocks is off by one."""
-
-    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
-        config = self.config
-        if config.grow_on_exhaustion and config.max_blocks is not None:
-            object.__setattr__(config, "max_blocks", config.max_blocks + 1)
-            try:
-                return super().allocate(stream, n_tokens, owner, format)
-            finally:
-                object.__setattr__(config, "max_blocks", config.max_blocks - 1)
-        return super().allocate(stream, n_tokens, owner, format)
-
-
-def _factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:
-    return lambda config, history_len: cls(config, history_len=history_len)
-
-
-@pytest.mark.parametrize("buggy", [_FreeCountsBlocks, _FreeListIsFifo, _GrowthIgnoresCap])
+@pytest.mark.parametrize("buggy", [FreeCountsBlocks, FreeListIsFifo, GrowthIgnoresCap])
 def test_the_conformance_machine_catches_a_planted_bug(buggy: type[BlockPoolAllocator]) -> None:
-    machine = type("Buggy", (PoolConformanceMachine,), {"allocator_factory": _factory_of(buggy)})
+    machine = type("Buggy", (PoolConformanceMachine,), {"allocator_factory": factory_of(buggy)})
     with pytest.raises(ConformanceError):
         run_state_machine_as_test(
             machine,

@@ -8,13 +8,20 @@ a shortest one: exploring one letter less finds nothing shorter.
 
 from __future__ import annotations
 
-import heapq
 import json
 from collections.abc import Callable
 
 import pytest
+from planted_bugs import (
+    EmptyFreeCountsAFree,
+    FreeCountsBlocks,
+    FreeListIsFifo,
+    GrowthIgnoresCap,
+    ShrinkRetiresLowestIds,
+    factory_of,
+)
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 from veloxquant_mlx.testing.exhaustive import (
     PROFILE_DEPTHS,
     SCOPES,
@@ -24,7 +31,7 @@ from veloxquant_mlx.testing.exhaustive import (
     explore,
     main,
 )
-from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError, Lockstep
+from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
 from veloxquant_mlx.testing.operations import Allocate, Free, Operation, RegisterOwner, Shrink
 from veloxquant_mlx_spec import model
 
@@ -47,78 +54,6 @@ def test_every_sequence_up_to_the_ci_depth_conforms(
 # ---- planted bugs ------------------------------------------------------------------
 
 
-class _FreeCountsBlocks(BlockPoolAllocator):
-    """Planted bug: n_frees counts blocks instead of calls (the upstream's bug)."""
-
-    def free(self, blocks: list[Block]) -> None:
-        super().free(blocks)
-        with self._lock:
-            self._stats.n_frees += max(0, len(blocks) - 1)
-
-
-class _FreeListIsFifo(BlockPoolAllocator):
-    """Planted bug: after free(), the lowest free id is reused first, not the last freed."""
-
-    def free(self, blocks: list[Block]) -> None:
-        streams = {block.stream for block in blocks if isinstance(block, Block)}
-        super().free(blocks)
-        with self._lock:
-            for stream in streams & set(self._free_lists):
-                free_list = self._free_lists[stream]
-                free_list[:] = sorted(free_list, reverse=True)
-
-
-class _ShrinkRetiresLowestIds(BlockPoolAllocator):
-    """Planted bug: shrink() retires the lowest free ids, so the slab cannot shrink."""
-
-    def shrink(self, stream: str, target_free: int) -> int:
-        valid = type(target_free) is int and target_free >= 0 and stream in self._stream_names
-        with self._lock:
-            free_list = self._free_lists[self._stream_names[stream]] if valid else []
-            n_to_retire = len(free_list) - target_free
-            if not valid or n_to_retire <= 0:
-                return 0 if valid else super().shrink(stream, target_free)  # raises
-            retiring = set(heapq.nsmallest(n_to_retire, free_list))
-            free_list[:] = [block_id for block_id in free_list if block_id not in retiring]
-            for block_id in retiring:
-                heapq.heappush(self._retired_ids, block_id)
-            self._retired_set.update(retiring)
-            while self._id_bound and self._id_bound - 1 in self._retired_set:
-                self._id_bound -= 1
-            self._stats.n_blocks -= n_to_retire
-            self._stats.n_retired += n_to_retire
-            self._record_history()
-            return n_to_retire
-
-
-class _EmptyFreeCountsAFree(BlockPoolAllocator):
-    """Planted bug: free([]) counts as a free, though it frees nothing."""
-
-    def free(self, blocks: list[Block]) -> None:
-        super().free(blocks)
-        if isinstance(blocks, list | tuple) and not blocks:
-            with self._lock:
-                self._stats.n_frees += 1
-
-
-class _GrowthIgnoresCap(BlockPoolAllocator):
-    """Planted bug: max_blocks is off by one (as in test_conformance)."""
-
-    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
-        config = self.config
-        if config.grow_on_exhaustion and config.max_blocks is not None:
-            object.__setattr__(config, "max_blocks", config.max_blocks + 1)
-            try:
-                return super().allocate(stream, n_tokens, owner, format)
-            finally:
-                object.__setattr__(config, "max_blocks", config.max_blocks - 1)
-        return super().allocate(stream, n_tokens, owner, format)
-
-
-def _factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:
-    return lambda config, history_len: cls(config, history_len=history_len)
-
-
 # Each bug, a pool, and the shortest sequence that exposes the bug there:
 # - counting blocks: a two-block free is the first call where blocks != calls;
 # - FIFO: two single frees must leave the higher id on top, and only an
@@ -130,16 +65,16 @@ def _factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:
 # - cap: the pool starts empty with a cap of 3; two 2-block allocations need
 #   4 blocks, so the second must be refused.
 PLANTED_BUGS = [
-    (_FreeCountsBlocks, "separate-4", [Allocate("k", 3, 0, "fp16"), Free((1, 0))]),
+    (FreeCountsBlocks, "separate-4", [Allocate("k", 3, 0, "fp16"), Free((1, 0))]),
     (
-        _FreeListIsFifo,
+        FreeListIsFifo,
         "separate-4",
         [Allocate("k", 3, 0, "fp16"), Free((0,)), Free((1,)), Allocate("k", 4, 0, "fp16")],
     ),
-    (_ShrinkRetiresLowestIds, "separate-4", [Shrink("v", 1)]),
-    (_EmptyFreeCountsAFree, "shared-4", [Free(())]),
+    (ShrinkRetiresLowestIds, "separate-4", [Shrink("v", 1)]),
+    (EmptyFreeCountsAFree, "shared-4", [Free(())]),
     (
-        _GrowthIgnoresCap,
+        GrowthIgnoresCap,
         "shared-grow-0-to-3",
         [Allocate("k", 3, 0, "fp16"), Allocate("k", 3, 0, "fp16")],
     ),
@@ -155,7 +90,7 @@ def test_a_planted_bug_is_reported_with_a_shortest_failing_sequence(
     buggy: type[BlockPoolAllocator], scope_name: str, shortest: list[Operation]
 ) -> None:
     scope = next(scope for scope in SCOPES if scope.name == scope_name)
-    factory = _factory_of(buggy)
+    factory = factory_of(buggy)
     result = explore(scope, PROFILE_DEPTHS["ci"], factory)
     print(result.summary(), result.counterexample, sep="\n")
     assert result.counterexample is not None, f"{buggy.__name__} passed the exhaustive check"
@@ -167,7 +102,7 @@ def test_a_planted_bug_is_reported_with_a_shortest_failing_sequence(
 
 
 def test_a_reported_sequence_replays_to_the_same_failure() -> None:
-    factory = _factory_of(_FreeListIsFifo)
+    factory = factory_of(FreeListIsFifo)
     found = explore(SEPARATE_4, PROFILE_DEPTHS["ci"], factory).counterexample
     assert found is not None
     lockstep = Lockstep(factory, SEPARATE_4.config, SEPARATE_4.history_len)

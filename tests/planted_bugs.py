@@ -1,0 +1,85 @@
+"""Allocators with planted bugs, shared by the tests that must catch them.
+
+A check that cannot fail proves nothing: the conformance machine, the
+exhaustive checker and others are each run against these and must report
+a counterexample. Each class plants one bug the contract forbids.
+"""
+
+from __future__ import annotations
+
+import heapq
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.testing.lockstep import AllocatorFactory
+
+
+class FreeCountsBlocks(BlockPoolAllocator):
+    """Planted bug: n_frees counts blocks instead of calls (the upstream's bug)."""
+
+    def free(self, blocks: list[Block]) -> None:
+        super().free(blocks)
+        with self._lock:
+            self._stats.n_frees += max(0, len(blocks) - 1)
+
+
+class FreeListIsFifo(BlockPoolAllocator):
+    """Planted bug: after free(), the lowest free id is reused first, not the last freed."""
+
+    def free(self, blocks: list[Block]) -> None:
+        streams = {block.stream for block in blocks if isinstance(block, Block)}
+        super().free(blocks)
+        with self._lock:
+            for stream in streams & set(self._free_lists):
+                free_list = self._free_lists[stream]
+                free_list[:] = sorted(free_list, reverse=True)
+
+
+class ShrinkRetiresLowestIds(BlockPoolAllocator):
+    """Planted bug: shrink() retires the lowest free ids, so the slab cannot shrink."""
+
+    def shrink(self, stream: str, target_free: int) -> int:
+        valid = type(target_free) is int and target_free >= 0 and stream in self._stream_names
+        with self._lock:
+            free_list = self._free_lists[self._stream_names[stream]] if valid else []
+            n_to_retire = len(free_list) - target_free
+            if not valid or n_to_retire <= 0:
+                return 0 if valid else super().shrink(stream, target_free)  # raises
+            retiring = set(heapq.nsmallest(n_to_retire, free_list))
+            free_list[:] = [block_id for block_id in free_list if block_id not in retiring]
+            for block_id in retiring:
+                heapq.heappush(self._retired_ids, block_id)
+            self._retired_set.update(retiring)
+            while self._id_bound and self._id_bound - 1 in self._retired_set:
+                self._id_bound -= 1
+            self._stats.n_blocks -= n_to_retire
+            self._stats.n_retired += n_to_retire
+            self._record_history()
+            return n_to_retire
+
+
+class EmptyFreeCountsAFree(BlockPoolAllocator):
+    """Planted bug: free([]) counts as a free, though it frees nothing."""
+
+    def free(self, blocks: list[Block]) -> None:
+        super().free(blocks)
+        if isinstance(blocks, list | tuple) and not blocks:
+            with self._lock:
+                self._stats.n_frees += 1
+
+
+class GrowthIgnoresCap(BlockPoolAllocator):
+    """Planted bug: max_blocks is off by one (as in test_conformance)."""
+
+    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+        config = self.config
+        if config.grow_on_exhaustion and config.max_blocks is not None:
+            object.__setattr__(config, "max_blocks", config.max_blocks + 1)
+            try:
+                return super().allocate(stream, n_tokens, owner, format)
+            finally:
+                object.__setattr__(config, "max_blocks", config.max_blocks - 1)
+        return super().allocate(stream, n_tokens, owner, format)
+
+
+def factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:
+    return lambda config, history_len: cls(config, history_len=history_len)
