@@ -24,11 +24,7 @@ from veloxquant_mlx.stress.schedule_scenarios import ReadStats, Scenario, Step
 from veloxquant_mlx.testing.lockstep import spec_id_bound
 from veloxquant_mlx.testing.operations import (
     Allocate,
-    Free,
-    FreeAll,
-    RegisterOwner,
-    ReleaseOwner,
-    Shrink,
+    apply_to_spec,
 )
 from veloxquant_mlx_spec import model, transitions
 
@@ -92,19 +88,7 @@ def spec_step(state: model.PoolState, step: Step) -> tuple[model.PoolState, obje
     """Apply one step to the spec; ``ReadStats`` reads the spec's stats view."""
     if isinstance(step, ReadStats):
         return state, model.stats(state)
-    if isinstance(step, Allocate):
-        return transitions.allocate(state, step.stream, step.n_tokens, step.owner, step.format)
-    if isinstance(step, Free):
-        return transitions.free(state, step.blocks)
-    if isinstance(step, FreeAll):
-        return transitions.free_all(state, step.owner)
-    if isinstance(step, RegisterOwner):
-        return transitions.register_owner(state, step.owner)
-    if isinstance(step, ReleaseOwner):
-        return transitions.release_owner(state, step.owner)
-    if isinstance(step, Shrink):
-        return transitions.shrink(state, step.stream, step.target_free)
-    return transitions.mark_used(state, step.block, step.n_used)
+    return apply_to_spec(state, step)
 
 
 def spec_outcome(scenario: Scenario, base: model.PoolState, order: Sequence[int]) -> Outcome:
