@@ -242,9 +242,10 @@ class NeverShrinkingStorage(NumpyBlockStorage):
 class StaleWriteAcceptingStorage(NumpyBlockStorage):
     """Planted bug: writes go by block id without asking the pool whether the handle is live."""
 
-    def _require_live(self, block: Block, action: str) -> None:
-        if not isinstance(block, Block):
-            raise TypeError(f"block must be a Block, got {block!r}")
+    def write(self, layer: int, block: Block, start: int, tokens: npt.NDArray[np.generic]) -> None:
+        with self._lock:
+            self._sync_locked()
+            self._slabs[layer][block.block_id, start : start + len(tokens)] = tokens
 
 
 class CachedGatherMLXStorage(MLXBlockStorage):

@@ -15,11 +15,10 @@ import numpy as np
 import numpy.typing as npt
 import pytest
 
+from veloxquant_mlx.memory._storage_checks import next_capacity
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
-from veloxquant_mlx.memory.mlx_storage import next_capacity as mlx_next_capacity
 from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
-from veloxquant_mlx.memory.numpy_storage import next_capacity as numpy_next_capacity
 from veloxquant_mlx.memory.storage import BlockStorage
 from veloxquant_mlx.testing.aliasing import mlx_backend, numpy_backend
 from veloxquant_mlx.testing.storage_conformance import (
@@ -48,19 +47,13 @@ def _as_protocol_numpy(store: NumpyBlockStorage) -> BlockStorage[npt.NDArray[np.
     return store
 
 
-def test_both_stores_follow_the_same_capacity_rule() -> None:
-    for capacity in range(0, 20):
-        for id_bound in range(0, 45):
-            assert mlx_next_capacity(capacity, id_bound) == numpy_next_capacity(capacity, id_bound)
-
-
 def test_capacity_rule_grows_geometrically_and_shrinks_at_half() -> None:
-    assert mlx_next_capacity(8, 9) == 16
-    assert mlx_next_capacity(8, 40) == 40
-    assert mlx_next_capacity(0, 3) == 3
-    assert mlx_next_capacity(16, 9) == 16
-    assert mlx_next_capacity(16, 8) == 8
-    assert mlx_next_capacity(16, 0) == 0
+    assert next_capacity(8, 9) == 16
+    assert next_capacity(8, 40) == 40
+    assert next_capacity(0, 3) == 3
+    assert next_capacity(16, 9) == 16
+    assert next_capacity(16, 8) == 8
+    assert next_capacity(16, 0) == 0
 
 
 def test_mlx_shrink_releases_active_memory() -> None:

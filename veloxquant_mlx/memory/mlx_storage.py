@@ -57,26 +57,19 @@ from typing import Final
 
 import mlx.core as mx
 
+from veloxquant_mlx.memory._storage_checks import (
+    next_capacity,
+    require_all_live,
+    require_covered,
+    require_layer,
+    require_live,
+    require_n_tokens,
+    require_slots,
+    require_token_shape,
+)
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 
-__all__ = ["MLXBlockStorage", "next_capacity"]
-
-
-def next_capacity(capacity: int, id_bound: int) -> int:
-    """The capacity a slab of ``capacity`` blocks should have for ``id_bound``.
-
-    Grow geometrically, to ``max(2 * capacity, id_bound)``, when ``id_bound``
-    exceeds it; shrink exactly to ``id_bound`` once that is at most half the
-    capacity; otherwise keep it. After a resize ``id_bound <= capacity < 2 *
-    id_bound`` (or both are 0), so a slab never holds more than twice what
-    the pool's ids need, and alternating growth and shrinkage costs amortised
-    O(1) per block.
-    """
-    if id_bound > capacity:
-        return max(2 * capacity, id_bound)
-    if 2 * id_bound <= capacity:
-        return id_bound
-    return capacity
+__all__ = ["MLXBlockStorage"]
 
 
 class MLXBlockStorage:
@@ -203,13 +196,13 @@ class MLXBlockStorage:
         """
         if not isinstance(tokens, mx.array):
             raise TypeError(f"tokens must be an mlx.core.array, got {type(tokens).__name__}")
-        n_tokens = self._require_token_shape(tuple(tokens.shape))
-        _require_slots(start, n_tokens, self._block_size)
+        n_tokens = require_token_shape(tuple(tokens.shape), self._slot_shape)
+        require_slots(start, n_tokens, self._block_size)
         with self._lock:
-            self._require_layer(layer)
-            self._require_live(block, "write to")
+            require_layer(layer, len(self._slabs))
+            require_live(self._pool, block, "write to")
             self._sync_locked()
-            self._require_covered(block)
+            require_covered(block, self._capacity)
             if n_tokens == 0:
                 return
             if tokens.dtype != self._dtype:
@@ -250,13 +243,14 @@ class MLXBlockStorage:
                 range, or ``n_tokens`` is outside ``0 .. len(blocks) * block_size``.
         """
         block_list = list(blocks)
-        _require_n_tokens(n_tokens, len(block_list) * self._block_size)
+        require_n_tokens(n_tokens, len(block_list) * self._block_size)
         heads, head_dim = self._slot_shape
         with self._lock:
-            self._require_layer(layer)
-            self._require_all_live(block_list)
+            require_layer(layer, len(self._slabs))
+            require_all_live(self._pool, block_list)
             self._sync_locked()
-            self._require_all_covered(block_list)
+            if block_list:
+                require_covered(max(block_list, key=_block_id), self._capacity)
             ids = mx.array([block.block_id for block in block_list], dtype=mx.int32)
             rows = self._head_rows + ids[None]  # (heads, blocks): row h * capacity + b
             flat = self._slabs[layer].reshape(heads * self._capacity, self._block_size, head_dim)
@@ -317,70 +311,6 @@ class MLXBlockStorage:
         """``[[0], [capacity], ...]``: row of block 0 of each head in a flattened slab."""
         return (mx.arange(self._slot_shape[0], dtype=mx.int32) * capacity)[:, None]
 
-    def _require_token_shape(self, shape: tuple[int, ...]) -> int:
-        if len(shape) != 3 or shape[1:] != self._slot_shape:
-            raise ValueError(
-                f"tokens must have shape (n, {self._slot_shape[0]}, {self._slot_shape[1]}), "
-                f"got {shape}"
-            )
-        return shape[0]
-
-    def _require_layer(self, layer: int) -> None:
-        if type(layer) is not int:
-            raise TypeError(f"layer must be an int, got {layer!r}")
-        if not 0 <= layer < len(self._slabs):
-            raise ValueError(f"layer must be in 0..{len(self._slabs) - 1}, got {layer}")
-
-    def _require_live(self, block: Block, action: str) -> None:
-        if not isinstance(block, Block):
-            raise TypeError(f"block must be a Block, got {type(block).__name__}: {block!r}")
-        if not self._pool.is_live(block):
-            raise ValueError(
-                f"cannot {action} {block!r}: it is not a live handle of this store's pool; "
-                "expected a block checked out from the pool and not yet freed"
-            )
-
-    def _require_all_live(self, blocks: list[Block]) -> None:
-        """Refuse unless every item of ``blocks`` is a live handle: one pool lock, not one each."""
-        if self._pool.all_live(blocks):
-            return
-        for block in blocks:
-            self._require_live(block, "gather from")
-        # Every block was live when asked again: one was freed or reissued meanwhile.
-        raise ValueError(
-            "cannot gather from blocks that were not all live handles of this store's pool "
-            "when checked; was one freed concurrently?"
-        )
-
-    def _require_all_covered(self, blocks: list[Block]) -> None:
-        if blocks:
-            self._require_covered(max(blocks, key=_block_id))
-
-    def _require_covered(self, block: Block) -> None:
-        # Only fails if the block was freed and retired by another thread meanwhile.
-        if block.block_id >= self._capacity:
-            raise ValueError(
-                f"block id {block.block_id} is outside the store's capacity "
-                f"{self._capacity}; was it freed and retired concurrently?"
-            )
-
 
 def _block_id(block: Block) -> int:
     return block.block_id
-
-
-def _require_slots(start: int, n_tokens: int, block_size: int) -> None:
-    if type(start) is not int:
-        raise TypeError(f"start must be an int, got {start!r}")
-    if start < 0 or start + n_tokens > block_size:
-        raise ValueError(
-            f"slots {start}..{start + n_tokens} fall outside the block; "
-            f"expected 0 <= start and start + n_tokens <= block_size = {block_size}"
-        )
-
-
-def _require_n_tokens(n_tokens: int, available: int) -> None:
-    if type(n_tokens) is not int:
-        raise TypeError(f"n_tokens must be an int, got {n_tokens!r}")
-    if not 0 <= n_tokens <= available:
-        raise ValueError(f"n_tokens must be in 0..{available} (the blocks' slots), got {n_tokens}")

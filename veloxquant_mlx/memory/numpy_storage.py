@@ -43,23 +43,19 @@ from typing import Final
 import numpy as np
 import numpy.typing as npt
 
+from veloxquant_mlx.memory._storage_checks import (
+    next_capacity,
+    require_all_live,
+    require_covered,
+    require_layer,
+    require_live,
+    require_n_tokens,
+    require_slots,
+    require_token_shape,
+)
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 
-__all__ = ["NumpyBlockStorage", "next_capacity"]
-
-
-def next_capacity(capacity: int, id_bound: int) -> int:
-    """The capacity a slab of ``capacity`` blocks should have for ``id_bound``.
-
-    The same rule as the MLX store: grow to ``max(2 * capacity, id_bound)``
-    when ``id_bound`` exceeds the capacity; shrink exactly to ``id_bound``
-    once that is at most half the capacity; otherwise keep it.
-    """
-    if id_bound > capacity:
-        return max(2 * capacity, id_bound)
-    if 2 * id_bound <= capacity:
-        return id_bound
-    return capacity
+__all__ = ["NumpyBlockStorage"]
 
 
 class NumpyBlockStorage:
@@ -153,13 +149,13 @@ class NumpyBlockStorage:
         """
         if not isinstance(tokens, np.ndarray):
             raise TypeError(f"tokens must be a numpy.ndarray, got {type(tokens).__name__}")
-        n_tokens = self._require_token_shape(tokens.shape)
-        _require_slots(start, n_tokens, self._block_size)
+        n_tokens = require_token_shape(tokens.shape, self._slot_shape)
+        require_slots(start, n_tokens, self._block_size)
         with self._lock:
-            self._require_layer(layer)
-            self._require_live(block, "write to")
+            require_layer(layer, len(self._slabs))
+            require_live(self._pool, block, "write to")
             self._sync_locked()
-            self._require_covered(block)
+            require_covered(block, self._capacity)
             self._slabs[layer][block.block_id, start : start + n_tokens] = tokens
 
     def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> npt.NDArray[np.generic]:
@@ -221,14 +217,14 @@ class NumpyBlockStorage:
     def _take(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> npt.NDArray[np.generic]:
         """Check a gather's arguments; a copy of ``blocks``' rows of ``layer``, in order."""
         block_list = list(blocks)
-        _require_n_tokens(n_tokens, len(block_list) * self._block_size)
+        require_n_tokens(n_tokens, len(block_list) * self._block_size)
         with self._lock:
-            self._require_layer(layer)
-            self._require_all_live(block_list)
+            require_layer(layer, len(self._slabs))
+            require_all_live(self._pool, block_list)
             self._sync_locked()
             ids = np.fromiter((block.block_id for block in block_list), np.intp, len(block_list))
             if block_list:
-                self._require_covered(block_list[int(ids.argmax())])
+                require_covered(block_list[int(ids.argmax())], self._capacity)
             return self._slabs[layer][ids]  # fancy indexing: a copy, never a view
 
     def _sync_locked(self) -> None:
@@ -249,63 +245,3 @@ class NumpyBlockStorage:
 
     def _zeros(self, n_blocks: int) -> npt.NDArray[np.generic]:
         return np.zeros((n_blocks, self._block_size, *self._slot_shape), dtype=self._dtype)
-
-    def _require_token_shape(self, shape: tuple[int, ...]) -> int:
-        if len(shape) != 3 or shape[1:] != self._slot_shape:
-            raise ValueError(
-                f"tokens must have shape (n, {self._slot_shape[0]}, {self._slot_shape[1]}), "
-                f"got {shape}"
-            )
-        return shape[0]
-
-    def _require_layer(self, layer: int) -> None:
-        if type(layer) is not int:
-            raise TypeError(f"layer must be an int, got {layer!r}")
-        if not 0 <= layer < len(self._slabs):
-            raise ValueError(f"layer must be in 0..{len(self._slabs) - 1}, got {layer}")
-
-    def _require_live(self, block: Block, action: str) -> None:
-        if not isinstance(block, Block):
-            raise TypeError(f"block must be a Block, got {type(block).__name__}: {block!r}")
-        if not self._pool.is_live(block):
-            raise ValueError(
-                f"cannot {action} {block!r}: it is not a live handle of this store's pool; "
-                "expected a block checked out from the pool and not yet freed"
-            )
-
-    def _require_all_live(self, blocks: list[Block]) -> None:
-        """Refuse unless every item of ``blocks`` is a live handle: one pool lock, not one each."""
-        if self._pool.all_live(blocks):
-            return
-        for block in blocks:
-            self._require_live(block, "gather from")
-        # Every block was live when asked again: one was freed or reissued meanwhile.
-        raise ValueError(
-            "cannot gather from blocks that were not all live handles of this store's pool "
-            "when checked; was one freed concurrently?"
-        )
-
-    def _require_covered(self, block: Block) -> None:
-        # Only fails if the block was freed and retired by another thread meanwhile.
-        if block.block_id >= self._capacity:
-            raise ValueError(
-                f"block id {block.block_id} is outside the store's capacity "
-                f"{self._capacity}; was it freed and retired concurrently?"
-            )
-
-
-def _require_slots(start: int, n_tokens: int, block_size: int) -> None:
-    if type(start) is not int:
-        raise TypeError(f"start must be an int, got {start!r}")
-    if start < 0 or start + n_tokens > block_size:
-        raise ValueError(
-            f"slots {start}..{start + n_tokens} fall outside the block; "
-            f"expected 0 <= start and start + n_tokens <= block_size = {block_size}"
-        )
-
-
-def _require_n_tokens(n_tokens: int, available: int) -> None:
-    if type(n_tokens) is not int:
-        raise TypeError(f"n_tokens must be an int, got {n_tokens!r}")
-    if not 0 <= n_tokens <= available:
-        raise ValueError(f"n_tokens must be in 0..{available} (the blocks' slots), got {n_tokens}")

@@ -1,0 +1,102 @@
+"""Argument checks and the sizing rule shared by every backing store.
+
+Both reference stores (MLX and NumPy) validate ``write`` and ``gather``
+arguments the same way and resize their slabs by the same rule; a port to
+another backend can reuse them too. Pure Python: no array library here.
+
+Complexity: O(1) per check, except ``require_all_live`` (O(k) for k blocks,
+one pool lock). Thread safety: pure functions; the liveness checks take the
+pool's lock through its public methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+
+
+def next_capacity(capacity: int, id_bound: int) -> int:
+    """The slab capacity a store resizes to when the pool's ``id_bound`` is as given.
+
+    Grow geometrically, to ``max(2 * capacity, id_bound)``, when ``id_bound``
+    exceeds it; shrink exactly to ``id_bound`` once that is at most half the
+    capacity; otherwise keep it. After a resize ``id_bound <= capacity < 2 *
+    id_bound`` (or both are 0), so a slab never holds more than twice what
+    the pool's ids need, and alternating growth and shrinkage costs amortised
+    O(1) per block.
+    """
+    if id_bound > capacity:
+        return max(2 * capacity, id_bound)
+    if 2 * id_bound <= capacity:
+        return id_bound
+    return capacity
+
+
+def require_token_shape(shape: tuple[int, ...], slot_shape: tuple[int, int]) -> int:
+    """Return ``n`` if ``shape`` is ``(n, n_kv_heads, head_dim)``; raise ``ValueError``."""
+    if len(shape) != 3 or shape[1:] != slot_shape:
+        raise ValueError(
+            f"tokens must have shape (n, {slot_shape[0]}, {slot_shape[1]}), got {shape}"
+        )
+    return shape[0]
+
+
+def require_layer(layer: int, n_layers: int) -> None:
+    """``layer`` must be an int in ``0 .. n_layers - 1``."""
+    if type(layer) is not int:
+        raise TypeError(f"layer must be an int, got {layer!r}")
+    if not 0 <= layer < n_layers:
+        raise ValueError(f"layer must be in 0..{n_layers - 1}, got {layer}")
+
+
+def require_live(pool: BlockPoolAllocator, block: Block, action: str) -> None:
+    """``block`` must be a live handle of ``pool``; ``action`` words the error."""
+    if not isinstance(block, Block):
+        raise TypeError(f"block must be a Block, got {type(block).__name__}: {block!r}")
+    if not pool.is_live(block):
+        raise ValueError(
+            f"cannot {action} {block!r}: it is not a live handle of this store's pool; "
+            "expected a block checked out from the pool and not yet freed"
+        )
+
+
+def require_all_live(pool: BlockPoolAllocator, blocks: Sequence[Block]) -> None:
+    """Refuse unless every item of ``blocks`` is a live handle: one pool lock, not one each."""
+    if pool.all_live(blocks):
+        return
+    for block in blocks:
+        require_live(pool, block, "gather from")
+    # Every block was live when asked again: one was freed or reissued meanwhile.
+    raise ValueError(
+        "cannot gather from blocks that were not all live handles of this store's pool "
+        "when checked; was one freed concurrently?"
+    )
+
+
+def require_covered(block: Block, capacity: int) -> None:
+    """The block's id is inside the slab (fails only if freed and retired concurrently)."""
+    if block.block_id >= capacity:
+        raise ValueError(
+            f"block id {block.block_id} is outside the store's capacity "
+            f"{capacity}; was it freed and retired concurrently?"
+        )
+
+
+def require_slots(start: int, n_tokens: int, block_size: int) -> None:
+    """Slots ``start .. start + n_tokens`` must lie inside one block."""
+    if type(start) is not int:
+        raise TypeError(f"start must be an int, got {start!r}")
+    if start < 0 or start + n_tokens > block_size:
+        raise ValueError(
+            f"slots {start}..{start + n_tokens} fall outside the block; "
+            f"expected 0 <= start and start + n_tokens <= block_size = {block_size}"
+        )
+
+
+def require_n_tokens(n_tokens: int, available: int) -> None:
+    """``n_tokens`` must be an int in ``0 .. available``."""
+    if type(n_tokens) is not int:
+        raise TypeError(f"n_tokens must be an int, got {n_tokens!r}")
+    if not 0 <= n_tokens <= available:
+        raise ValueError(f"n_tokens must be in 0..{available} (the blocks' slots), got {n_tokens}")
