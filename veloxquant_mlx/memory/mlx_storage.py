@@ -65,6 +65,7 @@ from veloxquant_mlx.memory._storage_checks import (
     require_live,
     require_n_tokens,
     require_slots,
+    require_token_dtype,
     require_token_shape,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
@@ -175,7 +176,7 @@ class MLXBlockStorage:
 
     @property
     def dtype(self) -> mx.Dtype:
-        """Element type of every slab; written tokens are cast to it."""
+        """Element type of every slab; written tokens must have it (nothing is cast)."""
         return self._dtype
 
     # -- protocol: data ----------------------------------------------------------------
@@ -188,14 +189,15 @@ class MLXBlockStorage:
         values.
 
         Raises:
-            TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``mx.array``,
-                ``layer`` or ``start`` not an int.
+            TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``mx.array`` of
+                the store's dtype, ``layer`` or ``start`` not an int.
             ValueError: ``block`` is not a live handle of the pool, the slots fall
                 outside ``0 .. block_size``, ``layer`` is out of range, or ``tokens``
                 has the wrong shape. Nothing changes.
         """
         if not isinstance(tokens, mx.array):
             raise TypeError(f"tokens must be an mlx.core.array, got {type(tokens).__name__}")
+        require_token_dtype(tokens.dtype, self._dtype, dtype_name)
         n_tokens = require_token_shape(tuple(tokens.shape), self._slot_shape)
         require_slots(start, n_tokens, self._block_size)
         with self._lock:
@@ -205,8 +207,6 @@ class MLXBlockStorage:
             require_covered(block, self._capacity)
             if n_tokens == 0:
                 return
-            if tokens.dtype != self._dtype:
-                tokens = tokens.astype(self._dtype)
             # (n, heads, dim) -> (heads, 1 block, n, dim): slots of every head of one block.
             update = tokens.transpose(1, 0, 2)[:, None]
             where = mx.array([block.block_id, start], dtype=mx.int32)
@@ -314,3 +314,8 @@ class MLXBlockStorage:
 
 def _block_id(block: Block) -> int:
     return block.block_id
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``"bfloat16"`` for ``mx.bfloat16``: the name without the module path."""
+    return str(dtype).rpartition(".")[2]

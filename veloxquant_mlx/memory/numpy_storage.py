@@ -51,6 +51,7 @@ from veloxquant_mlx.memory._storage_checks import (
     require_live,
     require_n_tokens,
     require_slots,
+    require_token_dtype,
     require_token_shape,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
@@ -132,7 +133,7 @@ class NumpyBlockStorage:
 
     @property
     def dtype(self) -> np.dtype[np.generic]:
-        """Element type of every slab; written tokens are cast to it."""
+        """Element type of every slab; written tokens must have it (nothing is cast)."""
         return self._dtype
 
     # -- protocol: data ----------------------------------------------------------------
@@ -141,14 +142,15 @@ class NumpyBlockStorage:
         """Store ``tokens`` (``(n, n_kv_heads, head_dim)``) in slots ``start .. start + n``.
 
         Raises:
-            TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``ndarray``,
-                ``layer`` or ``start`` not an int.
+            TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``ndarray`` of
+                the store's dtype, ``layer`` or ``start`` not an int.
             ValueError: ``block`` is not a live handle of the pool, the slots fall
                 outside ``0 .. block_size``, ``layer`` is out of range, or ``tokens``
                 has the wrong shape. Nothing changes.
         """
         if not isinstance(tokens, np.ndarray):
             raise TypeError(f"tokens must be a numpy.ndarray, got {type(tokens).__name__}")
+        require_token_dtype(tokens.dtype, self._dtype, _dtype_name)
         n_tokens = require_token_shape(tokens.shape, self._slot_shape)
         require_slots(start, n_tokens, self._block_size)
         with self._lock:
@@ -245,3 +247,7 @@ class NumpyBlockStorage:
 
     def _zeros(self, n_blocks: int) -> npt.NDArray[np.generic]:
         return np.zeros((n_blocks, self._block_size, *self._slot_shape), dtype=self._dtype)
+
+
+def _dtype_name(dtype: np.dtype[np.generic]) -> str:
+    return dtype.name

@@ -23,9 +23,11 @@ what a decode step calls for every layer.
 Rules every implementation keeps (the storage conformance suite in
 ``veloxquant_mlx.testing`` checks them):
 
-1. ``write`` accepts only a live handle of the paired pool (``pool.is_live``)
-   and slots inside ``0 .. block_size``; anything else raises ``ValueError``
-   (``TypeError`` for a non-``Block``) and changes nothing.
+1. ``write`` accepts only a live handle of the paired pool (``pool.is_live``),
+   slots inside ``0 .. block_size`` and tokens of the store's own dtype;
+   anything else raises ``ValueError`` (``TypeError`` for a non-``Block`` or
+   tokens of another dtype: a store never casts, since a cast would change
+   what a model computed) and changes nothing.
 2. Distinct ids never share storage: a write to one block never changes what
    any other block holds.
 3. An array returned by ``gather`` or ``gather_heads`` never changes
@@ -79,7 +81,7 @@ class BlockStorage(Protocol[ArrayT]):
         start + n`` of ``block`` in ``layer``.
 
         Raises:
-            TypeError: ``block`` is not a ``Block``.
+            TypeError: ``block`` is not a ``Block``, or ``tokens`` not of the store's dtype.
             ValueError: ``block`` is not a live handle of the paired pool, the slots
                 fall outside ``0 .. block_size``, ``layer`` is out of range, or
                 ``tokens`` has the wrong shape.
