@@ -27,6 +27,7 @@ from veloxquant_mlx.memory.storage import BlockStorage
 if TYPE_CHECKING:
     from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache, make_pool_backed_cache
     from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+    from veloxquant_mlx.memory.model_kv_layout import make_pool_backed_storage
     from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
     from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 
@@ -37,6 +38,7 @@ _LAZY_NAMES = {
     "PoolBackedKVCache": "veloxquant_mlx.memory.kv_cache",
     "PooledKVCache": "veloxquant_mlx.memory.pooled_kv_cache",
     "make_pool_backed_cache": "veloxquant_mlx.memory.kv_cache",
+    "make_pool_backed_storage": "veloxquant_mlx.memory.model_kv_layout",
 }
 
 
@@ -63,4 +65,5 @@ __all__ = [
     "PoolConfig",
     "PooledKVCache",
     "make_pool_backed_cache",
+    "make_pool_backed_storage",
 ]
