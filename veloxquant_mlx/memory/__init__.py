@@ -25,6 +25,7 @@ from veloxquant_mlx.memory.block_pool import (
 from veloxquant_mlx.memory.storage import BlockStorage
 
 if TYPE_CHECKING:
+    from veloxquant_mlx.memory.deferred_release import reclaim_dropped_caches
     from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache, make_pool_backed_cache
     from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
     from veloxquant_mlx.memory.model_kv_layout import make_pool_backed_storage
@@ -39,6 +40,7 @@ _LAZY_NAMES = {
     "PooledKVCache": "veloxquant_mlx.memory.pooled_kv_cache",
     "make_pool_backed_cache": "veloxquant_mlx.memory.kv_cache",
     "make_pool_backed_storage": "veloxquant_mlx.memory.model_kv_layout",
+    "reclaim_dropped_caches": "veloxquant_mlx.memory.deferred_release",
 }
 
 
@@ -66,4 +68,5 @@ __all__ = [
     "PooledKVCache",
     "make_pool_backed_cache",
     "make_pool_backed_storage",
+    "reclaim_dropped_caches",
 ]

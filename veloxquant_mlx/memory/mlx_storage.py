@@ -69,6 +69,7 @@ from veloxquant_mlx.memory._storage_checks import (
     require_token_shape,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 
 __all__ = ["MLXBlockStorage"]
 
@@ -147,6 +148,8 @@ class MLXBlockStorage:
         self._slot_shape: Final = (n_kv_heads, head_dim)
         self._dtype: Final = dtype
         self._lock: Final = threading.Lock()
+        # Owners of caches dropped on this pool, freed by every sync (deferred_release).
+        self._releases: Final = deferred_releases_for(pool)
         # Whether write() may leave its slab unevaluated (then the store is thread-affine).
         self._lazy_writes: Final = lazy_writes
         # Block ids each slab covers; only _resize_locked changes it.
@@ -280,6 +283,7 @@ class MLXBlockStorage:
     # -- internals ---------------------------------------------------------------------
 
     def _sync_locked(self) -> None:
+        self._releases.drain()  # blocks of caches dropped without release() go back first
         target = next_capacity(self._capacity, self._pool.id_bound())
         if target != self._capacity:
             self._resize_locked(target)

@@ -40,6 +40,9 @@ Rules every implementation keeps (the storage conformance suite in
    per block) and looks for the culprit only when that says no.
 5. ``resident_bytes`` is what the store holds now; after the pool's id range
    shrinks, ``sync()`` (called by every operation) brings it down.
+6. ``sync()`` first returns the blocks of KV caches dropped without
+   ``release()`` (``deferred_release.deferred_releases_for(pool).drain()``),
+   so any store call is a point where they come back to the pool.
 
 Thread safety: implementations must be safe to share between threads in the
 same way as the pool (the MLX and NumPy stores hold a lock around slab
@@ -112,5 +115,6 @@ class BlockStorage(Protocol[ArrayT]):
         ...
 
     def sync(self) -> None:
-        """Follow the pool: grow to cover new ids, give back a retired tail."""
+        """Return dropped caches' blocks, then follow the pool: grow to cover new ids,
+        give back a retired tail."""
         ...
