@@ -10,6 +10,8 @@ caught on the first run.
 
 from __future__ import annotations
 
+import pytest
+
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.stress.finaliser_schedules import explore_finaliser, main
 
@@ -50,6 +52,16 @@ def test_a_finaliser_that_forgets_leaves_blocks_in_use() -> None:
     assert "4 blocks still in use" in violation
 
 
-def test_a_budget_cut_is_not_exhaustive_and_the_command_says_so() -> None:
+def test_a_budget_cut_is_inconclusive_and_the_command_says_so(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     assert not explore_finaliser(max_runs=5).exhaustive
     assert main(["--max-runs", "5"]) == 3
+    assert "INCONCLUSIVE" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("bad", ["0", "-3", "many"])
+def test_the_command_refuses_a_budget_that_is_not_a_positive_integer(bad: str) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        main(["--max-runs", bad])
+    assert exit_.value.code == 2

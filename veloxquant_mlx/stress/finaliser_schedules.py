@@ -67,7 +67,8 @@ class FinaliserExploration:
     Attributes:
         runs: Runs made: one per (drop point, schedule).
         drop_points: Drop points reached: the finaliser fired at the 1st, 2nd, ...
-            locked line of the pool's module, up to this many, in some schedule.
+            locked line of the pool's module, up to this many, in some schedule (when
+            the exploration is exhaustive, no schedule has a further locked line).
         fired_inside_lock: Runs in which the finaliser fired while its thread held
             the pool's lock (every run that reached its drop point).
         exhaustive: Every schedule of every drop point ran (no budget cut).
@@ -198,14 +199,14 @@ def explore_finaliser(
             problem = run.run()
             runs += 1
             if run.dropper.fired_by is not None:
-                reached, fired = True, fired + 1
+                reached, fired, drop_points = True, fired + 1, drop_at
             if problem is not None:
                 taken = [d.chosen for d in run.control.decisions]
                 violations.append(f"drop point {drop_at}, schedule choices {taken}: {problem}")
             choices, _ = next_choices(run.control.decisions, None)
         if not exhaustive or not reached:
             break
-        drop_points, drop_at = drop_at, drop_at + 1
+        drop_at += 1
     return FinaliserExploration(
         runs=runs,
         drop_points=drop_points,
@@ -217,21 +218,40 @@ def explore_finaliser(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Explore the scenario and print its counts; 1 on a violation, 3 if cut short."""
+    """Explore the scenario and print its counts.
+
+    Exit status: 0 every run passed and the exploration was exhaustive, 1 a
+    violation, 2 bad arguments (argparse), 3 inconclusive (``--max-runs`` cut
+    it short), 130 interrupted.
+    """
     parser = argparse.ArgumentParser(prog="python -m veloxquant_mlx.stress.finaliser_schedules")
-    parser.add_argument("--max-runs", type=int, default=20_000)
+    parser.add_argument("--max-runs", type=_positive_int, default=20_000)
     args = parser.parse_args(argv)
-    result = explore_finaliser(max_runs=args.max_runs)
+    try:
+        result = explore_finaliser(max_runs=args.max_runs)
+    except KeyboardInterrupt:
+        print("finaliser schedules: interrupted", file=sys.stderr)
+        return 130
+    verdict = "OK" if result.exhaustive else "INCONCLUSIVE (--max-runs reached)"
+    if result.violations:
+        verdict = "VIOLATION"
     print(
-        f"finaliser inside the pool's lock: {result.drop_points} drop points, "
+        f"finaliser inside the pool's lock: {verdict}: {result.drop_points} drop points, "
         f"{result.runs} runs, {result.fired_inside_lock} fired inside the lock, "
-        f"exhaustive={'yes' if result.exhaustive else 'no'}, {result.seconds:.2f} s"
+        f"{result.seconds:.2f} s"
     )
     for violation in result.violations:
         print(violation)
     if result.violations:
         return 1
     return 0 if result.exhaustive else 3
+
+
+def _positive_int(text: str) -> int:
+    value = int(text) if text.isdecimal() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
 
 
 if __name__ == "__main__":
