@@ -17,7 +17,6 @@ import random
 import threading
 from collections.abc import Iterator
 
-import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from tiny_models import greedy, prompt, tiny_model
@@ -63,11 +62,9 @@ def test_a_dropped_owner_id_can_be_claimed_again_at_once(pool: BlockPoolAllocato
 
 
 def test_an_append_drains_before_it_would_exhaust_the_pool(pool: BlockPoolAllocator) -> None:
-    _dropped_book(pool, owner=1, n_tokens=8 * BLOCK_SIZE)  # every block of the pool
     book = PooledKVCache(pool, owner=2)
-    _dropped_book(pool, owner=3, n_tokens=0)  # keeps the queue non-empty, holds nothing
-    assert pool.stats.blocks_in_use() == 0  # the construction above drained owner 1
-    _dropped_book(pool, owner=4, n_tokens=8 * BLOCK_SIZE)
+    _dropped_book(pool, owner=4, n_tokens=8 * BLOCK_SIZE)  # every block of the pool
+    assert pool.stats.blocks_in_use() == 16
     book.append(BLOCK_SIZE)  # only possible with owner 4's blocks back
     assert pool.blocks_for(4) == []
     book.release()
@@ -184,6 +181,5 @@ def test_a_thousand_caches_dropped_mid_generation_by_four_threads_all_come_back(
     storage.sync()  # the store's next call: every dropped cache is back
     assert pool.stats.blocks_in_use() == 0
     pool.check_invariants()
-    for owner in owners:  # every owner id was released, none freed twice
+    for owner in owners:  # every owner id was released
         pool.register_owner(owner)
-    assert mx.array_equal(storage.gather(0, [], 0), mx.zeros((0, 1, 8)))

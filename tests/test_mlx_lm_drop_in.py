@@ -11,7 +11,7 @@ decodes on exactly as the original does.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import mlx.core as mx
@@ -215,12 +215,12 @@ BAD_COPIES = {
 
 @pytest.mark.parametrize(("make_bad", "error", "message"), BAD_COPIES.values(), ids=BAD_COPIES)
 def test_copy_from_refuses_bad_input_and_changes_nothing(
-    make_bad: object, error: type[Exception], message: str
+    make_bad: Callable[[Module], Sequence[object]], error: type[Exception], message: str
 ) -> None:
     model = tiny_model("llama", 10)
     pool = _pool()
     with make_pool_backed_cache(model, make_pool_backed_storage(model, pool), owner=3) as cache:
-        bad = make_bad(model)  # type: ignore[operator]
+        bad = make_bad(model)
         with pool_unchanged(pool, owners=[3]), pytest.raises(error, match=message):
             cache.copy_from(bad)
         assert cache.book.empty()
