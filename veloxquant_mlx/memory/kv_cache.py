@@ -14,7 +14,22 @@ per stream per layer, against up to 255 for ``KVCache``'s 256-token steps.
 ``make_pool_backed_cache(model, storage)`` builds a model's list of caches
 the way ``make_prompt_cache`` does; the list releases every block on
 ``release()`` or when used as a context manager, also when generation is
-aborted by an exception.
+aborted by an exception. A list that is simply dropped, as mlx-lm code
+does, cannot leak either: its block table's finaliser queues the release
+and the pool gets the blocks back at the next store call
+(:mod:`~veloxquant_mlx.memory.deferred_release` says exactly when).
+
+Drop-in, exactly: a store sized from the model
+(:func:`~veloxquant_mlx.memory.model_kv_layout.make_pool_backed_storage`)
+holds the very keys and values ``KVCache`` would, so decoding gives the same
+tokens and logits; keys or values of another dtype or shape than the
+store's are refused before anything changes (a cast would change the
+model's outputs). ``generate_step(..., kv_bits=...)`` is refused with a
+``ValueError`` (once mlx-lm asks for it, at ``quantized_kv_start``
+positions): quantized keys would leave the pool. A cache saved with
+``save_prompt_cache`` loads with ``load_prompt_cache`` as ``KVCache``
+layers, which :meth:`PoolBackedPromptCache.copy_from` pages again;
+:mod:`~veloxquant_mlx.memory.mlx_lm_protocol` explains both.
 
 Complexity (``T`` = positions of the layer, ``n`` = new ones, ``b`` =
 ``block_size``): ``update_and_fetch`` O(n) to write plus O(T) to gather
@@ -27,9 +42,10 @@ O(n * T) for an array mask; ``offset``, ``size``, ``nbytes`` O(1).
 
 Running it well: a single-threaded decode loop wants
 ``MLXBlockStorage(..., lazy_writes=True)`` (no evaluation inside the
-forward pass). On MLX's CPU backend the buffer cache is capped at 32 MB by
-default, below a long context's per-step gathers: raise it
-(``mx.set_cache_limit``) or steps page-fault fresh memory.
+forward pass; the store then serves only the first thread that calls it).
+On MLX's CPU backend the buffer cache is capped at 32 MB by default, below
+a long context's per-step gathers: raise it (``mx.set_cache_limit``) or
+steps page-fault fresh memory.
 
 Limits: batch size 1 (one request per cache; run concurrent requests with
 one cache list each over the shared pool and storage); keys and values of
@@ -44,15 +60,27 @@ thread at a time; the pool and the storage are shared and lock themselves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Sized
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Final, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Final, NoReturn, Protocol, runtime_checkable
 
 import mlx.core as mx
 
 from veloxquant_mlx.memory.block_pool import Block
+from veloxquant_mlx.memory.mlx_lm_protocol import (
+    MaskT,
+    causal_mask,
+    kv_cache_from_state,
+    register_for_loading,
+    split_state,
+)
+from veloxquant_mlx.memory.mlx_storage import dtype_name
+from veloxquant_mlx.memory.model_kv_layout import attention_layers
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.memory.storage import BlockStorage
+
+if TYPE_CHECKING:
+    from mlx_lm.models.cache import KVCache
 
 __all__ = [
     "GathersHeadMajor",
@@ -63,9 +91,6 @@ __all__ = [
     "causal_mask",
     "make_pool_backed_cache",
 ]
-
-#: mlx-lm's mask for N queries at ``offset``; a str ("causal"), an array or None.
-MaskT = mx.array | str | None
 
 #: Block format tags for the usual storage dtypes; others use the dtype's name.
 _FORMAT_OF_DTYPE: Final = {mx.float16: "fp16", mx.bfloat16: "bf16", mx.float32: "fp32"}
@@ -146,10 +171,11 @@ class PoolBackedKVCache:
 
         Raises:
             ValueError: A shape is not ``(1, heads, n, head_dim)`` of the storage.
+            TypeError: Keys or values are not of the storage's dtype (nothing is cast).
             RuntimeError: The cache was released.
             BlockPoolExhaustedError: The pool has too few free blocks; nothing changed.
         """
-        n_tokens = self._require_batch(keys, values)
+        n_tokens = self._require_update(keys, values)
         if n_tokens:
             start = self._book.append(n_tokens, layer=self._layer)
             try:
@@ -177,23 +203,29 @@ class PoolBackedKVCache:
     # -- mlx-lm protocol: state and sizes ----------------------------------------------
 
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        """Keys and values of every held position, each ``(1, heads, offset, head_dim)``."""
-        return self._fetch()
+    def state(self) -> tuple[mx.array, mx.array, int]:
+        """``(keys, values, offset)`` as mlx-lm's ``KVCache`` has it: keys and values of
+        every held position, each ``(1, heads, offset, head_dim)``."""
+        keys, values = self._fetch()
+        return keys, values, self.offset
 
     @state.setter
     def state(self, state: Sequence[object]) -> None:
-        """Replace this layer's contents by ``(keys, values)`` (or mlx-lm's
-        ``(keys, values, offset)``), written into the request's blocks.
+        """Replace this layer's contents by ``(keys, values, offset)`` (or ``(keys,
+        values)``), written into the request's blocks.
 
         Raises:
-            TypeError, ValueError: Not such a tuple, or shapes of another storage.
+            TypeError, ValueError: Not such a tuple, or arrays of another shape or dtype
+                than the storage's; nothing changes.
             BlockPoolExhaustedError: Too few free blocks; the layer is left empty.
         """
-        keys, values, offset = _split_state(state)
+        keys, values, offset = split_state(state)
+        if offset:
+            keys, values = keys[..., :offset, :], values[..., :offset, :]
+            self._require_update(keys, values)
         self._book.trim(self.offset, layer=self._layer)
         if offset:
-            self.update_and_fetch(keys[..., :offset, :], values[..., :offset, :])
+            self.update_and_fetch(keys, values)
 
     @property
     def meta_state(self) -> tuple[str]:
@@ -245,14 +277,52 @@ class PoolBackedKVCache:
         """The request's block table, shared by all its layers."""
         return self._book
 
+    # -- mlx-lm protocol: quantization and loading -------------------------------------
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> NoReturn:
+        """Refuse: mlx-lm calls this for ``generate_step(..., kv_bits=bits)``.
+
+        mlx-lm's ``KVCache`` would turn into a ``QuantizedKVCache`` outside any
+        pool; a pool-backed cache keeps its keys and values in the store, so it
+        says so instead of silently staying unquantized.
+
+        Raises:
+            ValueError: Always, naming ``kv_bits`` and the store's dtype; nothing changes.
+        """
+        raise ValueError(
+            f"kv_bits={bits} (kv_group_size={group_size}) cannot quantize a PoolBackedKVCache: "
+            f"its keys and values stay in the pool's store as {dtype_name(self._storage.dtype)}; "
+            "generate without kv_bits, or use mlx-lm's make_prompt_cache for a quantized cache"
+        )
+
+    @classmethod
+    def from_state(cls, state: Sequence[object], meta_state: object = None) -> KVCache:
+        """An mlx-lm ``KVCache`` holding ``state``: what ``load_prompt_cache`` builds for a
+        saved pool-backed cache (a store is not saved; see
+        :meth:`PoolBackedPromptCache.copy_from` to page it again).
+
+        Raises:
+            TypeError, ValueError: ``state`` is not ``(keys, values[, offset])``.
+        """
+        return kv_cache_from_state(state)
+
     # -- internals ---------------------------------------------------------------------
 
-    def _require_batch(self, keys: mx.array, values: mx.array) -> int:
+    def _require_update(self, keys: mx.array, values: mx.array) -> int:
+        """The number of positions in ``keys`` and ``values``, if the storage can hold them."""
         expected = (1, self._heads, keys.shape[2] if keys.ndim == 4 else -1, self._head_dim)
         if tuple(keys.shape) != expected or tuple(values.shape) != expected:
             raise ValueError(
                 f"keys and values must both have shape (1, {self._heads}, n, {self._head_dim}) "
                 f"(batch size 1), got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        dtype = self._storage.dtype
+        if keys.dtype != dtype or values.dtype != dtype:
+            raise TypeError(
+                f"keys and values must have the store's dtype {dtype_name(dtype)}, got "
+                f"{dtype_name(keys.dtype)} and {dtype_name(values.dtype)}; a cast would change "
+                "the model's outputs, so size the store from the model "
+                "(make_pool_backed_storage(model, pool))"
             )
         return int(expected[2])
 
@@ -302,7 +372,8 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
     """A model's per-layer caches for one request, which returns its blocks on release.
 
     A plain list to mlx-lm (``generate_step(prompt_cache=...)``,
-    ``trim_prompt_cache``); also a context manager.
+    ``trim_prompt_cache``, ``save_prompt_cache``); also a context manager.
+    Dropped without ``release()``, its blocks still come back (module docstring).
     """
 
     def __init__(self, storage: MLXStorage, book: PooledKVCache) -> None:
@@ -319,6 +390,39 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
     def release(self) -> None:
         """Return every block of the request to the pool. Idempotent."""
         self._book.release()
+
+    def copy_from(self, caches: Sequence[object]) -> None:
+        """Fill this empty list with the positions of ``caches``, one mlx-lm cache per layer.
+
+        For instance the ``KVCache`` list that ``load_prompt_cache`` returns for a
+        saved cache: decoding then goes on exactly as from ``caches``. Every layer's
+        state is checked before any block is taken.
+
+        Raises:
+            ValueError: This list already holds positions, ``caches`` has another number
+                of layers, or a state's shape is not the storage's; nothing changes.
+            TypeError: A state is not ``(keys, values[, offset])`` of the storage's dtype;
+                nothing changes.
+            BlockPoolExhaustedError: Too few free blocks; the list is left empty.
+        """
+        if not self._book.empty():
+            raise ValueError(
+                f"copy_from fills an empty cache list; this one holds {self._book.offset} positions"
+            )
+        if len(caches) != len(self):
+            raise ValueError(f"expected one cache per layer ({len(self)}), got {len(caches)}")
+        states = [split_state(getattr(cache, "state", None)) for cache in caches]
+        slices = [(keys[..., :end, :], values[..., :end, :]) for keys, values, end in states]
+        for layer, (keys, values) in zip(self, slices, strict=True):
+            if keys.size:
+                layer._require_update(keys, values)
+        try:
+            for layer, (keys, values) in zip(self, slices, strict=True):
+                if keys.size:
+                    layer.update_and_fetch(keys, values)
+        except BaseException:
+            self._book.trim(self._book.offset)
+            raise
 
     def __enter__(self) -> PoolBackedPromptCache:
         return self
@@ -357,7 +461,7 @@ def make_pool_backed_cache(
             a cache other than ``KVCache`` (sliding window, state space, ...).
         OwnerAlreadyActiveError: ``owner`` is in use.
     """
-    n_layers = _n_attention_layers(model)
+    n_layers = attention_layers(model)
     if n_layers > storage.n_layers:
         raise ValueError(
             f"the model has {n_layers} layers but the storage only {storage.n_layers}; "
@@ -368,61 +472,4 @@ def make_pool_backed_cache(
     return PoolBackedPromptCache(storage, book)
 
 
-def causal_mask(n_queries: int, offset: int, window_size: int | None = None) -> mx.array:
-    """mlx-lm's ``create_causal_mask``: query ``i`` (at ``offset + i``) sees keys ``<= offset + i``.
-
-    With ``window_size`` it sees only the last ``window_size`` of them. Shape
-    ``(n_queries, offset + n_queries)``, boolean.
-    """
-    keys = mx.arange(offset + n_queries)[None]
-    queries = mx.arange(offset, offset + n_queries)[:, None]
-    mask = queries >= keys
-    if window_size is not None:
-        mask = mask & (queries < keys + window_size)
-    return mask
-
-
-def _n_attention_layers(model: object) -> int:
-    """Layers of ``model``, after checking that each would use a plain ``KVCache``."""
-    make_cache = getattr(model, "make_cache", None)
-    if make_cache is None:
-        layers = getattr(model, "layers", None)
-        if not isinstance(layers, Sized):
-            raise TypeError(
-                f"model must be an mlx-lm model with a list of layers, got {type(model).__name__}"
-            )
-        return len(layers)
-    # mlx-lm is only needed here, for a model that comes from it (it has make_cache()).
-    from mlx_lm.models.cache import KVCache  # noqa: PLC0415
-
-    upstream: list[object] = make_cache()
-    for index, cache in enumerate(upstream):
-        if type(cache) is not KVCache:
-            raise ValueError(
-                f"layer {index} of the model uses {type(cache).__name__}; "
-                "PoolBackedKVCache replaces plain KVCache layers only"
-            )
-    return len(upstream)
-
-
-def _split_state(state: Sequence[object]) -> tuple[mx.array, mx.array, int]:
-    """``(keys, values[, offset])`` as arrays and an offset (their length if absent).
-
-    ``(None, None[, 0])``, an empty mlx-lm ``KVCache``'s state, means no positions.
-    """
-    if not isinstance(state, Sequence) or len(state) not in (2, 3):
-        raise ValueError(f"state must be (keys, values) or (keys, values, offset), got {state!r}")
-    keys, values = state[0], state[1]
-    if keys is None and values is None:
-        empty = mx.zeros((1, 0, 0, 0))
-        return empty, empty, 0
-    if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
-        raise TypeError(
-            f"state's keys and values must be mlx arrays, got {type(keys).__name__} "
-            f"and {type(values).__name__}"
-        )
-    length = keys.shape[2] if keys.ndim == 4 else 0
-    offset = state[2] if len(state) == 3 else length
-    if type(offset) is not int or not 0 <= offset <= length:
-        raise ValueError(f"state's offset must be an int in 0..{length}, got {offset!r}")
-    return keys, values, offset
+register_for_loading(PoolBackedKVCache)

@@ -27,8 +27,15 @@ Since MLX 0.31.2 streams are per thread: a lazy graph built on one thread
 cannot be evaluated on another. So by default every ``write`` evaluates the
 slab it produced before it returns, and any thread may then use the store.
 ``lazy_writes=True`` leaves writes lazy (no sync point per write, which a
-GPU decode loop may want) at the cost of thread affinity: use such a store
-from one thread only.
+GPU decode loop may want) at the cost of thread affinity: such a store
+belongs to the first thread that calls one of its methods, and a call from
+any other thread raises ``RuntimeError`` naming ``lazy_writes`` and both
+threads, before it touches a slab, so the store stays usable from its own
+thread. (Unchecked, such a call would leave a slab whose graph no thread
+can evaluate, and every later call would fail.)
+
+Written tokens must have the store's dtype: nothing is cast, because a
+cast silently changes what a model computed (``TypeError`` otherwise).
 
 Nothing here converts to NumPy or calls ``.item()``: ``write`` and the gathers
 only build MLX graphs (and evaluate them as just said), so the module runs
@@ -43,7 +50,8 @@ O(layers).
 
 Thread safety: one ``threading.Lock`` per store guards the slab list and
 capacity; every public method holds it while it reads or replaces a slab
-(and, by default, while it evaluates a write, see above).
+(and, by default, while it evaluates a write, see above). With
+``lazy_writes`` only the owning thread may call (see above).
 The pool's own lock is taken only through its public methods. A write that
 races a ``free`` of the same handle on another thread is the caller's bug:
 liveness is checked once, at the start of the write.
@@ -65,9 +73,11 @@ from veloxquant_mlx.memory._storage_checks import (
     require_live,
     require_n_tokens,
     require_slots,
+    require_token_dtype,
     require_token_shape,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 
 __all__ = ["MLXBlockStorage"]
 
@@ -119,7 +129,8 @@ class MLXBlockStorage:
             n_kv_heads: Heads per token slot.
             head_dim: Values per head.
             dtype: Element type of the slabs.
-            lazy_writes: Leave writes unevaluated (single-thread use only).
+            lazy_writes: Leave writes unevaluated; the store then serves only the
+                first thread that calls it.
 
         Raises:
             TypeError: ``pool`` is not a ``BlockPoolAllocator``, a size not an int,
@@ -146,8 +157,12 @@ class MLXBlockStorage:
         self._slot_shape: Final = (n_kv_heads, head_dim)
         self._dtype: Final = dtype
         self._lock: Final = threading.Lock()
+        # Owners of caches dropped on this pool, freed by every sync (deferred_release).
+        self._releases: Final = deferred_releases_for(pool)
         # Whether write() may leave its slab unevaluated (then the store is thread-affine).
         self._lazy_writes: Final = lazy_writes
+        # With lazy_writes, the thread that called first: the only one allowed after.
+        self._owning_thread: threading.Thread | None = None
         # Block ids each slab covers; only _resize_locked changes it.
         self._capacity = pool.id_bound()
         # One slab per layer; replaced (never mutated) by write and resize.
@@ -175,7 +190,7 @@ class MLXBlockStorage:
 
     @property
     def dtype(self) -> mx.Dtype:
-        """Element type of every slab; written tokens are cast to it."""
+        """Element type of every slab; written tokens must have it (nothing is cast)."""
         return self._dtype
 
     # -- protocol: data ----------------------------------------------------------------
@@ -188,14 +203,17 @@ class MLXBlockStorage:
         values.
 
         Raises:
-            TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``mx.array``,
-                ``layer`` or ``start`` not an int.
+            TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``mx.array`` of
+                the store's dtype, ``layer`` or ``start`` not an int.
             ValueError: ``block`` is not a live handle of the pool, the slots fall
                 outside ``0 .. block_size``, ``layer`` is out of range, or ``tokens``
                 has the wrong shape. Nothing changes.
+            RuntimeError: A ``lazy_writes`` store called from another thread than its
+                own. Nothing changes.
         """
         if not isinstance(tokens, mx.array):
             raise TypeError(f"tokens must be an mlx.core.array, got {type(tokens).__name__}")
+        require_token_dtype(tokens.dtype, self._dtype, dtype_name)
         n_tokens = require_token_shape(tuple(tokens.shape), self._slot_shape)
         require_slots(start, n_tokens, self._block_size)
         with self._lock:
@@ -205,8 +223,6 @@ class MLXBlockStorage:
             require_covered(block, self._capacity)
             if n_tokens == 0:
                 return
-            if tokens.dtype != self._dtype:
-                tokens = tokens.astype(self._dtype)
             # (n, heads, dim) -> (heads, 1 block, n, dim): slots of every head of one block.
             update = tokens.transpose(1, 0, 2)[:, None]
             where = mx.array([block.block_id, start], dtype=mx.int32)
@@ -280,9 +296,29 @@ class MLXBlockStorage:
     # -- internals ---------------------------------------------------------------------
 
     def _sync_locked(self) -> None:
+        """What every public method does first under the lock: refuse a foreign thread
+        (lazy_writes), return dropped caches' blocks, follow the pool's id range."""
+        if self._lazy_writes:
+            self._require_owning_thread()
+        self._releases.drain()  # blocks of caches dropped without release() go back first
         target = next_capacity(self._capacity, self._pool.id_bound())
         if target != self._capacity:
             self._resize_locked(target)
+
+    def _require_owning_thread(self) -> None:
+        """Bind a lazy_writes store to its first caller; refuse every other thread."""
+        current = threading.current_thread()
+        owner = self._owning_thread
+        if owner is None:
+            self._owning_thread = current
+        elif owner is not current:
+            raise RuntimeError(
+                f"this MLXBlockStorage has lazy_writes=True, so it belongs to thread "
+                f"{owner.name!r} (ident {owner.ident}), the first to call it, but it was "
+                f"called from thread {current.name!r} (ident {current.ident}); a lazy write "
+                "leaves an MLX graph on its thread's stream that no other thread can "
+                "evaluate, so share a store between threads with lazy_writes=False"
+            )
 
     def _resize_locked(self, target: int) -> None:
         """Give every slab ``target`` blocks, keeping the first ``min(old, target)`` blocks."""
@@ -314,3 +350,8 @@ class MLXBlockStorage:
 
 def _block_id(block: Block) -> int:
     return block.block_id
+
+
+def dtype_name(dtype: mx.Dtype) -> str:
+    """``"bfloat16"`` for ``mx.bfloat16``: the name without the module path."""
+    return str(dtype).rpartition(".")[2]

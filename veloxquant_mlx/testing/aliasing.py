@@ -112,6 +112,9 @@ class StorageBackend(Generic[ArrayT]):
         to_numpy: Evaluates an array of the store's type and returns it as float32.
         headroom: The store's capacity stays below ``headroom * pool.id_bound()``
             (unless equal to it): the most its growth rule over-allocates.
+        cast: Converts an array made by ``from_numpy`` to a ``StoreSpec.dtype`` name;
+            stores refuse tokens of another dtype than theirs. ``None`` for a backend
+            whose stores only hold float32.
     """
 
     name: str
@@ -119,6 +122,12 @@ class StorageBackend(Generic[ArrayT]):
     from_numpy: Callable[[Values], ArrayT]
     to_numpy: Callable[[ArrayT], Values]
     headroom: int = 2
+    cast: Callable[[ArrayT, str], ArrayT] | None = None
+
+    def tokens(self, values: Values, dtype: str) -> ArrayT:
+        """``values`` as the store's array type in ``dtype``: what a write must be given."""
+        array = self.from_numpy(values)
+        return array if self.cast is None else self.cast(array, dtype)
 
 
 def numpy_backend() -> StorageBackend[npt.NDArray[np.generic]]:
@@ -131,7 +140,11 @@ def numpy_backend() -> StorageBackend[npt.NDArray[np.generic]]:
         )
 
     return StorageBackend(
-        "numpy", make, lambda values: values, lambda array: np.array(array, dtype=np.float32)
+        "numpy",
+        make,
+        lambda values: values,
+        lambda array: np.array(array, dtype=np.float32),
+        cast=lambda array, dtype: array.astype(np.dtype(dtype)),
     )
 
 
@@ -155,7 +168,10 @@ def mlx_backend(*, lazy_writes: bool = False) -> StorageBackend[mx.array]:
     def to_numpy(array: mx.array) -> Values:
         return np.array(array.astype(mx.float32), dtype=np.float32)
 
-    return StorageBackend("mlx-lazy" if lazy_writes else "mlx", make, mx.array, to_numpy)
+    def cast(array: mx.array, dtype: str) -> mx.array:
+        return array.astype(getattr(mx, dtype))
+
+    return StorageBackend("mlx-lazy" if lazy_writes else "mlx", make, mx.array, to_numpy, cast=cast)
 
 
 class ReplayError(AssertionError):
@@ -365,7 +381,7 @@ class AliasingReplay(Generic[ArrayT]):
             and op.start + op.n_tokens <= self._block_size
         )
         if not valid:
-            tokens = self.backend.from_numpy(self._sentinels(op.n_tokens))
+            tokens = self.backend.tokens(self._sentinels(op.n_tokens), self.spec.dtype)
             error = _attempt(lambda: self.store.write(op.layer, block, op.start, tokens))
             self._require_outcome(op.expect, error, "ValueError", ok=False)
             return replace(op, expect=outcome_name(error))
@@ -377,7 +393,7 @@ class AliasingReplay(Generic[ArrayT]):
         self, ref: HandleRef, layer: int, start: int, n_tokens: int, what: str
     ) -> None:
         values = self._sentinels(n_tokens)
-        tokens = self.backend.from_numpy(values)
+        tokens = self.backend.tokens(values, self.spec.dtype)
         error = _attempt(lambda: self.store.write(layer, self._live[ref], start, tokens))
         if error is not None:
             raise _CheckError(
