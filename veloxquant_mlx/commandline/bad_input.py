@@ -60,7 +60,9 @@ def human_bytes(count: float) -> str:
     value, unit = float(count), 0
     while value >= 1024 and unit < len(units) - 1:
         value, unit = value / 1024, unit + 1
-    return f"{int(value)} bytes" if unit == 0 else f"{value:.3g} {units[unit]}"
+    if unit == 0:
+        return f"{int(value)} bytes"
+    return f"{value:.3g} {units[unit]}" if value < 100 else f"{value:.0f} {units[unit]}"
 
 
 def available_memory_bytes() -> int | None:

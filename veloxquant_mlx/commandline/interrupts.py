@@ -49,13 +49,20 @@ def report_interrupt(prog: str, detail: str = "") -> ExitStatus:
 
 
 def run_command(prog: str, body: Callable[[], int]) -> int:
-    """Run a command's body; its exit status, or 2 on bad input, 130 on Ctrl-C (one line each)."""
+    """Run a command's body; its exit status, or 2 on bad input, 130 on Ctrl-C (one line each).
+
+    A ``SystemExit`` (argparse's ``--help`` or usage error) becomes its status,
+    returned rather than raised, so that every ``main`` can be called from code.
+    """
     try:
         return int(body())
     except BadInputError as error:
         return print_bad_input(prog, error)
     except KeyboardInterrupt:
         return report_interrupt(prog)
+    except SystemExit as exit_:
+        code = exit_.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
 
 
 class InterruptRequest:

@@ -20,12 +20,14 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["POOL_BYTES_PER_BLOCK", "REQUEST_BYTES", "pool_bytes", "slab_bytes"]
+__all__ = ["POOL_BYTES_PER_BLOCK", "REQUEST_BYTES", "STEP_BYTES", "pool_bytes", "slab_bytes"]
 
 #: Heap bytes of a pool's books per block id, every block checked out (rounded up).
 POOL_BYTES_PER_BLOCK: Final = 200
 #: Heap bytes of one simulated request (measured: about 195 with tracemalloc).
 REQUEST_BYTES: Final = 256
+#: Heap bytes the simulator's metrics keep per step (five samples, boxed numbers).
+STEP_BYTES: Final = 200
 
 
 def pool_bytes(n_ids: int) -> int:
