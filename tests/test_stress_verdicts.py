@@ -38,6 +38,8 @@ from veloxquant_mlx.stress.replay import LinearizedReplay
 from veloxquant_mlx.stress.reproducer import Reproducer, recheck, replay_path, spec_config
 from veloxquant_mlx.stress.runner import run_stress
 from veloxquant_mlx.stress.specstep import Checkpoint, initial_checkpoint
+from veloxquant_mlx.testing.traces import Allocate as TraceAllocate
+from veloxquant_mlx.testing.traces import load
 from veloxquant_mlx_spec.model import SpecConfig
 
 CONFIG = SpecConfig(block_size=4, n_blocks=8)
@@ -186,3 +188,43 @@ def test_an_interrupted_run_stops_cleanly_and_leaves_a_partial_report(tmp_path: 
     assert not (tmp_path / "linearized.jsonl").exists()
     verdict, _ = replay_path(tmp_path / "linearized.partial.jsonl", "numpy")
     assert verdict is Verdict.INCONCLUSIVE
+
+
+# -- the linearized trace ------------------------------------------------------------------
+
+
+def allocate_event(op_id: int) -> Event:
+    return Event(op_id, 0, Allocate("k", 4, 1), 10 * op_id, 10 * op_id + 5, Returned((op_id,)))
+
+
+@pytest.mark.parametrize("complete", [True, False])
+def test_only_a_complete_linearized_trace_loses_its_partial_mark(
+    tmp_path: Path, complete: bool
+) -> None:
+    pool = PoolConfig(block_size=4, n_blocks=8)
+    replay = LinearizedReplay(pool, profile("smoke").store, None, tmp_path)
+    replay.feed([allocate_event(0), allocate_event(1)])
+    replay.close(complete=complete)
+    names = sorted(path.name for path in tmp_path.iterdir())
+    if complete:
+        assert names == ["linearized.jsonl"]
+        trace = load(tmp_path / "linearized.jsonl")
+    else:
+        assert names == ["linearized.partial.jsonl"]
+        trace = load(tmp_path / "linearized.partial.jsonl")
+    assert trace.partial is not complete
+    assert [op.block_ids for op in trace.ops if isinstance(op, TraceAllocate)] == [(0,), (1,)]
+
+
+def test_a_replay_stopped_by_the_budget_counts_what_it_did_not_replay(tmp_path: Path) -> None:
+    pool = PoolConfig(block_size=4, n_blocks=8)
+    replay = LinearizedReplay(pool, profile("smoke").store, None, tmp_path)
+    replay.feed([allocate_event(0)])
+    replay.stop("the checking budget ran out")
+    replay.feed([allocate_event(1), allocate_event(2)])
+    replay.close(complete=True)  # asked to publish, but it stopped: stays partial
+    assert replay.ops_written == 1
+    gap = replay.gap()
+    assert gap is not None
+    assert str(gap) == "2 linearized calls not checked: not saved: the checking budget ran out"
+    assert (tmp_path / "linearized.partial.jsonl").exists()

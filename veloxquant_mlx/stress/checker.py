@@ -94,6 +94,7 @@ class CheckerFigures:
     configurations: int = 0
     max_end_states: int = 1
     largest_window: int = 0  # calls in the largest window between quiescent points
+    largest_search: int = 0  # configurations of the costliest window (against the budget)
     inconclusive_window: int | None = None  # index of the window whose search gave up
     events_not_checked: int = 0
     gave_up_because: str | None = None  # why checking stopped early, if it did
@@ -174,6 +175,7 @@ class LinearizabilityChecker:
             figures.events_not_checked += len(events)
             return
         figures.configurations += result.nodes
+        figures.largest_search = max(figures.largest_search, result.nodes)
         if not result.complete:
             self.stop(
                 f"gave up: the search budget of {self._budget:,} configurations ran out "

@@ -210,9 +210,9 @@ class LinearizedReplay:
         """Linearized calls that were not replayed, and why; ``None`` if there were none."""
         if not self.ops_not_replayed or self.failure is not None:
             return None
+        done = "saved" if self._engine is None else f"replayed on {self.backend_name} or saved"
         return Gap(
-            f"{self.ops_not_replayed:,} linearized calls",
-            f"not replayed on {self.backend_name}: {self.stopped_because}",
+            f"{self.ops_not_replayed:,} linearized calls", f"not {done}: {self.stopped_because}"
         )
 
     def close(self, *, complete: bool) -> None:

@@ -16,8 +16,8 @@ total_seconds, checking_seconds, checking_after_calls_seconds,
 check_budget_seconds}, operations, operations_per_second,
 operations_by_kind{kind: {count, per_second, errors{kind: n}}},
 errors_by_kind, invariant_checks, histories_checked{windows, events,
-configurations, max_end_states, largest_window, inconclusive_window,
-events_not_checked, gave_up_because, percent_checked},
+configurations, max_end_states, largest_window, largest_search,
+inconclusive_window, events_not_checked, gave_up_because, percent_checked},
 replay{backend, ops_replayed, ops_written, trace}, conservation{problems},
 not_checked[{what, why}], violations[{kind, message, path}]``.
 ``ok`` is ``verdict == "ok"``; ``partial`` is true when the run was
@@ -232,7 +232,8 @@ def summary_text(report: StressReport) -> str:
         f"  linearizability: {checked.get('windows', 0):,} windows, "
         f"{checked.get('events', 0):,} calls checked ({report.percent_checked():g}%), "
         f"{checked.get('configurations', 0):,} configurations; largest window "
-        f"{checked.get('largest_window', 0)} calls, at most "
+        f"{checked.get('largest_window', 0)} calls, costliest "
+        f"{checked.get('largest_search', 0):,} configurations, at most "
         f"{checked.get('max_end_states', 0)} possible states at a cut",
     ]
     if report.timing is not None:
