@@ -120,10 +120,15 @@ def teeth_config(tmp_path: Path, factory: Factory, **changes: object) -> StressC
 
 
 @pytest.mark.parametrize("bug", [CheckThenActAllocate, CheckThenActFree], ids=["allocate", "free"])
+@pytest.mark.parametrize(
+    ("threads", "window_ops"), [(4, 24), (8, 4)], ids=["smoke-windows", "nightly-windows"]
+)
 def test_a_planted_check_then_act_race_is_caught_by_the_linearizability_checker(
-    tmp_path: Path, bug: type[BlockPoolAllocator]
+    tmp_path: Path, bug: type[BlockPoolAllocator], threads: int, window_ops: int
 ) -> None:
-    report = run_stress(teeth_config(tmp_path, planted(bug)))
+    """Also with the nightly profile's small windows: cutting often hides no race."""
+    config = teeth_config(tmp_path, planted(bug), threads=threads, window_ops=window_ops)
+    report = run_stress(config)
     found = [finding for finding in report.findings if finding.kind == "linearizability"]
     assert found, report.findings
     assert report.operations < MAX_OPS  # stopped at the violation, long before the bound
