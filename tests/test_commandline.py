@@ -26,7 +26,7 @@ from veloxquant_mlx.commandline.files import (
     prepare_out_dir,
 )
 from veloxquant_mlx.commandline.interrupts import InterruptRequest, run_command
-from veloxquant_mlx.commandline.verdicts import ExitStatus, Gap, Verdict, verdict_of
+from veloxquant_mlx.commandline.verdicts import ExitStatus, Gap, Verdict, combined, verdict_of
 from veloxquant_mlx.stress.report import is_run_file
 
 GAP = Gap("3 calls", "the budget ran out")
@@ -63,6 +63,21 @@ def test_a_gap_is_never_ok_and_a_violation_outranks_it(
     violations: int, gaps: tuple[Gap, ...], interrupted: bool, verdict: Verdict
 ) -> None:
     assert verdict_of(violations=violations, gaps=gaps, interrupted=interrupted) is verdict
+
+
+@pytest.mark.parametrize(
+    ("verdicts", "verdict"),
+    [
+        ([], Verdict.OK),
+        ([Verdict.OK, Verdict.INCONCLUSIVE, Verdict.OK], Verdict.INCONCLUSIVE),
+        ([Verdict.INCONCLUSIVE, Verdict.VIOLATION], Verdict.VIOLATION),
+        ([Verdict.VIOLATION, Verdict.INTERRUPTED], Verdict.INTERRUPTED),
+    ],
+)
+def test_several_checks_combine_to_their_worst_verdict(
+    verdicts: list[Verdict], verdict: Verdict
+) -> None:
+    assert combined(verdicts) is verdict
 
 
 def test_a_gap_says_what_was_not_checked_and_why() -> None:

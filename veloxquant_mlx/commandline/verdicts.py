@@ -28,7 +28,7 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["ExitStatus", "Gap", "Verdict", "verdict_of"]
+__all__ = ["ExitStatus", "Gap", "Verdict", "combined", "verdict_of"]
 
 
 class ExitStatus(enum.IntEnum):
@@ -101,3 +101,13 @@ def verdict_of(*, violations: int, gaps: Iterable[Gap] = (), interrupted: bool =
     if any(True for _ in gaps):
         return Verdict.INCONCLUSIVE
     return Verdict.OK
+
+
+_PRECEDENCE = (Verdict.INTERRUPTED, Verdict.VIOLATION, Verdict.INCONCLUSIVE, Verdict.OK)
+
+
+def combined(verdicts: Iterable[Verdict]) -> Verdict:
+    """The verdict of several checks together: the first of interrupted, violation,
+    inconclusive that any of them gave, else OK (also for no checks at all)."""
+    given = set(verdicts)
+    return next(verdict for verdict in _PRECEDENCE if verdict in given or verdict is Verdict.OK)

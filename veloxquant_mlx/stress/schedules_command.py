@@ -23,7 +23,7 @@ from typing import Final
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.interrupts import run_command
-from veloxquant_mlx.commandline.verdicts import verdict_of
+from veloxquant_mlx.commandline.verdicts import combined
 from veloxquant_mlx.simulate.options import int_at_least
 from veloxquant_mlx.stress.schedules import SCENARIOS, Exploration, Granularity, explore
 
@@ -88,11 +88,7 @@ def _explore_all(granularity: Granularity, bound: int | None, max_schedules: int
             print(violation)
         if result.gap is not None and not result.violations:
             print(f"  NOT CHECKED: {result.gap}")
-    verdict = verdict_of(
-        violations=sum(len(result.violations) for result in results),
-        gaps=[result.gap for result in results if result.gap is not None],
-    )
-    return verdict.exit_status
+    return combined(result.verdict for result in results).exit_status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -27,7 +27,7 @@ from typing import Final
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser, require_fits_in_memory
 from veloxquant_mlx.commandline.interrupts import run_command
-from veloxquant_mlx.commandline.verdicts import Verdict, verdict_of
+from veloxquant_mlx.commandline.verdicts import combined
 from veloxquant_mlx.simulate.options import finite_float, int_at_least
 from veloxquant_mlx.testing.exhaustive import PROFILE_DEPTHS, SCOPES, Exploration, explore
 
@@ -92,11 +92,7 @@ def _explore_all(
                 print(result.counterexample, flush=True)
     if as_json:
         print(json.dumps([result.to_json() for result in results], indent=2))
-    verdict = verdict_of(
-        violations=sum(result.verdict is Verdict.VIOLATION for result in results),
-        gaps=[result.gap for result in results if result.gap is not None],
-    )
-    return verdict.exit_status
+    return combined(result.verdict for result in results).exit_status
 
 
 def main(argv: Sequence[str] | None = None) -> int:

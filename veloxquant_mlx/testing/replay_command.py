@@ -35,7 +35,7 @@ from veloxquant_mlx.commandline.bad_input import (
 )
 from veloxquant_mlx.commandline.interrupts import run_command
 from veloxquant_mlx.commandline.sizes import pool_bytes, slab_bytes
-from veloxquant_mlx.commandline.verdicts import ExitStatus, Verdict
+from veloxquant_mlx.commandline.verdicts import Verdict, combined
 from veloxquant_mlx.testing.aliasing import (
     ReplayError,
     StorageBackend,
@@ -146,15 +146,14 @@ def _parser() -> OneLineParser:
 def _replay_all(paths: Sequence[Path], backend_name: str) -> int:
     backend = builtin_backend(backend_name)
     traces = [(path, load_checked(path, backend)) for path in paths]  # all refused up front
-    worst = Verdict.OK
+    verdicts = []
     for path, trace in traces:
         verdict, line = replay_verdict(path, trace, backend)
         print(line, file=sys.stderr if verdict is Verdict.VIOLATION else sys.stdout, flush=True)
+        verdicts.append(verdict)
         if verdict is Verdict.VIOLATION:
-            return ExitStatus.VIOLATION
-        if verdict is Verdict.INCONCLUSIVE:
-            worst = verdict
-    return worst.exit_status
+            break  # the first failure is the one to look at
+    return combined(verdicts).exit_status
 
 
 def main(argv: Sequence[str] | None = None) -> int:
