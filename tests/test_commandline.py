@@ -166,6 +166,13 @@ def test_an_atomic_write_replaces_the_file_whole(tmp_path: Path) -> None:
     assert [path.name for path in tmp_path.iterdir()] == ["summary.txt"]
 
 
+def test_an_atomic_write_makes_a_file_as_open_would_not_a_private_one(tmp_path: Path) -> None:
+    plain, atomic = tmp_path / "plain.txt", tmp_path / "atomic.txt"
+    plain.write_text("x")
+    atomic_write_text(atomic, "x")
+    assert atomic.stat().st_mode == plain.stat().st_mode
+
+
 # -- --out -----------------------------------------------------------------------------------
 
 

@@ -31,6 +31,16 @@ from veloxquant_mlx.commandline.bad_input import BadInputError
 __all__ = ["atomic_file", "atomic_write_text", "out_dir_argument", "prepare_out_dir"]
 
 
+def _process_umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it; set back at once
+    os.umask(mask)
+    return mask
+
+
+#: Mode of a new file, as ``open()`` would create it (``mkstemp`` makes 0600).
+_FILE_MODE = 0o666 & ~_process_umask()
+
+
 @contextlib.contextmanager
 def atomic_file(path: Path) -> Iterator[TextIO]:
     """Open a temporary text file beside ``path``; on a clean exit it replaces ``path``.
@@ -42,6 +52,7 @@ def atomic_file(path: Path) -> Iterator[TextIO]:
         prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
     )
     try:
+        os.fchmod(descriptor, _FILE_MODE)
         with os.fdopen(descriptor, "w", encoding="utf-8") as file:
             yield file
             file.flush()
