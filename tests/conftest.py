@@ -22,6 +22,7 @@ from veloxquant_mlx.memory.block_pool import (
     PoolConfig,
 )
 from veloxquant_mlx.testing.profiles import load_profile_from_environment
+from veloxquant_mlx_spec import model
 
 # VELOXQUANT_HYPOTHESIS_PROFILE picks ci (default), nightly or mutation.
 load_profile_from_environment()
@@ -64,8 +65,8 @@ def handle_view(block: Block) -> HandleView:
 
 
 def stream_names(pool: BlockPoolAllocator) -> tuple[str, ...]:
-    """The stream names that are valid on this pool (CONTRACT: Streams)."""
-    return ("k", "v") if pool.config.separate_kv else ("k", "v", "kv")
+    """The stream names that are valid on this pool (docs/CONTRACT.md, C-STREAM-NAMES)."""
+    return model.stream_names(pool.config)
 
 
 @dataclass(frozen=True)

@@ -13,19 +13,22 @@ import pytest
 
 from veloxquant_mlx_spec.invariants import broken_invariants
 from veloxquant_mlx_spec.model import (
+    STATS_FIELDS,
     Err,
     ErrorKind,
     ForeignBlock,
-    HandleRef,
+    HandleArg,
     HandleView,
     NotABlock,
     NotAList,
     PoolState,
     SpecConfig,
     StatsView,
+    free_list_names,
     make_config,
     new_pool,
     stats,
+    stream_names,
 )
 from veloxquant_mlx_spec.transitions import (
     allocate,
@@ -33,7 +36,9 @@ from veloxquant_mlx_spec.transitions import (
     free,
     free_all,
     free_list_for,
+    id_bound,
     is_active,
+    is_live,
     mark_used,
     n_free,
     register_owner,
@@ -116,6 +121,27 @@ def test_separate_pool_splits_ids_with_k_taking_the_odd_one() -> None:
 # ---- streams and allocate ------------------------------------------------------
 
 
+@pytest.mark.parametrize(
+    ("separate_kv", "streams", "free_lists"),
+    [(True, ("k", "v"), ("k", "v")), (False, ("k", "v", "kv"), ("kv",))],
+)
+def test_stream_names_and_free_lists_follow_separate_kv(
+    separate_kv: bool, streams: tuple[str, ...], free_lists: tuple[str, ...]
+) -> None:
+    state = pool(n_blocks=3, separate_kv=separate_kv)
+    assert stream_names(state.config) == streams
+    assert free_list_names(state.config) == free_lists
+    assert tuple(name for name, _ in state.free_lists) == free_lists
+
+
+def test_stats_fields_name_every_public_value_of_a_snapshot() -> None:
+    view = stats(pool(n_blocks=3))
+    values = {name: getattr(view, name) for name in STATS_FIELDS}
+    assert values["n_blocks"] == 3
+    assert callable(values.pop("fragmentation"))
+    assert set(values) | {"fragmented_count"} == set(StatsView.__dataclass_fields__)
+
+
 def test_allocate_hands_out_ascending_ids_with_the_remainder_last() -> None:
     state, handles = ok(allocate(pool(n_blocks=8), "k", 40, 7, "int2"))
     assert handles == (0, 1, 2)
@@ -196,7 +222,7 @@ def test_a_freed_handle_is_stale_even_after_its_id_is_reused() -> None:
 @pytest.mark.parametrize(
     "items", [(0, 0), (0, ForeignBlock(1)), (0, ForeignBlock(None)), (0, NotABlock()), (0, 7)]
 )
-def test_free_is_all_or_nothing_on_any_bad_item(items: tuple[HandleRef, ...]) -> None:
+def test_free_is_all_or_nothing_on_any_bad_item(items: tuple[HandleArg, ...]) -> None:
     before, _ = ok(allocate(pool(n_blocks=4), "k", 32, 1))
     fails(free(before, items), before, ErrorKind.INVALID_FREE)
 
@@ -259,6 +285,27 @@ def test_shrink_retires_highest_free_ids_and_growth_reissues_lowest_retired() ->
     state, handles = ok(allocate(state, "kv", 17, 3))
     assert [state.handles[h].block_id for h in handles] == [5, 6]
     assert (stats(state).n_blocks, stats(state).n_reused) == (7, 1)
+
+
+def test_id_bound_covers_every_free_or_checked_out_id_and_falls_with_a_retired_tail() -> None:
+    state = pool(n_blocks=6, separate_kv=False, grow_on_exhaustion=True)
+    assert id_bound(state) == 6
+    state, _ = ok(shrink(state, "kv", 2))
+    assert id_bound(state) == 2
+    state, _ = ok(allocate(state, "kv", 16 * 3, 1))  # regrows id 2
+    assert id_bound(state) == 3
+    state, _ = ok(free_all(state, 1))
+    state, _ = ok(shrink(state, "kv", 0))
+    assert id_bound(state) == 0
+
+
+def test_is_live_only_for_an_issued_handle_still_checked_out() -> None:
+    state = pool(n_blocks=4)
+    state, (first, second) = ok(allocate(state, "k", 17, 1))
+    state, _ = ok(free(state, (first,)))
+    assert [is_live(state, h) for h in (first, second, 2, -1)] == [False, True, False, False]
+    assert not is_live(state, ForeignBlock(1))
+    assert not is_live(state, NotABlock())
 
 
 def test_a_reissued_id_is_new_until_handed_out_again() -> None:
@@ -389,7 +436,7 @@ def test_mark_used_on_a_stale_handle_changes_only_that_handle() -> None:
     ],
 )
 def test_mark_used_checks_block_then_n_used_then_ownership(
-    block: HandleRef, n_used: object, kind: ErrorKind, named: str
+    block: HandleArg, n_used: object, kind: ErrorKind, named: str
 ) -> None:
     before, _ = ok(allocate(pool(n_blocks=4), "k", 1, 1))
     assert fails(mark_used(before, block, n_used), before, kind).message.startswith(named)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from veloxquant_mlx_spec.model import PoolState, make_config, stats
+from veloxquant_mlx_spec.model import PoolState, free_list_names, make_config, stats
 
 
 def config_is_valid(state: PoolState) -> bool:
@@ -24,7 +24,7 @@ def config_is_valid(state: PoolState) -> bool:
 def free_lists_are_the_streams(state: PoolState) -> bool:
     """Streams "k" and "v" with separate_kv, else the one shared stream "kv"."""
     names = tuple(stream for stream, _ in state.free_lists)
-    return names == (("k", "v") if state.config.separate_kv else ("kv",))
+    return names == free_list_names(state.config)
 
 
 def ids_are_partitioned(state: PoolState) -> bool:

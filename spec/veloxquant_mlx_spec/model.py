@@ -9,14 +9,21 @@ the implementation.
 
 A handle is the n-th `Block` object the pool handed out (`HandleId` n,
 counted from 0 across the whole pool). `PoolState.handles[n]` is what that
-object shows, for ever: a handle with `owner is None` is stale.
+object shows, for ever: a handle with `owner is None` is stale. Outside the
+spec's state a handle has one name, `veloxquant_mlx_spec.table.Handle`
+(the call that returned it and its position); `HandleArg` is what a
+transition takes.
+
+The rules every layer restates are declared here once: the stream names a
+call may pass (`stream_names`), the free lists (`free_list_names`), and the
+fields of a stats snapshot (`STATS_FIELDS`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import TypeAlias, TypeGuard
+from typing import Protocol, TypeAlias, TypeGuard
 
 BlockId: TypeAlias = int
 HandleId: TypeAlias = int
@@ -57,8 +64,8 @@ class NotAList:
     """An argument to `free()` that is neither a list nor a tuple."""
 
 
-HandleRef: TypeAlias = HandleId | ForeignBlock | NotABlock
-"""What a caller passes where a `Block` is expected."""
+HandleArg: TypeAlias = HandleId | ForeignBlock | NotABlock
+"""What a transition takes where a `Block` is expected: a handle's serial, or not a handle."""
 
 
 def is_int(value: object) -> TypeGuard[int]:
@@ -108,6 +115,23 @@ def make_config(
     return SpecConfig(block_size, n_blocks, separate_kv, grow_on_exhaustion, max_blocks)
 
 
+class StreamLayout(Protocol):
+    """Any config that says whether K and V have free lists of their own (``PoolConfig`` too)."""
+
+    @property
+    def separate_kv(self) -> bool: ...
+
+
+def stream_names(config: StreamLayout) -> tuple[str, ...]:
+    """The streams a call may name: "k" and "v"; also "kv" in a shared pool (C-STREAM-NAMES)."""
+    return ("k", "v") if config.separate_kv else ("k", "v", "kv")
+
+
+def free_list_names(config: StreamLayout) -> tuple[str, ...]:
+    """The free lists: "k" and "v" with separate_kv, else the one shared "kv" (C-STREAM-SHARED)."""
+    return ("k", "v") if config.separate_kv else ("kv",)
+
+
 @dataclass(frozen=True)
 class HandleView:
     """What one handed-out `Block` object shows (`ever_allocated` is always True)."""
@@ -145,6 +169,23 @@ class StatsView(Counters):
         return self.fragmented_count / self.n_blocks if self.n_blocks else 0.0
 
 
+#: What a stats snapshot shows, in the order every checker records it: the counters, then
+#: ``blocks_in_use()`` and ``fragmentation()`` (a method on both ``StatsView`` and
+#: ``AllocationStats``). ``fragmented_count`` is left out: the allocator keeps it private.
+STATS_FIELDS: tuple[str, ...] = (
+    "n_blocks",
+    "n_allocations",
+    "n_frees",
+    "n_reused",
+    "n_exhausted",
+    "n_grown",
+    "n_retired",
+    "peak_blocks_in_use",
+    "blocks_in_use",
+    "fragmentation",
+)
+
+
 @dataclass(frozen=True)
 class PoolState:
     """The whole observable state of one `BlockPoolAllocator`.
@@ -178,8 +219,9 @@ def new_pool(config: SpecConfig | None = None, history_len: object = 1024) -> Po
     if history_len < 0:
         return Err(ErrorKind.VALUE, f"history_len must be >= 0, got {history_len}")
     n, half = config.n_blocks, -(-config.n_blocks // 2)
-    ids = {"k": range(half), "v": range(half, n)} if config.separate_kv else {"kv": range(n)}
-    free = tuple((stream, tuple(reversed(r))) for stream, r in ids.items())  # lowest id on top
+    ranges = (range(half), range(half, n)) if config.separate_kv else (range(n),)
+    names = free_list_names(config)
+    free = tuple((name, tuple(reversed(r))) for name, r in zip(names, ranges, strict=True))
     return PoolState(config, history_len, free, next_block_id=config.n_blocks)
 
 

@@ -17,8 +17,8 @@ from veloxquant_mlx_spec.model import (
     Err,
     ErrorKind,
     ForeignBlock,
+    HandleArg,
     HandleId,
-    HandleRef,
     HandleView,
     NotABlock,
     NotAList,
@@ -26,6 +26,7 @@ from veloxquant_mlx_spec.model import (
     is_int,
     live_handles,
     stats,
+    stream_names,
 )
 
 # ---- helpers -------------------------------------------------------------------
@@ -33,7 +34,7 @@ from veloxquant_mlx_spec.model import (
 
 def storage_stream(state: PoolState, stream: object) -> str | Err:
     """The free list `stream` names: "k"/"v" always, "kv" only (and always) when shared."""
-    names = ("k", "v") if state.config.separate_kv else ("k", "v", "kv")
+    names = stream_names(state.config)
     if not (isinstance(stream, str) and stream in names):
         return Err(ErrorKind.VALUE, f"stream must be one of {names}, got {stream!r}")
     return stream if state.config.separate_kv else "kv"
@@ -53,9 +54,11 @@ def _with_handle(state: PoolState, h: HandleId, view: HandleView) -> PoolState:
     return replace(state, handles=(*state.handles[:h], view, *state.handles[h + 1 :]))
 
 
-def is_live(state: PoolState, ref: HandleRef) -> bool:
-    """`ref` is a handle of this pool that is still checked out."""
-    return is_int(ref) and 0 <= ref < len(state.handles) and state.handles[ref].owner is not None
+def is_live(state: PoolState, block: HandleArg) -> bool:
+    """`is_live(block)`: `block` is a handle of this pool that is still checked out."""
+    return (
+        is_int(block) and 0 <= block < len(state.handles) and state.handles[block].owner is not None
+    )
 
 
 def is_active(state: PoolState, owner: int) -> bool:
@@ -185,7 +188,7 @@ def _returned(state: PoolState, handles: tuple[HandleId, ...]) -> PoolState:
 
 
 def free(
-    state: PoolState, blocks: tuple[HandleRef, ...] | NotAList
+    state: PoolState, blocks: tuple[HandleArg, ...] | NotAList
 ) -> tuple[PoolState, Err | None]:
     """`free(blocks)`: all items checked first; each must be a live handle, listed once.
 
@@ -240,7 +243,7 @@ def shrink(state: PoolState, stream: object, target_free: object) -> tuple[PoolS
     return _recorded(state, after), len(doomed)
 
 
-def mark_used(state: PoolState, block: HandleRef, n_used: object) -> tuple[PoolState, Err | None]:
+def mark_used(state: PoolState, block: HandleArg, n_used: object) -> tuple[PoolState, Err | None]:
     """`mark_used(block, n_used)`: sets that object's n_used; only a live handle moves stats.
 
     A `ForeignBlock` with owner None is accepted and changes no state: the
@@ -278,3 +281,9 @@ def n_free(state: PoolState, stream: object = "k") -> int | Err:
     """`n_free(stream)`: blocks on the stream's free list."""
     s = storage_stream(state, stream)
     return s if isinstance(s, Err) else len(free_list_for(state, s))
+
+
+def id_bound(state: PoolState) -> int:
+    """`id_bound()`: one more than the highest id that is free or checked out; 0 if none."""
+    in_pool = [i for i in range(state.next_block_id) if i not in state.retired]
+    return max(in_pool) + 1 if in_pool else 0

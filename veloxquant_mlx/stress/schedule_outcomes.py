@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from veloxquant_mlx.memory.block_pool import AllocationStats
 from veloxquant_mlx.stress.schedule_scenarios import ReadStats, Scenario, Step
-from veloxquant_mlx.testing.lockstep import spec_id_bound
 from veloxquant_mlx.testing.operations import (
     Allocate,
     apply_to_spec,
@@ -81,7 +80,7 @@ def owners_named(scenario: Scenario) -> tuple[int, ...]:
 
 
 def streams(config: model.SpecConfig) -> tuple[str, ...]:
-    return ("k", "v") if config.separate_kv else ("k", "v", "kv")
+    return model.stream_names(config)
 
 
 def spec_step(state: model.PoolState, step: Step) -> tuple[model.PoolState, object]:
@@ -134,7 +133,7 @@ def spec_outcome(scenario: Scenario, base: model.PoolState, order: Sequence[int]
         tuple((s, transitions.n_free(state, s)) for s in streams(state.config)),
         tuple(sorted(handles)),
         tuple(owners),
-        spec_id_bound(state),
+        transitions.id_bound(state),
     )
     return Outcome(tuple(map(tuple, results)), final)
 

@@ -60,13 +60,12 @@ from veloxquant_mlx.stress.history import (
     StoreWrite,
     describe_ref,
 )
-from veloxquant_mlx.testing.lockstep import spec_id_bound
 from veloxquant_mlx_spec import transitions
 from veloxquant_mlx_spec.model import (
     Err,
     ErrorKind,
     ForeignBlock,
-    HandleRef,
+    HandleArg,
     NotABlock,
     NotAList,
     PoolState,
@@ -161,7 +160,7 @@ class _UnresolvableError(Exception):
     """A handle name whose allocate is in this window but not linearized yet."""
 
 
-def _resolve(ref: Ref, names: Names, window_allocates: Container[int]) -> HandleRef:
+def _resolve(ref: Ref, names: Names, window_allocates: Container[int]) -> HandleArg:
     """The spec's reference for a recorded one (see the module docstring for stale names)."""
     if isinstance(ref, (ForeignBlock, NotABlock)):
         return ref
@@ -265,9 +264,9 @@ def _query(state: PoolState, names: Names, call: Call, window_allocates: Contain
     if isinstance(call, IsLive):
         return transitions.is_live(state, _resolve(call.handle, names, window_allocates))
     if isinstance(call, IdBound):
-        return spec_id_bound(state)
+        return transitions.id_bound(state)
     if isinstance(call, StoreWrite):
-        refs: tuple[HandleRef, ...] = (_resolve(call.handle, names, window_allocates),)
+        refs: tuple[HandleArg, ...] = (_resolve(call.handle, names, window_allocates),)
     else:
         assert isinstance(call, StoreRead), f"unknown call {call!r}"
         refs = tuple(_resolve(ref, names, window_allocates) for ref in call.handles)

@@ -185,8 +185,8 @@ def _handle_letters(config: model.SpecConfig) -> list[Letter]:
 
 def _fixed_operations(config: model.SpecConfig) -> list[Operation]:
     """Calls that name no handle: allocations, owners, shrinks, and bad arguments."""
-    streams = ("k", "v") if config.separate_kv else ("k", "v", "kv")
-    storage_streams = ("k", "v") if config.separate_kv else ("kv",)
+    streams = model.stream_names(config)
+    storage_streams = model.free_list_names(config)
     operations: list[Operation] = [
         Allocate(stream, n_tokens, owner, FORMAT_OF_OWNER[owner])
         for stream in streams

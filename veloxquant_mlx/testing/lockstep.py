@@ -280,8 +280,7 @@ class Lockstep:
             _compare_stats_pair(self, f"history[{index}]", actual, expected)
 
     def _compare_free_counts(self) -> None:
-        streams = ("k", "v") if self.state.config.separate_kv else ("k", "v", "kv")
-        for stream in streams:
+        for stream in model.stream_names(self.state.config):
             actual, expected = self.pool.n_free(stream), transitions.n_free(self.state, stream)
             if actual != expected:
                 self._fail(f"n_free({stream!r}) is {actual}; the spec predicts {expected}")
@@ -303,8 +302,9 @@ class Lockstep:
                 if is_live(handle) != transitions.is_live(self.state, handle_id):
                     self._fail(f"is_live(handle {handle_id}) disagrees with the spec")
         id_bound = getattr(self.pool, "id_bound", None)
-        if id_bound is not None and id_bound() != spec_id_bound(self.state):
-            self._fail(f"id_bound() is {id_bound()}; the spec implies {spec_id_bound(self.state)}")
+        expected = transitions.id_bound(self.state)
+        if id_bound is not None and id_bound() != expected:
+            self._fail(f"id_bound() is {id_bound()}; the spec implies {expected}")
         check_invariants = getattr(self.pool, "check_invariants", None)
         if check_invariants is not None:
             try:
@@ -337,12 +337,6 @@ def _compare_stats_pair(
     for name, got, want in derived:
         if got != want:
             runner._fail(f"{where}.{name} is {got}; the spec predicts {want}")
-
-
-def spec_id_bound(state: model.PoolState) -> int:
-    """One more than the highest id that is free or checked out, by the spec's state."""
-    in_pool = [i for i in range(state.next_block_id) if i not in state.retired]
-    return max(in_pool) + 1 if in_pool else 0
 
 
 def _owners_named(op: Operation) -> Sequence[int]:

@@ -20,7 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from veloxquant_mlx_spec import model, transitions
-from veloxquant_mlx_spec.model import ForeignBlock, HandleRef, NotABlock, NotAList
+from veloxquant_mlx_spec.model import ForeignBlock, NotABlock, NotAList
+from veloxquant_mlx_spec.model import HandleArg as HandleRef
 
 __all__ = [
     "Allocate",
