@@ -4,6 +4,14 @@ Importing this package never imports MLX: the allocator and the storage
 protocol are pure Python, so a port to another backend can use them and the
 spec alone. The array-backed classes (``MLXBlockStorage``,
 ``NumpyBlockStorage``, the KV caches) load on first access.
+
+The pool's typing protocol is published here: :class:`BlockPool` (the
+reference and contract API, generic in the handle type) and
+:class:`CheckedBlockPool` (with the project's additions that stores need),
+with :class:`BlockLike`, :class:`StatsLike` and :class:`ConfigLike`. They
+are declared beside the operation table in ``veloxquant_mlx_spec.operations``
+and load on first access. A port types against them
+(``pool: BlockPool[MyBlock] = MyPool(...)``) and ``mypy --strict`` checks it.
 """
 
 from __future__ import annotations
@@ -31,9 +39,21 @@ if TYPE_CHECKING:
     from veloxquant_mlx.memory.model_kv_layout import make_pool_backed_storage
     from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
     from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+    from veloxquant_mlx_spec.operations import (
+        BlockLike,
+        BlockPool,
+        CheckedBlockPool,
+        ConfigLike,
+        StatsLike,
+    )
 
-# Name -> module defining it, imported on first access (they need MLX or NumPy).
+# Name -> module defining it, imported on first access (MLX or NumPy, or the spec's table).
 _LAZY_NAMES = {
+    "BlockLike": "veloxquant_mlx_spec.operations",
+    "BlockPool": "veloxquant_mlx_spec.operations",
+    "CheckedBlockPool": "veloxquant_mlx_spec.operations",
+    "ConfigLike": "veloxquant_mlx_spec.operations",
+    "StatsLike": "veloxquant_mlx_spec.operations",
     "MLXBlockStorage": "veloxquant_mlx.memory.mlx_storage",
     "NumpyBlockStorage": "veloxquant_mlx.memory.numpy_storage",
     "PoolBackedKVCache": "veloxquant_mlx.memory.kv_cache",
@@ -54,10 +74,14 @@ def __getattr__(name: str) -> object:
 __all__ = [
     "AllocationStats",
     "Block",
+    "BlockLike",
+    "BlockPool",
     "BlockPoolAllocator",
     "BlockPoolError",
     "BlockPoolExhaustedError",
     "BlockStorage",
+    "CheckedBlockPool",
+    "ConfigLike",
     "InvalidFreeError",
     "InvariantViolationError",
     "MLXBlockStorage",
@@ -66,6 +90,7 @@ __all__ = [
     "PoolBackedKVCache",
     "PoolConfig",
     "PooledKVCache",
+    "StatsLike",
     "make_pool_backed_cache",
     "make_pool_backed_storage",
     "reclaim_dropped_caches",
