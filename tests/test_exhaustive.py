@@ -32,10 +32,12 @@ from veloxquant_mlx.testing.exhaustive import (
     default_factory,
     explore,
     main,
+    probe,
 )
 from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
-from veloxquant_mlx.testing.operations import Allocate, Free, Operation, RegisterOwner, Shrink
 from veloxquant_mlx_spec import model
+from veloxquant_mlx_spec.operations import Allocate, Free, Operation, RegisterOwner, Shrink
+from veloxquant_mlx_spec.table import declaration_of, h
 
 SEPARATE_4 = next(scope for scope in SCOPES if scope.name == "separate-4")
 
@@ -59,19 +61,23 @@ def test_every_sequence_up_to_the_ci_depth_conforms(
 # Each bug, a pool, and the shortest sequence that exposes the bug there:
 # - counting blocks: a two-block free is the first call where blocks != calls;
 # - FIFO: two single frees must leave the higher id on top, and only an
-#   allocation shows which id is on top. That state is merged into the one
-#   reached by free() then free_all(), which the bug does not touch, so it is
-#   the merge probe's allocation of every free block that exposes it;
+#   allocation shows which id is on top (the merge probe shows it too, when
+#   that state is merged into one reached without the bug: see below);
 # - lowest ids: shrinking "v" (ids 2, 3) to one block must lower id_bound to 3;
 # - empty free: free([]) is a no-op, checked on the fresh pool;
 # - cap: the pool starts empty with a cap of 3; two 2-block allocations need
 #   4 blocks, so the second must be refused.
 PLANTED_BUGS = [
-    (FreeCountsBlocks, "separate-4", [Allocate("k", 3, 0, "fp16"), Free((1, 0))]),
+    (FreeCountsBlocks, "separate-4", [Allocate("k", 3, 0, "fp16"), Free((h(0, 1), h(0, 0)))]),
     (
         FreeListIsFifo,
         "separate-4",
-        [Allocate("k", 3, 0, "fp16"), Free((0,)), Free((1,)), Allocate("k", 4, 0, "fp16")],
+        [
+            Allocate("k", 3, 0, "fp16"),
+            Free((h(0, 0),)),
+            Free((h(0, 1),)),
+            Allocate("k", 1, 0, "fp16"),
+        ],
     ),
     (ShrinkRetiresLowestIds, "separate-4", [Shrink("v", 1)]),
     (EmptyFreeCountsAFree, "shared-4", [Free(())]),
@@ -111,8 +117,27 @@ def test_a_reported_sequence_replays_to_the_same_failure() -> None:
     *prefix, last = found.operations
     for operation in prefix:
         lockstep.apply(operation)
-    with pytest.raises(ConformanceError, match="handle 2 shows"):
+    with pytest.raises(
+        ConformanceError, match=r"returned \(0,\); the spec predicts it returned \(1,\)"
+    ):
         lockstep.apply(last)
+
+
+def test_the_merge_probe_shows_a_free_list_order_that_no_observation_shows() -> None:
+    # free(h0); free(h1) and free(h0); free_all(0) reach one state, and merge; only the
+    # first path meets the FIFO bug, and nothing observable differs until an allocation.
+    lockstep = Lockstep(factory_of(FreeListIsFifo), SEPARATE_4.config, SEPARATE_4.history_len)
+    for operation in [Allocate("k", 3, 0, "fp16"), Free((h(0, 0),)), Free((h(0, 1),))]:
+        lockstep.apply(operation)
+    calls = probe(lockstep.state)
+    assert [declaration_of(call).name for call in calls] == ["register_owner"] * 2 + [
+        "allocate"
+    ] * 2
+    with pytest.raises(
+        ConformanceError, match=r"returned \(0, 1\); the spec predicts it returned \(1, 0\)"
+    ):
+        for call in calls:
+            lockstep.apply(call)
 
 
 # ---- the canonical key -------------------------------------------------------------
@@ -126,8 +151,12 @@ def _state_after(operations: list[Operation]) -> model.PoolState:
 
 
 def test_the_key_merges_states_that_differ_only_in_stale_handle_numbering() -> None:
-    k_then_v = _state_after([Allocate("k", 1, 0), Allocate("v", 1, 0), Free((0,)), Free((1,))])
-    v_then_k = _state_after([Allocate("v", 1, 0), Allocate("k", 1, 0), Free((1,)), Free((0,))])
+    k_then_v = _state_after(
+        [Allocate("k", 1, 0), Allocate("v", 1, 0), Free((h(0, 0),)), Free((h(1, 0),))]
+    )
+    v_then_k = _state_after(
+        [Allocate("v", 1, 0), Allocate("k", 1, 0), Free((h(1, 0),)), Free((h(0, 0),))]
+    )
     assert k_then_v != v_then_k  # handle 0 is a "k" block in one, a "v" block in the other
     assert canonical_key(k_then_v, 1) == canonical_key(v_then_k, 0)
 
@@ -146,7 +175,9 @@ def test_the_key_ignores_the_registration_of_an_owner_that_holds_blocks() -> Non
 
 
 def test_the_key_keeps_which_stale_handle_was_freed_last() -> None:
-    state = _state_after([Allocate("k", 1, 0), Allocate("v", 1, 0), Free((0,)), Free((1,))])
+    state = _state_after(
+        [Allocate("k", 1, 0), Allocate("v", 1, 0), Free((h(0, 0),)), Free((h(1, 0),))]
+    )
     assert canonical_key(state, 1) != canonical_key(state, 0)
 
 

@@ -27,10 +27,11 @@ immutable values and pure functions; the registry is filled at import.
 from __future__ import annotations
 
 import functools
+import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
-from typing import Final, Literal, TypeAlias, TypeVar, get_type_hints
+from typing import Final, Literal, NamedTuple, TypeAlias, TypeVar, get_type_hints
 
 from veloxquant_mlx_spec.model import (
     STATS_FIELDS,
@@ -77,13 +78,13 @@ __all__ = [
 # ---- handle names ----------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True, order=True)
-class Handle:
+class Handle(NamedTuple):
     """The ``position``-th block returned by the call labelled ``call``; JSON ``[call, position]``.
 
     Labels are any distinct ints (a step number, a stress op id), so calls
     can be dropped or reordered without renaming. The name stays valid after
-    its block is freed: it then names the stale handle.
+    its block is freed: it then names the stale handle. A named tuple: hashed
+    and compared by the interpreter itself (so CrossHair can run it).
     """
 
     call: int
@@ -156,6 +157,12 @@ class Raised:
 
     kind: str
     message: str = field(default="", compare=False)
+    #: The exception itself, when a pool raised it (its text is read only to report it).
+    cause: BaseException | None = field(default=None, compare=False, repr=False)
+
+    def text(self) -> str:
+        """The message, or the exception's text."""
+        return self.message or ("" if self.cause is None else str(self.cause))
 
 
 Outcome: TypeAlias = Returned | Raised
@@ -179,16 +186,21 @@ def matches(recorded: Outcome | None, actual: Outcome) -> bool:
     return recorded == actual
 
 
+_READ_STATS: Final = operator.attrgetter(*STATS_FIELDS)
+#: Per class of stats object, which of STATS_FIELDS are methods there (found once).
+_METHODS_OF: dict[type, tuple[bool, ...]] = {}
+
+
 def stats_values(stats: object) -> tuple[float, ...]:
     """A stats snapshot (the spec's ``StatsView`` or a pool's) as ``model.STATS_FIELDS`` values.
 
     A field that is a method on the object (``blocks_in_use``, ``fragmentation``) is called.
     """
-    values = []
-    for name in STATS_FIELDS:
-        value = getattr(stats, name)
-        values.append(value() if callable(value) else value)
-    return tuple(values)
+    values = _READ_STATS(stats)
+    methods = _METHODS_OF.get(type(stats))
+    if methods is None:
+        methods = _METHODS_OF[type(stats)] = tuple(map(callable, values))
+    return tuple(v() if method else v for v, method in zip(values, methods, strict=True))
 
 
 # ---- domains ---------------------------------------------------------------------------
@@ -258,6 +270,26 @@ class Declaration:
     #: (handle parameter, value parameter): on success, a handle argument with no owner
     #: (a block built by hand) shows the value under the value parameter's name.
     sets_on_unowned: tuple[str, str] | None = None
+    #: Whether every argument is a value (no handle to resolve): derived, for speed.
+    values_only: bool = field(init=False, compare=False, repr=False)
+    _getter: Callable[[object], tuple[object, ...]] = field(
+        init=False, compare=False, repr=False
+    )
+
+    def __post_init__(self) -> None:
+        object.__setattr__(
+            self, "values_only", all(p.kind is ArgKind.VALUE for p in self.parameters)
+        )
+        names = [p.name for p in self.parameters]
+        getter: Callable[[object], tuple[object, ...]]
+        if not names:
+            getter = _no_arguments
+        elif len(names) == 1:
+            one = operator.attrgetter(names[0])
+            getter = lambda op: (one(op),)  # noqa: E731 -- a closure, built once
+        else:
+            getter = operator.attrgetter(*names)
+        object.__setattr__(self, "_getter", getter)
 
     @property
     def may_issue_handles(self) -> bool:
@@ -276,7 +308,11 @@ class Declaration:
 
     def arguments(self, op: object) -> tuple[object, ...]:
         """``op``'s arguments, in signature order."""
-        return tuple(getattr(op, parameter.name) for parameter in self.parameters)
+        return self._getter(op)
+
+
+def _no_arguments(op: object) -> tuple[object, ...]:
+    return ()
 
 
 _REGISTRY: dict[type[object], Declaration] = {}
@@ -380,7 +416,10 @@ def declarations(target: Target | None = "pool") -> tuple[Declaration, ...]:
 
 
 def query(read: Callable[..., object]) -> Callable[..., tuple[PoolState, object]]:
-    """A read-only function of the state, as a transition that keeps the state."""
+    """A read-only function of the state, as a transition that keeps the state.
+
+    The transition's ``__wrapped__`` is ``read`` itself (checkers call it directly).
+    """
 
     def transition(state: PoolState, *arguments: object) -> tuple[PoolState, object]:
         return state, read(state, *arguments)
@@ -401,12 +440,12 @@ def _handle_list(value: object, resolve: Callable[[HandleRef], object]) -> list[
     return [resolve(ref) for ref in refs]
 
 
-def spec_call(state: PoolState, op: object, resolve: SpecResolve) -> tuple[PoolState, object]:
-    """Apply ``op`` to the spec: the state after it, and its result or ``Err``.
-
-    Handle results are spec serials; :func:`spec_outcome` names them.
-    """
-    declaration = declaration_of(op)
+def spec_arguments(
+    declaration: Declaration, op: object, resolve: SpecResolve
+) -> tuple[object, ...]:
+    """``op``'s arguments as the spec's transition takes them (handles as serials)."""
+    if declaration.values_only:
+        return declaration.arguments(op)
     arguments: list[object] = []
     for parameter, value in zip(declaration.parameters, declaration.arguments(op), strict=True):
         if parameter.kind is ArgKind.VALUE:
@@ -417,7 +456,16 @@ def spec_call(state: PoolState, op: object, resolve: SpecResolve) -> tuple[PoolS
             arguments.append(value)
         else:
             arguments.append(tuple(_handle_list(value, resolve)))
-    return declaration.transition(state, *arguments)
+    return tuple(arguments)
+
+
+def spec_call(state: PoolState, op: object, resolve: SpecResolve) -> tuple[PoolState, object]:
+    """Apply ``op`` to the spec: the state after it, and its result or ``Err``.
+
+    Handle results are spec serials; :func:`spec_outcome` names them.
+    """
+    declaration = declaration_of(op)
+    return declaration.transition(state, *spec_arguments(declaration, op, resolve))
 
 
 def issued(before: PoolState, after: PoolState) -> range:
@@ -466,6 +514,9 @@ def bind(target: object, op: object, resolve: PoolResolve) -> Callable[[], objec
     *through, last = declaration.path
     if declaration.is_property:
         return lambda: getattr(_follow(target, through), last)
+    if declaration.values_only and not through:
+        method, values = getattr(target, last), declaration.arguments(op)
+        return lambda: method(*values)
     arguments: list[object] = []
     for parameter, value in zip(declaration.parameters, declaration.arguments(op), strict=True):
         if parameter.kind is ArgKind.VALUE:

@@ -15,42 +15,36 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from veloxquant_mlx.testing.operations import (
+from veloxquant_mlx_spec import model
+from veloxquant_mlx_spec.operations import (
     Allocate,
     Free,
     FreeAll,
     MarkUsed,
-    Operation,
     RegisterOwner,
     ReleaseOwner,
     Shrink,
+    Stats,
 )
-from veloxquant_mlx_spec import model
+from veloxquant_mlx_spec.table import h
 
-__all__ = ["SCENARIOS", "ReadStats", "Scenario", "Step"]
-
-
-@dataclass(frozen=True)
-class ReadStats:
-    """``pool.stats``: a snapshot, checked against the spec's stats at some point in the order."""
-
-
-Step = Operation | ReadStats
+__all__ = ["SCENARIOS", "Scenario"]
 
 
 @dataclass(frozen=True)
 class Scenario:
     """A few threads' calls on one pool, after a sequential setup.
 
-    A handle reference in a thread's call (``Free``, ``MarkUsed``) is the
-    serial number of a block handed out by ``setup``: setup runs alone, so
-    the serial is the same in every schedule.
+    Calls are operations of the table. The setup's calls are labelled 0, 1,
+    2... in order, so a thread names a handle the setup handed out as
+    ``h(setup call, position)``: setup runs alone, so the name is the same in
+    every schedule.
     """
 
     name: str
     config: model.SpecConfig
-    threads: tuple[tuple[Step, ...], ...]
-    setup: tuple[Operation, ...] = ()
+    threads: tuple[tuple[object, ...], ...]
+    setup: tuple[object, ...] = ()
     history_len: int = 64
 
 
@@ -84,7 +78,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         _config(4, 8),
         setup=(Allocate("k", 8, 1),),
         threads=(
-            (Free((1,)), Allocate("k", 4, 2)),
+            (Free((h(0, 1),)), Allocate("k", 4, 2)),
             (Shrink("k", 1),),
         ),
     ),
@@ -100,11 +94,11 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario(
         "mark_used_vs_free",
         _config(4, 8),
-        setup=(Allocate("k", 6, 1),),  # handle 0 holds 4 tokens, handle 1 holds 2
+        setup=(Allocate("k", 6, 1),),  # h(0, 0) holds 4 tokens, h(0, 1) holds 2
         threads=(
-            (MarkUsed(1, 3), MarkUsed(0, 1)),
-            (Free((1,)),),
-            (ReadStats(),),
+            (MarkUsed(h(0, 1), 3), MarkUsed(h(0, 0), 1)),
+            (Free((h(0, 1),)),),
+            (Stats(),),
         ),
     ),
     Scenario(
@@ -121,9 +115,9 @@ SCENARIOS: tuple[Scenario, ...] = (
         _config(1, 4),
         setup=(Allocate("k", 2, 1),),
         threads=(
-            (Free((0,)),),
+            (Free((h(0, 0),)),),
             (FreeAll(1),),
-            (Free((1,)),),
+            (Free((h(0, 1),)),),
         ),
     ),
     Scenario(
@@ -131,7 +125,7 @@ SCENARIOS: tuple[Scenario, ...] = (
         _config(4, 8),
         threads=(
             (Allocate("k", 6, 1),),
-            (ReadStats(),),
+            (Stats(),),
         ),
     ),
 )

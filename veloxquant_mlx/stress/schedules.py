@@ -29,16 +29,17 @@ bounding). An exploration is *exhaustive* when the bound cut no branch, and
 scope ("every schedule with at most one preemption"), but running out of
 ``max_schedules`` is giving up, and makes the verdict inconclusive.
 
-After each schedule the explorer checks that the calls' results and the
-pool's final observable state (stats, history, free counts, every handle,
-``blocks_for``, ``is_live``, ``id_bound``) equal those of SOME sequential
-order of the scenario's calls, consistent with each thread's program order,
-run through the executable spec (``veloxquant_mlx_spec.transitions``); and
-that ``check_invariants()`` passes.
+After each schedule the explorer checks that the calls' outcomes and the
+pool's final observable state (every handle, and every query the operation
+table observes: stats, history, free counts, ``blocks_for``, ``is_live``,
+``id_bound``, ``check_invariants``) equal those of SOME sequential order of
+the scenario's calls, consistent with each thread's program order, run
+through the executable spec; both sides are driven through
+:mod:`veloxquant_mlx.testing.sides`, so nothing here knows one call from
+another.
 
-``python -m veloxquant_mlx.stress.schedules``
-(:mod:`~veloxquant_mlx.stress.schedules_command`) prints each scenario's
-explored-schedule count and verdict. The engine is
+``veloxquant-mlx schedules`` (:mod:`~veloxquant_mlx.stress.schedules_command`)
+prints each scenario's explored-schedule count and verdict. The engine is
 :mod:`~veloxquant_mlx.stress.controlled_scheduler`; the scenarios live in
 :mod:`~veloxquant_mlx.stress.schedule_scenarios` and the spec's side of the
 judgement in :mod:`~veloxquant_mlx.stress.schedule_outcomes`.
@@ -61,35 +62,24 @@ from dataclasses import dataclass
 from typing import Literal
 
 from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
-from veloxquant_mlx.memory.block_pool import AllocationStats, Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.controlled_scheduler import ControlledLock, ControlledRun, next_choices
 from veloxquant_mlx.stress.schedule_outcomes import (
-    HandleName,
-    Outcome,
-    Result,
+    ScheduleOutcome,
     allowed_outcomes,
-    owners_named,
+    final_state,
+    label,
     program_orders,
-    stats_tuple,
-    streams,
 )
-from veloxquant_mlx.stress.schedule_scenarios import SCENARIOS, ReadStats, Scenario, Step
+from veloxquant_mlx.stress.schedule_scenarios import SCENARIOS, Scenario
 from veloxquant_mlx.testing.lockstep import Lockstep
-from veloxquant_mlx.testing.operations import (
-    Allocate,
-    Free,
-    FreeAll,
-    MarkUsed,
-    RegisterOwner,
-    ReleaseOwner,
-)
+from veloxquant_mlx_spec.table import Outcome
 
 __all__ = [
     "SCENARIOS",
     "Exploration",
     "Granularity",
     "PoolFactory",
-    "ReadStats",
     "Scenario",
     "ScheduleViolation",
     "explore",
@@ -142,16 +132,13 @@ class _Schedule:
             return created[-1]
 
         self.lockstep = Lockstep(make, scenario.config, scenario.history_len)
-        for operation in scenario.setup:
-            self.lockstep.apply(operation)
+        for setup_label, operation in enumerate(scenario.setup):
+            self.lockstep.apply(operation, setup_label)
         self.pool = created[0]
         self.scenario = scenario
-        self.named: list[tuple[HandleName, Block]] = [
-            ((-1, 0, n), handle) for n, handle in enumerate(self.lockstep.handles)
-        ]
-        self.results: list[list[Result]] = [[] for _ in scenario.threads]
+        self.results: list[list[Outcome]] = [[] for _ in scenario.threads]
 
-    def run(self, run: ControlledRun, granularity: Granularity) -> Outcome | None:
+    def run(self, run: ControlledRun, granularity: Granularity) -> ScheduleOutcome | None:
         pool_vars = vars(self.pool)  # the lock is private and Final: swapped for this run only
         original_lock = pool_vars["_lock"]
         pool_vars["_lock"] = ControlledLock(run)
@@ -160,68 +147,20 @@ class _Schedule:
             run.run(bodies, line_points=granularity == "line")
         finally:
             pool_vars["_lock"] = original_lock
-        return None if run.failure else self._observe()
+        if run.failure:
+            return None
+        results = tuple(map(tuple, self.results))
+        return ScheduleOutcome(results, final_state(self.scenario, self.lockstep.pool_side))
 
     def _body(self, run: ControlledRun, thread: int) -> Callable[[], None]:
+        pool = self.lockstep.pool_side
+
         def body() -> None:
-            for step_index, step in enumerate(self.scenario.threads[thread]):
-                run.trace.append(f"t{thread} calls {step}")
-                self.results[thread].append(self._perform(thread, step_index, step))
+            for step, operation in enumerate(self.scenario.threads[thread]):
+                run.trace.append(f"t{thread} calls {operation!r}")
+                self.results[thread].append(pool.call(operation, label(thread, step)))
 
         return body
-
-    def _perform(self, thread: int, step_index: int, step: Step) -> Result:
-        try:
-            value = self._call(step)
-        except Exception as error:  # every error is an outcome compared with the spec
-            return ("raised", type(error).__name__)
-        if isinstance(step, Allocate):
-            assert isinstance(value, list)
-            self.named.extend(((thread, step_index, i), block) for i, block in enumerate(value))
-            return ("blocks", tuple(block.block_id for block in value))
-        if isinstance(value, AllocationStats):
-            return ("stats", stats_tuple(value))
-        return ("returned", value)
-
-    def _call(self, step: Step) -> object:
-        pool, resolve = self.lockstep.pool, self.lockstep.resolve  # the protocol takes raw values
-        if isinstance(step, ReadStats):
-            return pool.stats
-        if isinstance(step, Allocate):
-            return pool.allocate(step.stream, step.n_tokens, step.owner, step.format)
-        if isinstance(step, Free):
-            assert isinstance(step.blocks, tuple), "scenarios free lists of handles"
-            return pool.free([resolve(ref) for ref in step.blocks])
-        if isinstance(step, MarkUsed):
-            return pool.mark_used(resolve(step.block), step.n_used)
-        if isinstance(step, FreeAll):
-            return pool.free_all(step.owner)
-        if isinstance(step, RegisterOwner):
-            return pool.register_owner(step.owner)
-        if isinstance(step, ReleaseOwner):
-            return pool.release_owner(step.owner)
-        return pool.shrink(step.stream, step.target_free)
-
-    def _observe(self) -> Outcome:
-        pool = self.pool
-        handles = tuple(
-            (name, b.block_id, b.stream, b.format, b.n_used, b.owner, pool.is_live(b))
-            for name, b in self.named
-        )
-        name_of = {id(block): name for name, block in self.named}
-        owners = tuple(
-            (owner, tuple(name_of.get(id(b), (-2, 0, 0)) for b in pool.blocks_for(owner)))
-            for owner in owners_named(self.scenario)
-        )
-        final = (
-            stats_tuple(pool.stats),
-            tuple(stats_tuple(entry) for entry in pool.history),
-            tuple((s, pool.n_free(s)) for s in streams(self.scenario.config)),
-            tuple(sorted(handles)),
-            owners,
-            pool.id_bound(),
-        )
-        return Outcome(tuple(map(tuple, self.results)), final)
 
 
 class _Checker:
@@ -233,9 +172,9 @@ class _Checker:
         self.granularity = granularity
         first = _Schedule(scenario, factory)
         self.n_orders = sum(1 for _ in program_orders([len(t) for t in scenario.threads]))
-        self.allowed = allowed_outcomes(scenario, first.lockstep.state)
+        self.allowed = allowed_outcomes(scenario, first.lockstep.spec)
         self.watched = _source_files(type(first.pool)) if granularity == "line" else frozenset()
-        self.seen: set[Outcome] = set()  # the allowed outcomes some schedule produced
+        self.seen: set[ScheduleOutcome] = set()  # the allowed outcomes some schedule produced
 
     def run_once(self, choices: Sequence[int]) -> tuple[ControlledRun, ScheduleViolation | None]:
         """Run the schedule ``choices`` begins; return it and what it broke, if anything."""
@@ -248,7 +187,7 @@ class _Checker:
         return run, ScheduleViolation(self.scenario.name, taken, message, tuple(run.trace))
 
     def _judge(
-        self, schedule: _Schedule, run: ControlledRun, outcome: Outcome | None
+        self, schedule: _Schedule, run: ControlledRun, outcome: ScheduleOutcome | None
     ) -> str | None:
         if outcome is None:
             return run.failure

@@ -11,12 +11,17 @@ spec in a few lines::
 
 pytest (or unittest) then runs :class:`PoolConformanceMachine` on it: random
 pools (both stream modes, growth on and off, ``max_blocks``, ``n_blocks``
-from 0, tiny and large history) and random sequences of every public
-operation, with stale handles, foreign handles, junk, double frees and bad
-arguments mixed in. After every step :class:`~veloxquant_mlx.testing.
-lockstep.Lockstep` compares everything observable with the spec. The
-Hypothesis profile (``ci``, ``nightly``, ``mutation``) comes from
-:mod:`veloxquant_mlx.testing.profiles`.
+from 0, tiny and large history) and random sequences of every public call
+of the operation table, with stale handles, foreign handles, junk, double
+frees and bad arguments mixed in. Its rules are derived from the table: one
+per call that changes the pool, one that makes any query, one that makes
+any call with one bad argument; the arguments come from
+:mod:`veloxquant_mlx.testing.strategies`. After every step
+:class:`~veloxquant_mlx.testing.lockstep.Lockstep` compares everything
+observable with the spec. A port without the project's additions (``is_live``,
+``all_live``, ``id_bound``, ``check_invariants``) passes
+``capabilities=REFERENCE_CALLS``. The Hypothesis profile (``ci``,
+``nightly``, ``mutation``) comes from :mod:`veloxquant_mlx.testing.profiles`.
 
 Requires the ``dev`` extra (Hypothesis). Complexity: per step O(handles
 issued). Thread safety: each machine instance drives its own allocator.
@@ -25,90 +30,42 @@ issued). Thread safety: each machine instance drives its own allocator.
 from __future__ import annotations
 
 import unittest
-from typing import ClassVar
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, ClassVar
 
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.testing.lockstep import AllocatorFactory, AllocatorUnderTest, Lockstep
-from veloxquant_mlx.testing.operations import (
-    Allocate,
-    ForeignBlock,
-    Free,
-    FreeAll,
-    HandleRef,
-    MarkUsed,
-    NotABlock,
-    NotAList,
-    Operation,
-    RegisterOwner,
-    ReleaseOwner,
-    Shrink,
-)
+from veloxquant_mlx.testing.lockstep import ALL_CALLS, AllocatorFactory, Lockstep, Oracle
+from veloxquant_mlx.testing.strategies import bad_call, call, spec_configs
 from veloxquant_mlx_spec import model
+from veloxquant_mlx_spec.operations import BlockPool
+from veloxquant_mlx_spec.table import Declaration, declarations
 
-#: Wrong-typed values for int arguments (bool is not an int here).
-BAD_INTS: tuple[object, ...] = (True, False, 1.0, "1", None)
-OWNERS = st.integers(0, 2)
-BAD_OWNERS = st.sampled_from(BAD_INTS)
-STREAMS = st.sampled_from(["k", "v", "kv"])  # "kv" is invalid in a separate-K/V pool
-BAD_STREAMS = st.sampled_from(["K", "", "kv ", 0, None, b"k"])
-FORMATS = st.sampled_from(["fp16", "int4", "int2"])
-BAD_FORMATS = st.sampled_from(["", b"fp16", 4, None])
-TOKEN_COUNTS = st.integers(1, 12)
-BAD_TOKEN_COUNTS = st.one_of(st.integers(-2, 0), st.sampled_from(BAD_INTS))
+__all__ = ["PoolConformanceMachine", "conformance_test_case", "default_factory"]
 
 
-def bad_calls(block: HandleRef) -> st.SearchStrategy[Operation]:
-    """Calls with exactly one argument of the wrong type or value."""
-    return st.one_of(
-        st.builds(Allocate, BAD_STREAMS, TOKEN_COUNTS, OWNERS, FORMATS),
-        st.builds(Allocate, STREAMS, BAD_TOKEN_COUNTS, OWNERS, FORMATS),
-        st.builds(Allocate, STREAMS, TOKEN_COUNTS, BAD_OWNERS, FORMATS),
-        st.builds(Allocate, STREAMS, TOKEN_COUNTS, OWNERS, BAD_FORMATS),
-        st.just(Free(NotAList())),
-        st.builds(FreeAll, BAD_OWNERS),
-        st.builds(RegisterOwner, BAD_OWNERS),
-        st.builds(ReleaseOwner, BAD_OWNERS),
-        st.builds(Shrink, BAD_STREAMS, st.integers(0, 4)),
-        st.builds(Shrink, STREAMS, BAD_TOKEN_COUNTS),
-        st.builds(MarkUsed, st.just(block), st.one_of(st.sampled_from([-1, 17]), BAD_TOKEN_COUNTS)),
-        st.builds(MarkUsed, st.just(NotABlock()), st.integers(0, 4)),
-    )
-
-
-def default_factory(config: PoolConfig, history_len: int) -> AllocatorUnderTest:
+def default_factory(config: PoolConfig, history_len: int) -> BlockPool[Any]:
     """Our own allocator, the default system under test."""
     return BlockPoolAllocator(config, history_len=history_len)
 
 
-@st.composite
-def spec_configs(draw: st.DrawFn) -> model.SpecConfig:
-    """Small valid pools: both stream modes, growth on/off, caps, ``n_blocks`` from 0."""
-    n_blocks = draw(st.integers(0, 8))
-    grow = draw(st.booleans())
-    max_blocks = draw(st.one_of(st.none(), st.integers(n_blocks, n_blocks + 4)))
-    config = model.make_config(
-        block_size=draw(st.sampled_from([1, 2, 3, 4, 16])),
-        n_blocks=n_blocks,
-        separate_kv=draw(st.booleans()),
-        grow_on_exhaustion=grow,
-        max_blocks=max_blocks,
-    )
-    assert not isinstance(config, model.Err), config
-    return config
-
-
 class PoolConformanceMachine(RuleBasedStateMachine):
-    """Random operation sequences on an allocator and the spec, compared after every step.
+    """Random call sequences on an allocator and the spec, compared after every step.
 
-    Subclass and set ``allocator_factory`` to test another allocator (or use
-    :func:`conformance_test_case`). Invariant: ``self.lockstep`` agrees with
-    the spec after every rule (each rule goes through ``Lockstep.apply``).
+    Subclass and set ``allocator_factory`` (and ``capabilities``) to test
+    another allocator, or use :func:`conformance_test_case`. The rules are
+    added below from the operation table. Invariant: ``self.lockstep``
+    agrees with the spec after every rule (each goes through ``Lockstep.apply``).
     """
 
     allocator_factory: ClassVar[AllocatorFactory] = staticmethod(default_factory)
+    capabilities: ClassVar[frozenset[str]] = ALL_CALLS
+
+    def oracles(self, config: model.SpecConfig, history_len: int) -> Sequence[Oracle]:
+        """Third parties compared with the spec after every call (none by default)."""
+        return ()
 
     def __init__(self) -> None:
         super().__init__()
@@ -121,82 +78,75 @@ class PoolConformanceMachine(RuleBasedStateMachine):
 
     @initialize(config=spec_configs(), history_len=st.sampled_from([0, 1, 3, 1024]))
     def build_pool(self, config: model.SpecConfig, history_len: int) -> None:
-        self.lockstep = Lockstep(type(self).allocator_factory, config, history_len)
+        self.lockstep = Lockstep(
+            type(self).allocator_factory,
+            config,
+            history_len,
+            capabilities=self.capabilities,
+            oracles=self.oracles(config, history_len),
+        )
 
-    def _block_refs(self, data: st.DataObject) -> HandleRef:
-        """A live handle (most often), any handle, a foreign block, or junk."""
-        live = list(model.live_handles(self.runner.state))
-        issued = len(self.runner.handles)
-        options: list[st.SearchStrategy[HandleRef]] = [
-            st.builds(ForeignBlock, st.one_of(st.none(), st.integers(0, 2))),
-            st.just(NotABlock()),
-        ]
-        if issued:
-            options.insert(0, st.integers(0, issued - 1))
-        if live:
-            options = [st.sampled_from(live)] * 3 + options
-        return data.draw(st.one_of(options))
+    def offered(self, candidates: Iterable[Declaration]) -> list[Declaration]:
+        """The calls among ``candidates`` that this pool offers."""
+        return [d for d in candidates if d.name in self.capabilities]
 
-    @rule(stream=STREAMS, owner=OWNERS, format=FORMATS, data=st.data())
-    def allocate(self, stream: str, owner: int, format: str, data: st.DataObject) -> None:
-        block_size = self.runner.state.config.block_size
-        n_tokens = data.draw(st.integers(1, 3 * block_size + 1))
-        self.runner.apply(Allocate(stream, n_tokens, owner, format))
+    def draw_call(self, data: st.DataObject, declaration: Declaration) -> object:
+        spec = self.runner.spec
+        names = {"live": spec.live_names(), "issued": spec.names}
+        return data.draw(call(declaration, self.runner.state.config, **names))
 
-    @rule(stream=STREAMS, owner=OWNERS, data=st.data())
-    def allocate_one_block(self, stream: str, owner: int, data: st.DataObject) -> None:
-        n_tokens = data.draw(st.integers(1, self.runner.state.config.block_size))
-        self.runner.apply(Allocate(stream, n_tokens, owner))
-
-    @rule(data=st.data(), size=st.integers(0, 4), as_tuple=st.booleans())
-    def free(self, data: st.DataObject, size: int, as_tuple: bool) -> None:
-        refs = tuple(self._block_refs(data) for _ in range(size))
-        self.runner.apply(Free(refs, as_tuple))
-
-    @precondition(lambda self: bool(model.live_handles(self.runner.state)))
     @rule(data=st.data())
-    def free_live_handles(self, data: st.DataObject) -> None:
-        live = model.live_handles(self.runner.state)
-        chosen = data.draw(st.lists(st.sampled_from(live), min_size=1, max_size=3, unique=True))
-        self.runner.apply(Free(tuple(chosen)))
-
-    @precondition(lambda self: bool(model.live_handles(self.runner.state)))
-    @rule(data=st.data())
-    def free_a_live_handle_twice_in_one_call(self, data: st.DataObject) -> None:
-        handle = data.draw(st.sampled_from(model.live_handles(self.runner.state)))
-        self.runner.apply(Free((handle, handle)))
-
-    @rule(owner=OWNERS)
-    def free_all(self, owner: int) -> None:
-        self.runner.apply(FreeAll(owner))
-
-    @rule(owner=OWNERS, register=st.booleans())
-    def register_or_release_owner(self, owner: int, register: bool) -> None:
-        self.runner.apply(RegisterOwner(owner) if register else ReleaseOwner(owner))
-
-    @rule(stream=STREAMS, target_free=st.integers(0, 4))
-    def shrink(self, stream: str, target_free: int) -> None:
-        self.runner.apply(Shrink(stream, target_free))
-
-    @rule(data=st.data(), n_used=st.integers(0, 16))
-    def mark_used(self, data: st.DataObject, n_used: int) -> None:
-        self.runner.apply(MarkUsed(self._block_refs(data), n_used))
+    def call_a_query(self, data: st.DataObject) -> None:
+        queries = self.offered(d for d in declarations() if not d.changes_state)
+        self.runner.apply(self.draw_call(data, data.draw(st.sampled_from(queries))))
 
     @rule(data=st.data())
     def call_with_a_bad_argument(self, data: st.DataObject) -> None:
-        self.runner.apply(data.draw(bad_calls(self._block_refs(data))))
+        spec = self.runner.spec
+        offered = self.offered(declarations())
+        names = {"live": spec.live_names(), "issued": spec.names}
+        self.runner.apply(data.draw(bad_call(offered, self.runner.state.config, **names)))
 
     @invariant()
-    def everything_observable_matches_the_spec(self) -> None:
-        if self.lockstep is not None:
+    def a_new_pool_matches_the_spec(self) -> None:
+        # Every call compares everything after it (Lockstep.apply); this covers the start.
+        if self.lockstep is not None and not self.lockstep.trace:
             self.lockstep.compare_observations()
 
 
-def conformance_test_case(factory: AllocatorFactory) -> type[unittest.TestCase]:
+def _rule_for(declaration: Declaration) -> Callable[[PoolConformanceMachine, st.DataObject], None]:
+    def make_the_call(self: PoolConformanceMachine, data: st.DataObject) -> None:
+        if declaration.name in self.capabilities:
+            self.runner.apply(self.draw_call(data, declaration))
+
+    make_the_call.__name__ = f"call_{declaration.name}"
+    return make_the_call
+
+
+#: Rules per call beyond the first: allocating and freeing are where allocators go wrong, so
+#: they are drawn more often (Hypothesis picks among rules uniformly). Any other call: one.
+EXTRA_RULES = {"allocate": 1, "free": 2}
+
+# One rule per call that changes the pool, derived from the table (queries share one rule).
+for _declaration in declarations():
+    if _declaration.changes_state:
+        for _copy in range(1 + EXTRA_RULES.get(_declaration.name, 0)):
+            setattr(
+                PoolConformanceMachine,
+                f"call_{_declaration.name}" + (f"_{_copy + 1}" if _copy else ""),
+                rule(data=st.data())(_rule_for(_declaration)),
+            )
+
+
+def conformance_test_case(
+    factory: AllocatorFactory, *, capabilities: Iterable[str] = ALL_CALLS
+) -> type[unittest.TestCase]:
     """A ``TestCase`` running the conformance machine against ``factory``'s allocators.
 
     Args:
         factory: ``(PoolConfig, history_len) -> allocator`` with the reference API.
+        capabilities: The calls the allocator offers (``REFERENCE_CALLS`` for a port
+            without the project's additions).
 
     Returns:
         A test case class; bind it to a ``Test*`` name in a test module.
@@ -205,5 +155,6 @@ def conformance_test_case(factory: AllocatorFactory) -> type[unittest.TestCase]:
     class PortConformanceMachine(PoolConformanceMachine):
         allocator_factory: ClassVar[AllocatorFactory] = staticmethod(factory)
 
+    PortConformanceMachine.capabilities = frozenset(capabilities)
     test_case: type[unittest.TestCase] = PortConformanceMachine.TestCase
     return test_case

@@ -9,11 +9,12 @@ chooses the integers, and each choice is one short, concrete run (a few
 tenths of a second under CrossHair: dozens of paths in CI's budget, thousands
 in the nightly one).
 
-- :func:`replay_agrees_with_spec` decodes each integer into an operation of
-  :data:`ALPHABET` (good calls, stale and foreign handles, junk, bad
-  arguments) and runs them through :class:`~veloxquant_mlx.testing.lockstep.
-  Lockstep`, which compares ``BlockPoolAllocator`` with the spec after
-  every step.
+- :func:`replay_agrees_with_spec` decodes each integer into a call of
+  :data:`ALPHABET` (derived from the operation table: every call with its
+  small-scope arguments one at a time, stale and foreign handles, junk, bad
+  arguments; see :mod:`~veloxquant_mlx.testing.templates`) and runs them
+  through :class:`~veloxquant_mlx.testing.lockstep.Lockstep`, which compares
+  ``BlockPoolAllocator`` with the spec after every step.
 - :func:`allocate_agrees_with_spec` feeds a symbolic ``n_tokens`` and
   ``owner`` straight into a lockstep ``allocate``.
 - The ``spec_*`` drivers check properties of the spec alone: replays keep
@@ -49,28 +50,18 @@ call builds its own pool and spec state.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Final
+from typing import Any, Final
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.testing.lockstep import AllocatorUnderTest, ConformanceError, Lockstep
-from veloxquant_mlx.testing.operations import (
-    Allocate,
-    ForeignBlock,
-    Free,
-    FreeAll,
-    HandleRef,
-    MarkUsed,
-    NotABlock,
-    NotAList,
-    Operation,
-    RegisterOwner,
-    ReleaseOwner,
-    Shrink,
-    apply_to_spec,
-)
+from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
+from veloxquant_mlx.testing.sides import SpecSide
+from veloxquant_mlx.testing.templates import Issued, Names, Pick, Template, small_scope
 from veloxquant_mlx_spec import invariants, model, transitions
+from veloxquant_mlx_spec.model import ForeignBlock
+from veloxquant_mlx_spec.operations import Allocate, BlockPool, FreeAll
+from veloxquant_mlx_spec.table import AsTuple, Handle, Raised, declaration_of
 
 #: Tiny pools: both stream modes, growth off, capped and uncapped, and a pool
 #: that starts empty. Block size 2, so a block can be part full.
@@ -86,72 +77,86 @@ CONFIGS: Final = (
 #: Short enough that a four-step replay overflows it.
 HISTORY_LEN: Final = 2
 
-#: Stands for "the newest handle issued so far" in :data:`ALPHABET`.
-NEWEST: Final = -1
-
-#: The operations a code decodes to. A handle reference is a checkout serial
-#: number, or :data:`NEWEST`; one not yet issued decodes to a hand-made block.
-ALPHABET: Final[tuple[Operation, ...]] = (
-    Allocate("k", 1, 0),
-    Allocate("k", 3, 0, "int4"),
-    Allocate("v", 2, 1),
-    Allocate("k", 5, 1),  # 3 blocks: exhausts or grows
-    Allocate("kv", 1, 1),  # invalid stream unless the pool is shared
-    Allocate("k", 0, 0),  # ValueError
-    Allocate("v", 1, True),  # TypeError: bool is not an owner
-    Free((0,)),
-    Free((NEWEST,)),
-    Free((NEWEST,), as_tuple=True),
-    Free((0, NEWEST)),  # InvalidFreeError when 0 is the newest
-    Free(()),
-    Free(NotAList()),
-    FreeAll(0),
-    FreeAll(1),
-    Shrink("k", 0),
-    Shrink("v", 1),
-    MarkUsed(NEWEST, 1),
-    MarkUsed(0, 2),
-    MarkUsed(NEWEST, 3),  # ValueError: above block_size
-    MarkUsed(ForeignBlock(owner=None), 1),
-    MarkUsed(ForeignBlock(owner=7), 1),
-    MarkUsed(NotABlock(), 0),
-    RegisterOwner(0),
-    ReleaseOwner(0),
+#: The calls a code decodes to, derived from the table for a shared pool (so "kv" is a
+#: good stream there and a bad one in the separate pools). Every letter costs CrossHair
+#: search time, so the alphabet is lean (about as many letters as a hand-picked one):
+#: every call that changes the pool (queries are compared after every step anyway) with
+#: its first values, the calls that hand out handles also with each value varied alone;
+#: every handle pick; one bad value per call; valid calls first. Handles are picked by the
+#: order they were issued (the first, the newest); a pick of one not issued yet decodes to
+#: a block built by hand.
+ALPHABET: Final[tuple[Template, ...]] = tuple(
+    small_scope(
+        CONFIGS[1],
+        handle_names=(Issued(-1), Issued(0)),
+        list_names=(
+            (Issued(0),),
+            (Issued(-1),),
+            AsTuple((Issued(-1),)),  # type: ignore[arg-type]  # picks, named by build()
+            (Issued(0), Issued(-1)),
+        ),
+        combine=False,
+        queries=False,
+        stale=None,
+        every_bad_argument=False,
+        vary_values=lambda declaration: declaration.may_issue_handles,
+    )
 )
 
 #: Stream arguments for the drivers that take a ``stream_code``.
 STREAMS: Final = ("k", "v", "kv")
 
+#: The ``call`` of the placeholder names :func:`decode` gives the issued handles.
+PLACEHOLDER_CALL: Final = -2
 
-def _allocator(config: PoolConfig, history_len: int) -> AllocatorUnderTest:
+
+def _allocator(config: PoolConfig, history_len: int) -> BlockPool[Any]:
     return BlockPoolAllocator(config, history_len=history_len)
 
 
-def resolve_reference(ref: HandleRef, n_issued: int) -> HandleRef:
-    """Bind an alphabet handle reference to one of ``n_issued`` handles.
+def resolve_reference(ref: Pick, n_issued: int) -> Pick:
+    """Bind an issued-handle pick to one of ``n_issued`` handles; none: a block built by hand.
 
-    post: not isinstance(__return__, int) or 0 <= __return__ < n_issued
+    post: not isinstance(__return__, Issued) or 0 <= __return__.index < n_issued
     """
-    if not isinstance(ref, int):
+    if not isinstance(ref, Issued):
         return ref
-    index = n_issued - 1 if ref == NEWEST else ref
-    return index if 0 <= index < n_issued else ForeignBlock(owner=None)
+    index = ref.index + n_issued if ref.index < 0 else ref.index
+    return Issued(index) if 0 <= index < n_issued else ForeignBlock(owner=None)
 
 
-def decode(code: int, n_issued: int) -> Operation:
-    """The operation ``code`` stands for, once ``n_issued`` handles exist.
+class _Placeholders(Sequence[Handle]):
+    """``n`` names standing for the first ``n`` handles issued (no list: CrossHair stays fast)."""
+
+    def __init__(self, n: int) -> None:
+        self._n = n
+
+    def __len__(self) -> int:
+        return self._n
+
+    def __getitem__(self, index: int) -> Handle:  # type: ignore[override]
+        return Handle(PLACEHOLDER_CALL, index % self._n)
+
+    def __iter__(self) -> Iterator[Handle]:
+        return (Handle(PLACEHOLDER_CALL, i) for i in range(self._n))
+
+
+def _concrete(code: int, issued: Sequence[Handle]) -> object:
+    """The call ``code`` stands for, with ``issued`` the names of the handles issued so far."""
+    bound = ALPHABET[code].map_picks(lambda pick: resolve_reference(pick, len(issued)))
+    op = bound.build(Names(live=(), issued=issued, freed_last=None))
+    assert op is not None, "every pick is bound to an issued handle or to none"
+    return op
+
+
+def decode(code: int, n_issued: int) -> object:
+    """The call ``code`` stands for, once ``n_issued`` handles exist (placeholder names).
 
     pre: 0 <= code < len(ALPHABET)
     pre: n_issued >= 0
-    post: type(__return__) is type(ALPHABET[code])
+    post: type(__return__) is ALPHABET[code].declaration.op
     """
-    operation = ALPHABET[code]
-    if isinstance(operation, Free) and not isinstance(operation.blocks, NotAList):
-        blocks = tuple(resolve_reference(ref, n_issued) for ref in operation.blocks)
-        return replace(operation, blocks=blocks)
-    if isinstance(operation, MarkUsed):
-        return replace(operation, block=resolve_reference(operation.block, n_issued))
-    return operation
+    return _concrete(code, _Placeholders(n_issued))
 
 
 def replay(codes: Sequence[int], config_code: int) -> Lockstep:
@@ -165,7 +170,7 @@ def replay(codes: Sequence[int], config_code: int) -> Lockstep:
     """
     lockstep = Lockstep(_allocator, CONFIGS[config_code], HISTORY_LEN)
     for code in codes:
-        lockstep.apply(decode(code, len(lockstep.handles)))
+        lockstep.apply(_concrete(code, lockstep.spec.names))
     return lockstep
 
 
@@ -213,20 +218,40 @@ def _fresh(config_code: int) -> model.PoolState:
     return state
 
 
+def _covers_its_tokens(op: object, before: model.PoolState, result: object) -> bool:
+    """An allocation is enough blocks for its tokens (``allocate``'s promise)."""
+    n_tokens = getattr(op, "n_tokens", None)
+    assert isinstance(result, tuple) and isinstance(n_tokens, int), "a successful allocate"
+    return len(result) * before.config.block_size >= n_tokens
+
+
+#: What a successful call promises beyond the invariants, by call name.
+PROMISES: Final[dict[str, Callable[[object, model.PoolState, object], bool]]] = {
+    "allocate": _covers_its_tokens,
+    "shrink": lambda op, before, result: isinstance(result, int) and result >= 0,
+}
+
+
 def _keeps_its_promise(
-    before: model.PoolState, operation: Operation, after: model.PoolState, result: object
+    before: model.PoolState, operation: object, after: model.PoolState, result: object
 ) -> bool:
-    """What the transition's ``post:`` lines promise beyond the invariants holds."""
+    """What the transition promises beyond the invariants holds.
+
+    Refused bad input changes nothing (an error that counts itself, exhaustion,
+    adds only its counter and snapshot: another driver checks that);
+    ``mark_used``, ``register_owner`` and ``release_owner`` never add a history
+    snapshot; a successful call keeps its own promise (:data:`PROMISES`).
+    """
+    declaration = declaration_of(operation)
     if isinstance(result, model.Err):
-        return not isinstance(operation, MarkUsed) or after.history == before.history
-    if isinstance(operation, Allocate) and isinstance(result, tuple):
-        n_tokens = operation.n_tokens
-        return isinstance(n_tokens, int) and len(result) * before.config.block_size >= n_tokens
-    if isinstance(operation, Shrink):
-        return isinstance(result, int) and result >= 0
-    if isinstance(operation, MarkUsed):
-        return after.history == before.history
-    return True
+        if Raised(result.kind.value) in {Raised(kind.value) for kind in declaration.counted_errors}:
+            return True
+        return after == before
+    never_recorded = ("mark_used", "register_owner", "release_owner")
+    if declaration.name in never_recorded and after.history != before.history:
+        return False
+    promise = PROMISES.get(declaration.name)
+    return promise is None or bool(promise(operation, before, result))
 
 
 def _free_counts(state: model.PoolState) -> tuple[int, ...]:
@@ -245,15 +270,16 @@ def spec_replay_keeps_invariants(codes: list[int], config_code: int) -> bool:
     pre: all(0 <= c < len(ALPHABET) for c in codes)
     post: __return__
     """
-    state = _fresh(config_code)
-    for code in codes:
-        operation = decode(code, len(state.handles))
-        after, result = apply_to_spec(state, operation)
+    spec = SpecSide(_fresh(config_code))
+    for label, code in enumerate(codes):
+        operation = _concrete(code, spec.names)
+        before = spec.state
+        after, result = spec.predict(operation)
         if not invariants.all_invariants_hold(after):
             return False
-        if not _keeps_its_promise(state, operation, after, result):
+        if not _keeps_its_promise(before, operation, after, result):
             return False
-        state = after
+        spec.commit(label, after)
     return True
 
 
@@ -314,9 +340,10 @@ def spec_exhaustion_changes_only_its_counter(codes: list[int], config_code: int)
     pre: all(0 <= c < len(ALPHABET) for c in codes)
     post: __return__
     """
-    state = _fresh(config_code)
-    for code in codes:
-        state = apply_to_spec(state, decode(code, len(state.handles)))[0]
+    spec = SpecSide(_fresh(config_code))
+    for label, code in enumerate(codes):
+        spec.commit(label, spec.predict(_concrete(code, spec.names))[0])
+    state = spec.state
     after, result = transitions.allocate(state, "k", 7, 0)
     if not (isinstance(result, model.Err) and result.kind is model.ErrorKind.EXHAUSTED):
         return True

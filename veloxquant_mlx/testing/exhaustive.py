@@ -7,9 +7,15 @@ explores breadth first every sequence of up to ``depth`` letters of a finite
 alphabet (:func:`alphabet`), driving the allocator under test through every
 transition in :class:`~veloxquant_mlx.testing.lockstep.Lockstep`, which
 compares all that a caller can observe with the spec. The alphabet is
-*relative* ("free the 2nd live handle in checkout order", "free the handle
-freed last"): a letter is made concrete against the spec's state at each
-node (``Free((handle_id,))``), so a path replays exactly on a fresh pool.
+derived from the operation table (:func:`~veloxquant_mlx.testing.templates.small_scope`:
+every call with its small-scope arguments, every handle shape, each
+argument's first bad value) and is *relative* ("free the 2nd live handle in
+checkout order", "free the handle freed last"): a letter is made concrete
+against the names of the state at each node (``Free((h(0, 1),))``, the
+call at depth ``d`` labelled ``d``), so a path replays exactly on a fresh
+pool. One rule is the exhaustive checker's own: each owner allocates with
+its own format (:data:`FORMAT_OF_OWNER`), so formats are checked without
+multiplying the letters.
 
 **Deduplication.** Nodes are merged on :func:`canonical_key`, derived from
 the spec's ``PoolState``, only when every future observation is the same up
@@ -48,13 +54,13 @@ deadline (time). When one runs out the search stops where it is and the
 finished depth) as a :class:`~veloxquant_mlx.commandline.verdicts.Gap`: its
 verdict is then inconclusive, not OK.
 
-Command line (:mod:`~veloxquant_mlx.testing.exhaustive_command`): ``python -m
-veloxquant_mlx.testing.exhaustive [--profile ci|nightly] [--depth N]
-[--scope NAME]... [--max-states N] [--time-budget SECONDS] [--json]``; exit
-status 0 OK, 1 counterexample, 2 bad input, 3 inconclusive, 130 Ctrl-C.
+Command line (:mod:`~veloxquant_mlx.testing.exhaustive_command`):
+``veloxquant-mlx exhaustive [--profile ci|nightly] [--depth N] [--scope
+NAME]... [--max-states N] [--time-budget SECONDS] [--json] [--out DIR]``;
+exit status 0 OK, 1 counterexample, 2 bad input, 3 inconclusive, 130 Ctrl-C.
 
 Complexity: O(S x A x D) calls for S distinct states (about x8 per depth),
-A letters (about 40) and depth D; memory O(S). Thread safety: none; each
+A letters (about 60) and depth D; memory O(S). Thread safety: none; each
 :func:`explore` builds its own allocators, one per thread or process.
 """
 
@@ -63,29 +69,15 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.testing.lockstep import (
-    AllocatorFactory,
-    AllocatorUnderTest,
-    ConformanceError,
-    Lockstep,
-)
-from veloxquant_mlx.testing.operations import (
-    Allocate,
-    ForeignBlock,
-    Free,
-    FreeAll,
-    MarkUsed,
-    NotABlock,
-    NotAList,
-    Operation,
-    RegisterOwner,
-    ReleaseOwner,
-    Shrink,
-)
+from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError, Lockstep
+from veloxquant_mlx.testing.templates import Live, Names, Template, small_scope
 from veloxquant_mlx_spec import model
+from veloxquant_mlx_spec.operations import Allocate, BlockPool, RegisterOwner
+from veloxquant_mlx_spec.table import ArgKind, AsTuple, Handle, declaration_of
 
 OWNERS = (0, 1)
 #: The letter shown for a call of :func:`probe` in a counterexample.
@@ -113,111 +105,42 @@ SCOPES: tuple[Scope, ...] = (
 PROFILE_DEPTHS = {"ci": 4, "nightly": 6}
 
 
-def default_factory(config: PoolConfig, history_len: int) -> AllocatorUnderTest:
+def default_factory(config: PoolConfig, history_len: int) -> BlockPool[Any]:
     """Our own allocator, the default system under test."""
     return BlockPoolAllocator(config, history_len=history_len)
 
 
 # ---- the alphabet ------------------------------------------------------------------
 
-Handles = tuple[model.HandleId, ...]
-#: Picks a letter's handles at a node (spec state, handle freed last); None: not applicable.
-Pick = Callable[[model.PoolState, model.HandleId | None], Handles | None]
+
+def _format_follows_owner(template: Template) -> bool:
+    """The exhaustive checker's own rule: owner o allocates with ``FORMAT_OF_OWNER[o]``."""
+    parameters = template.declaration.parameters
+    named = {p.name: a for p, a in zip(parameters, template.arguments, strict=True)}
+    owner, fmt = named.get("owner"), named.get("format")
+    if not (model.is_int(owner) and owner in FORMAT_OF_OWNER):
+        return True  # a bad owner: the call is refused whatever the format
+    return fmt not in FORMAT_OF_OWNER.values() or FORMAT_OF_OWNER[owner] == fmt
 
 
-@dataclass(frozen=True)
-class Letter:
-    """One relative operation: a readable name, and how to make it concrete at a node."""
+def alphabet(config: model.SpecConfig) -> tuple[Template, ...]:
+    """Every letter explored on a pool of ``config``, derived from the operation table.
 
-    name: str
-    pick: Pick | None  # None: the operation names no handle
-    build: Callable[[Handles], Operation]
-
-    def resolve(
-        self, state: model.PoolState, last_freed: model.HandleId | None
-    ) -> Operation | None:
-        """The concrete operation at this node, or None where the letter does not apply."""
-        handles = () if self.pick is None else self.pick(state, last_freed)
-        return None if handles is None else self.build(handles)
-
-
-def _fixed(operation: Operation) -> Letter:
-    return Letter(repr(operation), None, lambda _: operation)
-
-
-def _live_at(*indexes: int, at_least: int = 1) -> Pick:
-    """The live handles at ``indexes`` in checkout order (negative: from the newest)."""
-    needed = max(at_least, *(i + 1 if i >= 0 else -i for i in indexes))
-
-    def pick(state: model.PoolState, _last_freed: model.HandleId | None) -> Handles | None:
-        live = model.live_handles(state)
-        return tuple(live[i] for i in indexes) if len(live) >= needed else None
-
-    return pick
-
-
-def _freed_last_pick(_state: model.PoolState, last_freed: model.HandleId | None) -> Handles | None:
-    return None if last_freed is None else (last_freed,)
-
-
-def _mark(n_used: int) -> Callable[[Handles], Operation]:
-    return lambda handles: MarkUsed(handles[0], n_used)
-
-
-def _handle_letters(config: model.SpecConfig) -> list[Letter]:
-    """Frees of live handles, fill levels, a double free, and the stale-handle calls."""
+    Every call that changes the pool; queries are left out, since every one the
+    pool answers in a state is compared after each call anyway. Live handles are
+    picked by position (every position a pool of this size can fill, the newest,
+    and the two newest out of order), plus the handle freed last.
+    """
     max_live = max(config.n_blocks, config.max_blocks or 0)
-    letters = [Letter(f"free(live[{i}])", _live_at(i), Free) for i in range(max_live)]
-    letters += [
-        Letter("free(live[-1], live[-2])", _live_at(-1, -2), Free),  # not in checkout order
-        Letter("free(live[0], live[0])", _live_at(0, 0), Free),
-        Letter("free(freed last)", _freed_last_pick, Free),
-        Letter("mark_used(freed last, 1)", _freed_last_pick, _mark(1)),
-    ]
-    for n_used in sorted({1, config.block_size}):  # partial and full
-        letters.append(Letter(f"mark_used(live[0], {n_used})", _live_at(0), _mark(n_used)))
-        newest = _live_at(-1, at_least=2)  # with one live handle, live[0] says it all
-        letters.append(Letter(f"mark_used(live[-1], {n_used})", newest, _mark(n_used)))
-    too_full = config.block_size + 1
-    letters.append(Letter(f"mark_used(live[0], {too_full})", _live_at(0), _mark(too_full)))
-    return letters
+    lists: list[tuple[object, ...] | AsTuple] = [(Live(i),) for i in range(max_live)]
+    lists.append((Live(-1), Live(-2)))  # two at once, not in checkout order
+    letters = small_scope(
+        config, handle_names=(Live(0), Live(-1)), list_names=lists, combine=True, queries=False
+    )
+    return tuple(letter for letter in letters if _format_follows_owner(letter))
 
 
-def _fixed_operations(config: model.SpecConfig) -> list[Operation]:
-    """Calls that name no handle: allocations, owners, shrinks, and bad arguments."""
-    streams = model.stream_names(config)
-    storage_streams = model.free_list_names(config)
-    operations: list[Operation] = [
-        Allocate(stream, n_tokens, owner, FORMAT_OF_OWNER[owner])
-        for stream in streams
-        for owner in OWNERS
-        for n_tokens in (1, config.block_size + 1)
-    ]
-    operations += [FreeAll(owner) for owner in OWNERS]
-    operations += [RegisterOwner(owner) for owner in OWNERS]
-    operations += [ReleaseOwner(owner) for owner in OWNERS]
-    operations += [Shrink(stream, n) for stream in storage_streams for n in (0, 1)]
-    return [
-        *operations,
-        Free(()),  # a no-op
-        MarkUsed(ForeignBlock(None), 1),  # built by hand: only that object's n_used changes
-        # A few bad arguments; each must leave the pool as it was.
-        Allocate("kv" if config.separate_kv else "x", 1, 0),
-        Allocate("k", 0, 0),
-        Allocate("k", 1, True),
-        Free(NotAList()),
-        Shrink("k", -1),
-        MarkUsed(ForeignBlock(0), 1),  # another pool's live handle
-        MarkUsed(NotABlock(), 1),
-    ]
-
-
-def alphabet(config: model.SpecConfig) -> tuple[Letter, ...]:
-    """Every letter explored on a pool of ``config``: fixed calls, then handle calls."""
-    return (*map(_fixed, _fixed_operations(config)), *_handle_letters(config))
-
-
-def probe(state: model.PoolState) -> list[Operation]:
+def probe(state: model.PoolState) -> list[object]:
     """Calls that bring to light what a pool holds but does not show, at ``state``.
 
     ``register_owner`` of each owner holding nothing (it raises if the owner
@@ -232,7 +155,7 @@ def probe(state: model.PoolState) -> list[Operation]:
         n_blocks = model.stats(state).n_blocks
         room = 1 if config.max_blocks is None else config.max_blocks - n_blocks
     holding = {view.owner for view in state.handles if view.owner is not None}
-    operations: list[Operation] = [RegisterOwner(o) for o in OWNERS if o not in holding]
+    operations: list[object] = [RegisterOwner(o) for o in OWNERS if o not in holding]
     for stream, free_list in state.free_lists:
         n_blocks_wanted, room = len(free_list) + room, 0
         if n_blocks_wanted:
@@ -271,15 +194,34 @@ def canonical_key(state: model.PoolState, last_freed: model.HandleId | None) -> 
     )
 
 
+def _listed(operation: object) -> list[object]:
+    """The items of ``operation``'s list-of-handles arguments, in list order."""
+    declaration = declaration_of(operation)
+    items: list[object] = []
+    arguments = declaration.arguments(operation)
+    for parameter, value in zip(declaration.parameters, arguments, strict=True):
+        if parameter.kind is ArgKind.HANDLES and isinstance(value, tuple | AsTuple):
+            items += value.refs if isinstance(value, AsTuple) else value
+    return items
+
+
 def _freed_last(
-    before: model.PoolState, operation: Operation, after: model.PoolState
+    before: model.PoolState,
+    operation: object,
+    after: model.PoolState,
+    names: Sequence[Handle],
 ) -> model.HandleId | None:
-    """The handle ``operation`` pushed onto a free list last; None if it freed none."""
+    """The handle ``operation`` pushed onto a free list last; None if it freed none.
+
+    A list is pushed in list order; anything else (``free_all``) in allocation order.
+    """
     freed = [h for h in model.live_handles(before) if after.handles[h].owner is None]
-    if freed and isinstance(operation, Free) and not isinstance(operation.blocks, NotAList):
-        last = operation.blocks[-1]  # free() pushes in list order
-        return last if model.is_int(last) else None
-    return freed[-1] if freed else None  # free_all() pushes in allocation order
+    serial_of = {name: serial for serial, name in enumerate(names)}
+    listed = [serial_of.get(item) for item in _listed(operation) if isinstance(item, Handle)]
+    pushed = [serial for serial in listed if serial in freed]
+    if pushed:
+        return pushed[-1]
+    return freed[-1] if freed else None
 
 
 #: The spec's prediction for one call: the next state, and the result or ``Err``.
@@ -291,11 +233,19 @@ class _Node:
     """A distinct state, reached by a shortest path stored as a parent link."""
 
     state: model.PoolState
+    names: tuple[Handle, ...]  # names[serial]: the name of the spec's handle ``serial``
     last_freed: model.HandleId | None
+    depth: int  # calls on the path here; the next call is labelled with it
     parent: int  # index of the parent node; -1 for the initial state
     letter: str  # the letter taken from the parent
-    operation: Operation | None  # that letter, made concrete at the parent
+    operation: object | None  # that letter, made concrete at the parent
     prediction: Prediction | None  # what the spec predicted for that operation
+
+    def picks(self) -> Names:
+        """The names the letters pick from here."""
+        live = [self.names[serial] for serial in model.live_handles(self.state)]
+        freed_last = None if self.last_freed is None else self.names[self.last_freed]
+        return Names(live=live, issued=self.names, freed_last=freed_last)
 
 
 # ---- results -----------------------------------------------------------------------
@@ -306,7 +256,7 @@ class Counterexample:
     """A sequence on which the allocator and the spec disagree (a shortest one)."""
 
     letters: tuple[str, ...]
-    operations: tuple[Operation, ...]  # replays with a fresh Lockstep
+    operations: tuple[object, ...]  # replays with a fresh Lockstep, labelled 0, 1, 2...
     message: str  # the ConformanceError's
 
     def __str__(self) -> str:
@@ -386,7 +336,7 @@ class _ReplayLockstep(Lockstep):
         self.script: list[Prediction] = []  # popped from the end
         self.last_prediction: Prediction | None = None
 
-    def _predict(self, op: Operation) -> Prediction:
+    def _predict(self, op: object) -> Prediction:
         if self.script:
             return self.script.pop()
         self.last_prediction = super()._predict(op)
@@ -415,7 +365,7 @@ class _Explorer:
         self.scope = scope
         self.factory = factory
         self.letters = alphabet(scope.config)
-        self.nodes = [_Node(initial, None, -1, "", None, None)]
+        self.nodes = [_Node(initial, (), None, 0, -1, "", None, None)]
         self.seen = {canonical_key(initial, None)}
         self.transitions = 0
         self.merges_probed = 0
@@ -464,17 +414,18 @@ class _Explorer:
     def expand(self, index: int) -> list[int] | Counterexample:
         """Check every letter at node ``index``; return the new nodes, or a counterexample."""
         node = self.nodes[index]
+        picks = node.picks()
         lockstep: _ReplayLockstep | None = None
-        run: list[tuple[str, Operation]] = []  # applied to ``lockstep`` since its replay
+        run: list[tuple[str, object]] = []  # applied to ``lockstep`` since its replay
         new: list[int] = []
         for letter in self.letters:
-            operation = letter.resolve(node.state, node.last_freed)
+            operation = letter.build(picks)
             if operation is None:
                 continue
             try:
                 if lockstep is None:
                     lockstep, run = self.replay(index), []
-                run.append((letter.name, operation))
+                run.append((repr(letter), operation))
                 lockstep.checking = False  # the outcome is still compared
                 lockstep.apply(operation)
                 self.transitions += 1
@@ -484,18 +435,18 @@ class _Explorer:
                 lockstep.compare_observations()  # also covers the unchanged run before it
             except ConformanceError as error:
                 return self._counterexample(index, run, lockstep, error)
-            child = self._add_child(index, letter.name, operation, lockstep.last_prediction)
+            child = self._add_child(index, repr(letter), operation, lockstep.last_prediction)
             if child is not None:
                 new.append(child)
             elif self.probe_failure is None:
-                self._probe(index, letter.name, operation, lockstep)
+                self._probe(index, repr(letter), operation, lockstep)
             lockstep = None  # the next letter starts from this node's state again
         return new if lockstep is None else self._check_run(index, run, lockstep, new)
 
     def _check_run(
         self,
         index: int,
-        run: list[tuple[str, Operation]],
+        run: list[tuple[str, object]],
         lockstep: _ReplayLockstep,
         new: list[int],
     ) -> list[int] | Counterexample:
@@ -508,22 +459,27 @@ class _Explorer:
         return new
 
     def _add_child(
-        self, parent: int, letter: str, operation: Operation, prediction: Prediction | None
+        self, parent: int, letter: str, operation: object, prediction: Prediction | None
     ) -> int | None:
         """Record the state ``operation`` led to; None if its key was seen (a merge)."""
         assert prediction is not None, "the spec predicted the operation just applied"
         before, state = self.nodes[parent], prediction[0]
-        last_freed = _freed_last(before.state, operation, state)
+        last_freed = _freed_last(before.state, operation, state, before.names)
         last_freed = before.last_freed if last_freed is None else last_freed
         key = canonical_key(state, last_freed)
         if key in self.seen:
             return None
         self.seen.add(key)
-        self.nodes.append(_Node(state, last_freed, parent, letter, operation, prediction))
+        new = range(len(before.state.handles), len(state.handles))
+        names = (*before.names, *(Handle(before.depth, i) for i in range(len(new))))
+        depth = before.depth + 1
+        self.nodes.append(
+            _Node(state, names, last_freed, depth, parent, letter, operation, prediction)
+        )
         return len(self.nodes) - 1
 
     def _probe(
-        self, index: int, letter: str, operation: Operation, lockstep: _ReplayLockstep
+        self, index: int, letter: str, operation: object, lockstep: _ReplayLockstep
     ) -> None:
         """Run :func:`probe` on a path that is merged away; keep its failure, if any.
 
@@ -542,7 +498,7 @@ class _Explorer:
                 return
 
     def _probe_counterexample(
-        self, index: int, letter: str, operation: Operation, calls: list[Operation], message: str
+        self, index: int, letter: str, operation: object, calls: list[object], message: str
     ) -> Counterexample:
         """The merged path and the first probe call that fails alone, else all of them."""
         for call in calls if len(calls) > 1 else ():
@@ -559,7 +515,7 @@ class _Explorer:
     def _counterexample(
         self,
         index: int,
-        run: list[tuple[str, Operation]],
+        run: list[tuple[str, object]],
         lockstep: Lockstep | None,
         error: ConformanceError,
     ) -> Counterexample:
@@ -578,7 +534,7 @@ class _Explorer:
         return self._after_path(index, letters, operations, message)
 
     def _after_path(
-        self, index: int, letters: list[str], operations: list[Operation], message: str
+        self, index: int, letters: list[str], operations: list[object], message: str
     ) -> Counterexample:
         path = self.path(index)
         return Counterexample(

@@ -1,93 +1,124 @@
 """Run an allocator and the executable spec side by side, comparing everything.
 
-:class:`Lockstep` applies one :mod:`~veloxquant_mlx.testing.operations`
-value at a time to an allocator under test and to the spec
-(``veloxquant_mlx_spec``), then compares all that a caller can observe:
-the call's result or error class, every handle ever handed out (by
-identity: the n-th ``Block`` object is the spec's handle n), every stats
-counter, ``blocks_in_use()``, ``fragmentation()``, the history, ``n_free``
-of each stream, ``blocks_for`` of every owner seen, and, where the
-allocator offers them, ``is_live``, ``id_bound`` and ``check_invariants``.
-The first difference raises :class:`ConformanceError` with the operations
-so far, which replay it exactly.
+:class:`Lockstep` applies one operation of the table
+(``veloxquant_mlx_spec.operations``) at a time to an allocator under test
+and to the spec, compares the call's outcome (the value returned, or the
+class of the error raised), then compares everything a caller can observe:
+every handle's fields, and every query the table observes
+(:func:`~veloxquant_mlx_spec.table.observation_ops`: stats, history,
+``n_free`` of every stream, ``blocks_for`` of every owner named so far,
+``is_live`` of every handle, ``id_bound``, ``check_invariants``). The first
+difference raises :class:`ConformanceError`, whose message lists the calls
+so far as Python a reader can paste, with handles named ``h(call, i)``.
 
-It is the engine behind the Hypothesis conformance machine, the
-small-scope exhaustive checker and the CrossHair replay drivers, and it is
-what a port to another backend runs against our spec.
+Calls are labelled (by default 0, 1, 2... in order); the handles a call
+returns are named after its label. Nothing here knows one operation from
+another: the table says what each returns and how it is called.
 
-Complexity: O(handles issued + owners seen + history) per operation.
-Thread safety: none; one thread drives one ``Lockstep``.
+It is the engine behind the Hypothesis conformance machine, the small-scope
+exhaustive checker, the CrossHair drivers, the schedule explorer's setup and
+the aliasing replay, and what a port to another backend runs against the
+spec. A port offers the calls in ``capabilities`` (by default all, the
+project's additions marked **P** in docs/API.md included); a port without
+them passes :data:`REFERENCE_CALLS`. Third parties (``oracles``, e.g. a
+second model written by hand) may answer each call and show what they
+model; they are compared with the spec too.
+
+Complexity: O(handles issued + owners named + history) per call at
+``Check.EVERYTHING``; O(live handles + ...) at ``STATE``; O(1) plus the call
+at ``OUTCOMES``. Thread safety: none; one thread drives one ``Lockstep``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, NoReturn, Protocol
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from enum import Enum
+from typing import Any, Final, NoReturn, Protocol
 
 from veloxquant_mlx.memory.block_pool import Block, PoolConfig
-from veloxquant_mlx.testing.operations import (
-    Allocate,
-    ForeignBlock,
-    Free,
-    FreeAll,
-    HandleRef,
-    MarkUsed,
-    NotABlock,
-    NotAList,
-    Operation,
-    RegisterOwner,
-    ReleaseOwner,
-    Shrink,
-    apply_to_spec,
+from veloxquant_mlx.testing.sides import (
+    HANDLE_FIELDS,
+    PoolSide,
+    SpecSide,
+    UnknownHandleError,
+    describe,
+    error_outcome,
+    observation_keys,
+    observe,
+    pool_outcome,
 )
-from veloxquant_mlx_spec import invariants, model, transitions
-
-#: Counter fields of ``AllocationStats`` compared one by one.
-COUNTER_FIELDS = (
-    "n_blocks",
-    "n_allocations",
-    "n_frees",
-    "n_reused",
-    "n_exhausted",
-    "n_grown",
-    "n_retired",
-    "peak_blocks_in_use",
+from veloxquant_mlx_spec import invariants, model
+from veloxquant_mlx_spec.model import ForeignBlock, PoolState, is_int
+from veloxquant_mlx_spec.operations import BlockPool
+from veloxquant_mlx_spec.table import (
+    Handle,
+    Outcome,
+    Raised,
+    declaration_of,
+    declarations,
+    matches,
+    observation_ops,
 )
 
-
-class AllocatorUnderTest(Protocol):
-    """What the harness calls: the reference API of ``BlockPoolAllocator``."""
-
-    def allocate(self, stream: Any, n_tokens: Any, owner: Any, format: Any = ...) -> Any: ...
-    def free(self, blocks: Any) -> Any: ...
-    def free_all(self, owner: Any) -> Any: ...
-    def register_owner(self, owner: Any) -> Any: ...
-    def release_owner(self, owner: Any) -> Any: ...
-    def shrink(self, stream: Any, target_free: Any) -> Any: ...
-    def mark_used(self, block: Any, n_used: Any) -> Any: ...
-    def blocks_for(self, owner: Any) -> Any: ...
-    def n_free(self, stream: Any = ...) -> Any: ...
-    @property
-    def stats(self) -> Any: ...
-    @property
-    def history(self) -> Any: ...
-
+__all__ = [
+    "ALL_CALLS",
+    "REFERENCE_CALLS",
+    "AllocatorFactory",
+    "Check",
+    "ConformanceError",
+    "Lockstep",
+    "Oracle",
+]
 
 #: Builds a fresh allocator for a config and a ``history_len``.
-AllocatorFactory = Callable[[PoolConfig, int], AllocatorUnderTest]
+AllocatorFactory = Callable[[PoolConfig, int], BlockPool[Any]]
+
+#: Every call of the table: what our allocator offers.
+ALL_CALLS: Final = frozenset(d.name for d in declarations())
+#: The reference's and the contract's calls (docs/API.md **R** and **C**): what any port offers.
+REFERENCE_CALLS: Final = frozenset(d.name for d in declarations() if d.source != "P")
+
+
+#: The queries observed per (config, capabilities, owners, handles): the same keys recur across
+#: the many short lockstep runs of a search, so they are derived once (bounded, cleared when full).
+_OBSERVED: dict[tuple[object, ...], list[object]] = {}
+_OBSERVED_KEPT: Final = 4096
+#: Per call, the positions of its arguments observed at the values named so far (owners).
+_NAMED: dict[str, tuple[int, ...]] = {}
+
+
+class Check(Enum):
+    """How much is compared after each call, beyond its outcome."""
+
+    OUTCOMES = "outcomes"  # the outcome only (long replays)
+    STATE = "state"  # plus live handles, stats, history and every observed query
+    EVERYTHING = "everything"  # plus every stale handle
 
 
 class ConformanceError(AssertionError):
-    """The allocator and the spec disagree; the message holds a replayable trace."""
+    """The allocator and the spec disagree; the message holds a replayable sequence."""
+
+
+class Oracle(Protocol):
+    """A third party beside the spec: answers the calls it models, shows what it models."""
+
+    def apply(self, op: object, label: int) -> Outcome | None:
+        """The outcome it predicts for ``op`` (labelled ``label``), or ``None`` if it does not
+        model the call. It is then told nothing more: such a call changes no state."""
+        ...
+
+    def observe(self) -> Mapping[str, object]:
+        """Observations it models, keyed as :func:`~veloxquant_mlx.testing.sides.observe` keys."""
+        ...
 
 
 class Lockstep:
     """One allocator and one spec state, advanced together.
 
-    Invariants: ``handles[n]`` is the n-th ``Block`` the allocator handed out
-    and corresponds to the spec's ``HandleId`` n; ``state`` is the spec's
-    state after ``trace``; after every ``apply`` the two agree on everything
-    observable (or ``apply`` raised).
+    Invariants: after every :meth:`apply` that returned, the two sides agree
+    on the call's outcome and (unless ``check`` is ``OUTCOMES``) on every
+    observation; ``spec.names`` and ``pool_side.objects`` name the same
+    handles; ``trace`` lists every call applied, with its label.
     """
 
     def __init__(
@@ -96,7 +127,10 @@ class Lockstep:
         config: model.SpecConfig,
         history_len: int = 1024,
         *,
-        block_type: Callable[..., object] = Block,
+        block_type: Callable[[int], object] = Block,
+        check: Check = Check.EVERYTHING,
+        capabilities: Iterable[str] = ALL_CALLS,
+        oracles: Sequence[Oracle] = (),
     ) -> None:
         """Build the allocator and the spec's initial state.
 
@@ -104,7 +138,10 @@ class Lockstep:
             factory: Makes the allocator under test (and a second, foreign one).
             config: A valid spec config; its ``PoolConfig`` twin is built here.
             history_len: Passed to both.
-            block_type: Builds a hand-made block (``ForeignBlock(owner=None)``).
+            block_type: Builds a block by hand (``ForeignBlock(None)``).
+            check: What is compared after each call.
+            capabilities: The calls the allocator offers (names in the table).
+            oracles: Third parties compared with the spec after every call.
         """
         state = model.new_pool(config, history_len)
         if isinstance(state, model.Err):
@@ -116,229 +153,215 @@ class Lockstep:
             config.grow_on_exhaustion,
             config.max_blocks,
         )
-        self.state = state
-        self.pool = factory(pool_config, history_len)
-        self.handles: list[Any] = []
-        self.trace: list[Operation] = []
-        self._factory = factory
-        self._block_type = block_type
-        self._foreign_pool: AllocatorUnderTest | None = None
-        self._foreign_handles: dict[int, object] = {}
-        self._last_mark_used_target: object = None
-        self._owners_seen: set[int] = set()
+        self.spec: Final = SpecSide(state)
+        self.pool_side: Final = PoolSide[object](
+            factory(pool_config, history_len),
+            block_type=block_type,
+            foreign_pool=lambda: factory(PoolConfig(block_size=4, n_blocks=64), 0),
+        )
+        self.check: Final = check
+        self.capabilities: Final = frozenset(capabilities)
+        self.oracles: Final = tuple(oracles)
+        self.trace: list[tuple[int, object]] = []
+        self.owners_named: set[int] = set()
 
-    # -- applying operations -----------------------------------------------------
+    @property
+    def state(self) -> PoolState:
+        """The spec's state after the calls so far."""
+        return self.spec.state
 
-    def apply(self, operation: Operation) -> object:
-        """Apply ``operation`` to both sides; compare the outcome and then everything.
+    @property
+    def pool(self) -> Any:
+        """The allocator under test."""
+        return self.pool_side.pool
+
+    def next_label(self) -> int:
+        """The label :meth:`apply` gives a call by default: its position in the trace."""
+        return len(self.trace)
+
+    # -- applying operations -------------------------------------------------------------
+
+    def apply(
+        self, op: object, call: int | None = None, *, expect: Outcome | None = None
+    ) -> Outcome:
+        """Apply ``op`` to both sides; compare its outcome, then (per ``check``) everything.
+
+        Args:
+            op: An operation of the table.
+            call: Its label (default: its position in ``trace``).
+            expect: An outcome recorded for it (a trace's), which the pool must give too.
 
         Returns:
-            What the allocator returned (``None`` if it raised as predicted).
+            The outcome both sides gave.
 
         Raises:
-            ConformanceError: The two sides disagree.
+            ConformanceError: The two sides (or the recorded outcome) disagree, or ``op``
+                names a handle no earlier call returned.
         """
-        self.trace.append(operation)
-        for owner in _owners_named(operation):
-            self._owners_seen.add(owner)
-        new_state, predicted = self._predict(operation)
-        actual, raised = self._run(operation)
-        self._compare_outcome(operation, predicted, actual, raised)
-        if isinstance(operation, MarkUsed):
-            self._check_hand_made_block(operation, predicted)
-        self.state = new_state
-        if isinstance(operation, Allocate) and raised is None:
-            self.handles.extend(actual)
-        self.compare_observations()
+        label = self.next_label() if call is None else call
+        self.trace.append((label, op))
+        declaration = declaration_of(op)
+        if declaration.name not in self.capabilities:
+            self._fail(f"{declaration.name}() is not among this pool's capabilities")
+        self._note_owners(op)
+        try:
+            after, result = self._predict(op)
+            predicted = self.spec.outcome(op, after, result)
+            value, error = self.pool_side.invoke(op)
+        except UnknownHandleError as unknown:
+            self._fail(f"malformed sequence: {unknown}")
+        if error is not None:
+            actual: Outcome = error_outcome(error)
+        else:
+            actual = pool_outcome(op, value, self.pool_side.name_of)
+        self._compare_outcome(op, label, actual, predicted, expect)
+        if declaration.may_issue_handles and not isinstance(actual, Raised):
+            self._name_new_handles(op, label, value)
+        self._check_unowned(op, actual)
+        try:
+            self.spec.commit(label, after)
+        except UnknownHandleError as reused:
+            self._fail(f"malformed sequence: {reused}")
+        for oracle in self.oracles:
+            theirs = oracle.apply(op, label)
+            if theirs is not None and theirs != predicted:
+                said = f"{oracle!r} says {op!r} {describe(theirs)}"
+                self._fail(f"{said}; the spec predicts it {describe(predicted)}")
+        if self.check is not Check.OUTCOMES:
+            self.compare_observations()
         return actual
 
-    def _predict(self, op: Operation) -> tuple[model.PoolState, object]:
-        """The spec's side of ``op`` (a seam: the exhaustive checker observes it)."""
-        return apply_to_spec(self.state, op)
+    def _predict(self, op: object) -> tuple[PoolState, object]:
+        """The spec's side of ``op`` (a seam: the exhaustive checker replays recorded ones)."""
+        return self.spec.predict(op)
 
-    def _run(self, op: Operation) -> tuple[Any, BaseException | None]:
-        try:
-            return self._call(op), None
-        except Exception as error:  # every error is compared to the spec
-            return None, error
-
-    def _call(self, op: Operation) -> Any:
-        pool = self.pool
-        if isinstance(op, Allocate):
-            return pool.allocate(op.stream, op.n_tokens, op.owner, op.format)
-        if isinstance(op, Free):
-            return pool.free(self._free_argument(op))
-        if isinstance(op, FreeAll):
-            return pool.free_all(op.owner)
-        if isinstance(op, RegisterOwner):
-            return pool.register_owner(op.owner)
-        if isinstance(op, ReleaseOwner):
-            return pool.release_owner(op.owner)
-        if isinstance(op, Shrink):
-            return pool.shrink(op.stream, op.target_free)
-        block = self.resolve(op.block)
-        self._last_mark_used_target = block
-        return pool.mark_used(block, op.n_used)
-
-    def _free_argument(self, op: Free) -> object:
-        if isinstance(op.blocks, NotAList):
-            return self.resolve(ForeignBlock(None))  # a bare Block where a list belongs
-        blocks = [self.resolve(ref) for ref in op.blocks]
-        return tuple(blocks) if op.as_tuple else blocks
-
-    def resolve(self, ref: HandleRef) -> object:
-        """The object a reference stands for: a handle, a foreign block, or junk."""
-        if isinstance(ref, NotABlock):
-            return "not a block"
-        if isinstance(ref, ForeignBlock):
-            if ref.owner is None:
-                return self._block_type(0)
-            return self._foreign_handle(ref.owner)
-        if not 0 <= ref < len(self.handles):
-            raise ValueError(
-                f"handle reference {ref} was never issued ({len(self.handles)} so far)"
+    def _note_owners(self, op: object) -> None:
+        declaration = declaration_of(op)
+        named = _NAMED.get(declaration.name)
+        if named is None:
+            named = _NAMED[declaration.name] = tuple(
+                i
+                for i, parameter in enumerate(declaration.parameters)
+                if parameter.name in declaration.domains
+                and declaration.domains[parameter.name].observed == "named"
             )
-        return self.handles[ref]
-
-    def _foreign_handle(self, owner: int) -> object:
-        """A live handle of another pool, checked out to ``owner`` (one per owner)."""
-        if owner not in self._foreign_handles:
-            if self._foreign_pool is None:
-                self._foreign_pool = self._factory(PoolConfig(block_size=4, n_blocks=64), 0)
-            self._foreign_handles[owner] = self._foreign_pool.allocate("k", 1, owner)[0]
-        return self._foreign_handles[owner]
-
-    def _check_hand_made_block(self, op: MarkUsed, predicted: object) -> None:
-        """``mark_used`` on a block built by hand sets that object's ``n_used``, only."""
-        hand_made = isinstance(op.block, ForeignBlock) and op.block.owner is None
-        n_used = getattr(self._last_mark_used_target, "n_used", None)
-        if hand_made and not isinstance(predicted, model.Err) and n_used != op.n_used:
-            self._fail(f"{op} left the hand-made block's n_used at {n_used}")
-
-    # -- comparing ---------------------------------------------------------------
+        if named:
+            arguments = declaration.arguments(op)
+            for index in named:
+                value = arguments[index]
+                if is_int(value):
+                    self.owners_named.add(value)
 
     def _compare_outcome(
-        self, op: Operation, predicted: object, actual: Any, raised: BaseException | None
+        self, op: object, label: int, actual: Outcome, predicted: Outcome, expect: Outcome | None
     ) -> None:
-        if isinstance(predicted, model.Err):
-            if raised is None:
-                self._fail(f"{op} returned {actual!r}; the spec predicts {predicted}")
-            elif type(raised).__name__ != predicted.kind.value:
-                self._fail(f"{op} raised {raised!r}; the spec predicts {predicted}")
-            return
-        if raised is not None:
-            self._fail(f"{op} raised {raised!r}; the spec predicts success ({predicted!r})")
-        if isinstance(op, Allocate):
-            self._compare_new_handles(op, predicted, actual)
-        elif isinstance(op, Shrink) and actual != predicted:
-            self._fail(f"{op} returned {actual!r}; the spec predicts {predicted!r}")
-        elif not isinstance(op, (Allocate, Shrink)) and actual is not None:
-            self._fail(f"{op} returned {actual!r}; the spec predicts None")
+        if actual != predicted:
+            self._fail(f"{op!r} {describe(actual)}; the spec predicts it {describe(predicted)}")
+        if expect is not None and not matches(expect, actual):
+            self._fail(f"{op!r} {describe(actual)}; the trace records it {describe(expect)}")
 
-    def _compare_new_handles(self, op: Allocate, predicted: object, actual: Any) -> None:
-        if not isinstance(actual, list) or not isinstance(predicted, tuple):
-            self._fail(f"{op} returned {actual!r}; the spec predicts a list of handles")
-        if len(actual) != len(predicted):
-            self._fail(f"{op} returned {len(actual)} blocks; the spec predicts {len(predicted)}")
-        known = {id(handle) for handle in self.handles}
-        if any(id(block) in known for block in actual) or len({id(b) for b in actual}) != len(
-            actual
-        ):
-            self._fail(f"{op} returned a handle object that was handed out before")
+    def _name_new_handles(self, op: object, label: int, value: object) -> None:
+        """The handles a call returned must be new objects; they are named ``h(label, i)``."""
+        if not isinstance(value, list):
+            self._fail(f"{op!r} returned {value!r}; the spec predicts a list of handles")
+        if len({id(b) for b in value}) != len(value) or any(map(self.pool_side.knows, value)):
+            self._fail(f"{op!r} returned a handle object that was handed out before")
+        self.pool_side.name(label, value)
+
+    def _check_unowned(self, op: object, actual: Outcome) -> None:
+        """A call on a block built by hand changes that object only (C-MARK-USED-FREE)."""
+        pair = declaration_of(op).sets_on_unowned
+        if pair is None or isinstance(actual, Raised):
+            return
+        handle, value = pair
+        ref = getattr(op, handle)
+        if isinstance(ref, ForeignBlock) and ref.owner is None:
+            shown = getattr(self.pool_side.last_hand_made, value, None)
+            if shown != getattr(op, value):
+                self._fail(f"{op!r} left the hand-made block's {value} at {shown!r}")
+
+    # -- comparing -----------------------------------------------------------------------
+
+    def observed_handles(self) -> list[Handle]:
+        """The handles whose fields are compared: every one issued, or the live ones."""
+        if self.check is Check.EVERYTHING:
+            return list(self.spec.names)
+        return self.spec.live_names()
+
+    def observed_queries(self, handles: Sequence[Handle]) -> list[object]:
+        """The queries compared after each call (the table's, within ``capabilities``)."""
+        owners = tuple(sorted(self.owners_named))
+        config = self.state.config  # as its fields: hashed by the interpreter (see sides._plan)
+        fields = (config.block_size, config.n_blocks, config.separate_kv, config.max_blocks)
+        key = (*fields, config.grow_on_exhaustion, self.capabilities, owners, tuple(handles))
+        queries = _OBSERVED.get(key)
+        if queries is None:
+            every = observation_ops(self.state.config, owners, handles)
+            queries = [op for op in every if declaration_of(op).name in self.capabilities]
+            if len(_OBSERVED) > _OBSERVED_KEPT:
+                _OBSERVED.clear()
+            _OBSERVED[key] = queries
+        return queries
 
     def compare_observations(self) -> None:
         """Compare everything observable; raise :class:`ConformanceError` on a difference."""
         broken = invariants.broken_invariants(self.state)
         if broken:
             self._fail(f"the spec's own invariants broke: {broken}")
-        self._compare_handles()
-        self._compare_stats()
-        self._compare_free_counts()
-        self._compare_owners()
-        self._compare_extensions()
-
-    def _compare_handles(self) -> None:
-        for handle_id, (handle, view) in enumerate(
-            zip(self.handles, self.state.handles, strict=True)
-        ):
-            actual = (handle.block_id, handle.stream, handle.format, handle.n_used, handle.owner)
-            expected = (view.block_id, view.stream, view.format, view.n_used, view.owner)
-            if actual != expected or handle.ever_allocated is not True:
-                self._fail(
-                    f"handle {handle_id} shows {handle!r}; the spec predicts {view} "
-                    "with ever_allocated=True"
-                )
-
-    def _compare_stats(self) -> None:
-        _compare_stats_pair(self, "stats", self.pool.stats, model.stats(self.state))
-        history = list(self.pool.history)
-        if len(history) != len(self.state.history):
+        handles = self.observed_handles()
+        queries = self.observed_queries(handles)
+        predicted = observe(self.spec, queries, handles)
+        actual = observe(self.pool_side, queries, handles)
+        if actual != predicted:
+            keys = observation_keys(queries, handles)
             self._fail(
-                f"history has {len(history)} entries; the spec predicts {len(self.state.history)}"
+                _first_difference(
+                    list(zip(keys, actual, strict=True)), list(zip(keys, predicted, strict=True))
+                )
             )
-        for index, (actual, expected) in enumerate(zip(history, self.state.history, strict=True)):
-            _compare_stats_pair(self, f"history[{index}]", actual, expected)
-
-    def _compare_free_counts(self) -> None:
-        for stream in model.stream_names(self.state.config):
-            actual, expected = self.pool.n_free(stream), transitions.n_free(self.state, stream)
-            if actual != expected:
-                self._fail(f"n_free({stream!r}) is {actual}; the spec predicts {expected}")
-
-    def _compare_owners(self) -> None:
-        for owner in sorted(self._owners_seen):
-            actual = [id(block) for block in self.pool.blocks_for(owner)]
-            expected_ids = transitions.blocks_for(self.state, owner)
-            assert not isinstance(expected_ids, model.Err), "owners seen are valid ints"
-            expected = [id(self.handles[handle_id]) for handle_id in expected_ids]
-            if actual != expected:
-                self._fail(f"blocks_for({owner}) differs from the spec's handles {expected_ids}")
-
-    def _compare_extensions(self) -> None:
-        """Checks of what our allocator offers beyond the reference, where present."""
-        is_live = getattr(self.pool, "is_live", None)
-        if is_live is not None:
-            for handle_id, handle in enumerate(self.handles):
-                if is_live(handle) != transitions.is_live(self.state, handle_id):
-                    self._fail(f"is_live(handle {handle_id}) disagrees with the spec")
-        id_bound = getattr(self.pool, "id_bound", None)
-        expected = transitions.id_bound(self.state)
-        if id_bound is not None and id_bound() != expected:
-            self._fail(f"id_bound() is {id_bound()}; the spec implies {expected}")
-        check_invariants = getattr(self.pool, "check_invariants", None)
-        if check_invariants is not None:
-            try:
-                check_invariants()
-            except AssertionError as error:
-                self._fail(f"check_invariants() failed: {error}")
+        for oracle in self.oracles:
+            ours = dict(zip(observation_keys(queries, handles), predicted, strict=True))
+            for key, theirs in oracle.observe().items():
+                if theirs != ours.get(key):
+                    self._fail(f"{oracle!r} shows {key} = {theirs!r}; the spec: {ours.get(key)!r}")
 
     def _fail(self, message: str) -> NoReturn:
-        trace = "\n".join(f"  {index}: {op!r}" for index, op in enumerate(self.trace))
+        calls = "\n".join(
+            f"  {op!r}" + ("" if label == index else f"  # call {label}")
+            for index, (label, op) in enumerate(self.trace)
+        )
         raise ConformanceError(
             f"{message}\nconfig: {self.state.config}, history_len={self.state.history_len}\n"
-            f"operations so far:\n{trace}"
+            f"calls so far (handle h(c, i) is the i-th block call c returned):\n{calls}"
         )
 
 
-def _compare_stats_pair(
-    runner: Lockstep, where: str, actual: Any, expected: model.StatsView
-) -> None:
-    for name in COUNTER_FIELDS:
-        if getattr(actual, name) != getattr(expected, name):
-            runner._fail(
-                f"{where}.{name} is {getattr(actual, name)}; the spec predicts "
-                f"{getattr(expected, name)}"
+def _first_difference(
+    actual: Sequence[tuple[str, object]], predicted: Sequence[tuple[str, object]]
+) -> str:
+    """The first observation that differs, said as a reader would check it."""
+    for (key, got), (_, want) in zip(actual, predicted, strict=True):
+        if got == want:
+            continue
+        if key.startswith("h("):
+            assert isinstance(got, tuple) and isinstance(want, tuple), "handle fields"
+            name, a, b = next(
+                (n, a, b) for n, a, b in zip(HANDLE_FIELDS, got, want, strict=True) if a != b
             )
-    derived = [
-        ("blocks_in_use()", actual.blocks_in_use(), expected.blocks_in_use),
-        ("_fragmented_count", actual._fragmented_count, expected.fragmented_count),
-        ("fragmentation()", actual.fragmentation(), expected.fragmentation()),
-    ]
-    for name, got, want in derived:
-        if got != want:
-            runner._fail(f"{where}.{name} is {got}; the spec predicts {want}")
+            return f"{key} shows {name}={a!r}; the spec predicts {name}={b!r}"
+        assert isinstance(got, Outcome) and isinstance(want, Outcome), "query outcomes"
+        return (
+            f"{key} {describe(got)}; the spec predicts it {describe(want)}{_field(key, got, want)}"
+        )
+    raise AssertionError("called with two equal observations")
 
 
-def _owners_named(op: Operation) -> Sequence[int]:
-    owner = getattr(op, "owner", None)
-    return [owner] if model.is_int(owner) else []
+def _field(key: str, got: Outcome, want: Outcome) -> str:
+    """For a stats snapshot, which field differs."""
+    shown, predicted = getattr(got, "value", None), getattr(want, "value", None)
+    if key != "Stats()" or not (isinstance(shown, tuple) and isinstance(predicted, tuple)):
+        return ""
+    for name, a, b in zip(model.STATS_FIELDS, shown, predicted, strict=False):
+        if a != b:
+            return f" (stats.{name} is {a!r}; the spec predicts {b!r})"
+    return ""

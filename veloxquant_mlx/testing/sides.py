@@ -1,0 +1,414 @@
+"""The two sides every checker compares: the spec, and a pool under test, both driven by table ops.
+
+Each side takes the same operation values (``veloxquant_mlx_spec.operations``)
+and call labels, names the handles a call returns ``h(label, i)``, and gives
+each call's :class:`~veloxquant_mlx_spec.table.Outcome` in one form, so that
+a checker compares the two with ``==``:
+
+- :class:`SpecSide`: the executable spec's state, and the map from handle
+  names to the spec's checkout serials;
+- :class:`PoolSide`: an allocator (ours or a port), the objects it handed
+  out by name, and how a reference that is not a name becomes an object
+  (a live handle of a second pool, a block built by hand, or junk).
+
+:func:`observe` lists what a side shows after a call (every observed query,
+:func:`~veloxquant_mlx_spec.table.observation_ops`, and every handle's
+fields) in one order, so two observations compare element by element.
+The lockstep runner, the schedule explorer and the aliasing replay are built
+on these; the stress runner uses :func:`pool_outcome` and
+:func:`error_outcome` to record what its threads saw.
+
+Complexity: one call per call, plus O(arguments); an observation is
+O(queries x points + handles). Thread safety: a side is driven by one thread
+at a time (a schedule's threads take turns).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Final, Generic, TypeVar
+
+from veloxquant_mlx_spec import model
+from veloxquant_mlx_spec.model import ForeignBlock, HandleArg, HandleId, NotABlock, PoolState
+from veloxquant_mlx_spec.table import (
+    UNKNOWN_CALL,
+    Declaration,
+    Handle,
+    HandleRef,
+    Outcome,
+    Raised,
+    Returned,
+    Returns,
+    bind,
+    declaration_of,
+    issued,
+    spec_arguments,
+    spec_call,
+    spec_outcome,
+    stats_values,
+)
+
+__all__ = [
+    "HandleFields",
+    "PoolSide",
+    "SpecSide",
+    "UnknownHandleError",
+    "error_outcome",
+    "observation_keys",
+    "observe",
+    "parse_prometheus",
+    "pool_encoder",
+    "pool_outcome",
+]
+
+BlockT = TypeVar("BlockT")
+
+#: What a handle shows: block_id, stream, format, n_used, owner, ever_allocated.
+HandleFields = tuple[object, ...]
+HANDLE_FIELDS: Final = ("block_id", "stream", "format", "n_used", "owner", "ever_allocated")
+
+
+class UnknownHandleError(LookupError):
+    """A call names a handle no earlier call returned: the sequence is malformed."""
+
+
+def describe(outcome: Outcome) -> str:
+    """An outcome as a reader says it: ``returned (0, 1)``, ``raised ValueError``."""
+    if isinstance(outcome, Raised):
+        text = outcome.text()
+        return f"raised {outcome.kind}" + (f" ({text})" if text else "")
+    return f"returned {outcome.value!r}"
+
+
+# ---- the spec ------------------------------------------------------------------------
+
+
+class SpecSide:
+    """The spec's state, with the name of every handle it issued.
+
+    Invariant: ``names[serial]`` is the name of spec handle ``serial``, and
+    ``serial_of`` is its inverse; a name in ``stale_names`` was compacted
+    away (:meth:`compact`) and stands for a handle of no pool.
+    """
+
+    def __init__(self, state: PoolState) -> None:
+        self.state = state
+        self.names: list[Handle] = []
+        self.serial_of: dict[Handle, HandleId] = {}
+        self.stale_names: set[Handle] = set()
+
+    def copy(self) -> SpecSide:
+        """An independent side in the same state, with the same names."""
+        twin = SpecSide(self.state)
+        twin.names = list(self.names)
+        twin.serial_of = dict(self.serial_of)
+        twin.stale_names = set(self.stale_names)
+        return twin
+
+    def resolve(self, ref: HandleRef) -> HandleArg:
+        """The spec's argument for a reference.
+
+        Raises:
+            UnknownHandleError: No call returned a handle of that name.
+        """
+        if not isinstance(ref, Handle):
+            return ref
+        serial = self.serial_of.get(ref)
+        if serial is not None:
+            return serial
+        if ref in self.stale_names:
+            return ForeignBlock(None)  # no spec call can tell a stale handle from a freed block
+        raise UnknownHandleError(f"no call returned a handle {ref!r}")
+
+    def predict(self, op: object) -> tuple[PoolState, object]:
+        """The state after ``op`` and its raw result (serials for handles), without applying it."""
+        return spec_call(self.state, op, self.resolve)
+
+    def outcome(self, op: object, after: PoolState, result: object) -> Outcome:
+        """The outcome of ``op`` whose prediction is ``(after, result)``."""
+        return spec_outcome(declaration_of(op), after, result, self.names.__getitem__)
+
+    def commit(self, label: int, after: PoolState) -> list[Handle]:
+        """Move to ``after``; name the handles the call labelled ``label`` issued; return them."""
+        new = [Handle(label, i) for i in range(len(issued(self.state, after)))]
+        for name in new:
+            if name in self.serial_of or name in self.stale_names:
+                raise UnknownHandleError(f"call label {label} is used twice")
+            self.serial_of[name] = len(self.names)
+            self.names.append(name)
+        self.state = after
+        return new
+
+    def call(self, op: object, label: int) -> Outcome:
+        """Apply ``op`` labelled ``label``; its outcome."""
+        after, result = self.predict(op)
+        outcome = self.outcome(op, after, result)
+        self.commit(label, after)
+        return outcome
+
+    def query(self, op: object) -> Outcome:
+        """The outcome of a call that changes nothing (an observation)."""
+        plan = _plan(op)
+        arguments = plan.arguments
+        if arguments is None:
+            arguments = spec_arguments(plan.declaration, op, self.resolve)
+        result = plan.read(self.state, *arguments)
+        return spec_outcome(plan.declaration, self.state, result, self.names.__getitem__)
+
+    def live_names(self) -> list[Handle]:
+        """Names of the handles checked out now, in checkout order."""
+        return [self.names[serial] for serial in model.live_handles(self.state)]
+
+    def fields(self, name: Handle) -> HandleFields:
+        """What the handle ``name`` shows (a spec handle always shows ``ever_allocated``)."""
+        view = self.state.handles[self.serial_of[name]]
+        return (view.block_id, view.stream, view.format, view.n_used, view.owner, True)
+
+    def compact(self) -> None:
+        """Drop the stale handles from the state (they can change nothing any more)."""
+        live = model.live_handles(self.state)
+        if len(live) == len(self.state.handles):
+            return
+        kept = set(live)
+        self.stale_names.update(n for serial, n in enumerate(self.names) if serial not in kept)
+        handles = tuple(self.state.handles[serial] for serial in live)
+        self.names = [self.names[serial] for serial in live]
+        self.serial_of = {name: serial for serial, name in enumerate(self.names)}
+        self.state = replace(self.state, handles=handles)
+
+
+# ---- a pool --------------------------------------------------------------------------
+
+
+def parse_prometheus(text: str) -> tuple[tuple[str, float], ...]:
+    """The ``(sample, value)`` pairs of exposition text, sorted; with ``prometheus_client``'s
+    parser when it is installed, which also rejects malformed text."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
+    except ImportError:  # pragma: no cover - prometheus_client is a dev dependency
+        samples = [line.split() for line in text.splitlines() if line and line[0] != "#"]
+        return tuple(sorted((name, float(value)) for name, value in samples))
+    return tuple(
+        sorted(
+            (sample.name, float(sample.value))
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+        )
+    )
+
+
+def error_outcome(error: BaseException) -> Raised:
+    """What a raised exception is: its class name (and the exception, to report it)."""
+    return Raised(type(error).__name__, cause=error)
+
+
+def pool_encoder(
+    returns: Returns, name_of: Callable[[object], Handle] | None
+) -> Callable[[object], Outcome]:
+    """How a pool's return value becomes the spec's form, for a call that ``returns`` this.
+
+    With ``name_of`` ``None``, handles a query returned are kept as the objects
+    (the stress runner names them later, once every call that returned them is known).
+    """
+    if returns is Returns.NEW_HANDLES:
+        return lambda value: Returned(
+            tuple(getattr(block, "block_id", block) for block in value)
+            if isinstance(value, list)
+            else value
+        )
+    if returns is Returns.HANDLES:
+        return lambda value: Returned(
+            tuple(value if name_of is None else map(name_of, value))
+            if isinstance(value, list)
+            else value
+        )
+    if returns is Returns.STATS:
+        return lambda value: Returned(stats_values(value))
+    if returns is Returns.HISTORY:
+        return lambda value: Returned(
+            tuple(map(stats_values, value)) if isinstance(value, Iterable) else value
+        )
+    if returns is Returns.METRICS:
+        return lambda value: Returned(
+            parse_prometheus(value) if isinstance(value, str) else value
+        )
+    return Returned
+
+
+def pool_outcome(
+    op: object, value: object, name_of: Callable[[object], Handle] | None
+) -> Outcome:
+    """A pool's return value in the spec's form (``Returns`` of ``op``'s declaration)."""
+    return pool_encoder(declaration_of(op).returns, name_of)(value)
+
+
+class PoolSide(Generic[BlockT]):
+    """A pool under test and every handle it handed out, by name.
+
+    Invariants: ``objects[name]`` is the handle the call labelled
+    ``name.call`` returned at ``name.position``; each is kept alive, so
+    ``_names`` (by ``id``) never confuses two objects.
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        *,
+        block_type: Callable[[int], object],
+        foreign_pool: Callable[[], Any],
+    ) -> None:
+        """Drive ``pool``; build hand-made blocks with ``block_type``.
+
+        ``foreign_pool`` makes the second pool whose live handles stand for
+        ``ForeignBlock(owner)`` (once, when first needed).
+        """
+        self.pool = pool
+        self.objects: dict[Handle, object] = {}
+        self._names: dict[int, Handle] = {}
+        self._block_type = block_type
+        self._foreign_pool_factory = foreign_pool
+        self._foreign_pool: Any = None
+        self._foreign: dict[int, object] = {}
+        self.last_hand_made: object = None  # the block built by hand for the latest call
+        self._encode: dict[str, Callable[[object], Outcome]] = {}  # by what a call returns
+
+    def resolve(self, ref: HandleRef) -> object:
+        """The object a reference stands for.
+
+        Raises:
+            UnknownHandleError: No call returned a handle of that name.
+        """
+        if isinstance(ref, Handle):
+            try:
+                return self.objects[ref]
+            except KeyError:
+                raise UnknownHandleError(f"no call returned a handle {ref!r}") from None
+        if isinstance(ref, NotABlock):
+            return "not a block"
+        if ref.owner is None:
+            self.last_hand_made = self._block_type(0)
+            return self.last_hand_made
+        if ref.owner not in self._foreign:
+            if self._foreign_pool is None:
+                self._foreign_pool = self._foreign_pool_factory()
+            self._foreign[ref.owner] = self._foreign_pool.allocate("k", 1, ref.owner)[0]
+        return self._foreign[ref.owner]
+
+    def name_of(self, block: object) -> Handle:
+        """The name of a handle this pool returned; an unknown one gets ``h(UNKNOWN_CALL, id)``."""
+        name = self._names.get(id(block))
+        if name is not None and self.objects.get(name) is block:
+            return name
+        return Handle(UNKNOWN_CALL, getattr(block, "block_id", -1))
+
+    def knows(self, block: object) -> bool:
+        """Whether ``block`` is a handle this pool returned to a named call."""
+        return self.name_of(block).call != UNKNOWN_CALL
+
+    def invoke(self, op: object) -> tuple[object, BaseException | None]:
+        """Make the call; its return value, or the exception it raised."""
+        call = bind(self.pool, op, self.resolve)
+        try:
+            return call(), None
+        except Exception as error:  # every error is an outcome, compared with the spec's
+            return None, error
+
+    def name(self, label: int, blocks: Sequence[object]) -> list[Handle]:
+        """Name ``blocks`` (returned by the call labelled ``label``) ``h(label, i)``."""
+        names = [Handle(label, i) for i in range(len(blocks))]
+        for name, block in zip(names, blocks, strict=True):
+            self.objects[name] = block
+            self._names[id(block)] = name
+        return names
+
+    def call(self, op: object, label: int) -> Outcome:
+        """Make the call labelled ``label``; name the handles it returned; its outcome."""
+        value, error = self.invoke(op)
+        if error is not None:
+            return error_outcome(error)
+        if declaration_of(op).may_issue_handles and isinstance(value, list):
+            self.name(label, value)
+        return pool_outcome(op, value, self.name_of)
+
+    def query(self, op: object) -> Outcome:
+        """The outcome of a call that changes nothing (an observation)."""
+        plan = _plan(op)
+        returns = plan.declaration.returns
+        encode = self._encode.get(returns.value)
+        if encode is None:
+            encode = self._encode[returns.value] = pool_encoder(returns, self.name_of)
+        try:
+            if plan.arguments is None or plan.through:
+                value = bind(self.pool, op, self.resolve)()
+            elif plan.declaration.is_property:
+                value = getattr(self.pool, plan.last)
+            else:
+                value = getattr(self.pool, plan.last)(*plan.arguments)
+        except Exception as error:  # every error is an outcome, compared with the spec's
+            return error_outcome(error)
+        return encode(value)
+
+    def fields(self, name: Handle) -> HandleFields:
+        """What the handle ``name`` shows now."""
+        block = self.objects[name]
+        return tuple(getattr(block, field, None) for field in HANDLE_FIELDS)
+
+
+# ---- observations --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """How a query is asked of either side, worked out once per query value."""
+
+    declaration: Declaration
+    read: Callable[..., object]  # the spec's read: (state, *arguments) -> result
+    arguments: tuple[object, ...] | None  # None: they name handles, resolved per side
+    through: tuple[str, ...]  # attributes to follow on the pool before the call
+    last: str
+
+
+_PLANS: dict[tuple[object, ...], _Plan] = {}
+
+
+def _plan(op: object) -> _Plan:
+    """The plan of query ``op``; observations ask the same few queries over and over.
+
+    Keyed by the op's class and arguments (names and plain values), which the
+    interpreter hashes itself: CrossHair cannot run a dataclass's own ``__hash__``.
+    """
+    key = (type(op), *declaration_of(op).arguments(op))
+    plan = _PLANS.get(key)
+    if plan is None:
+        declaration = declaration_of(op)
+        transition = declaration.transition
+        read = getattr(transition, "__wrapped__", None)
+        if read is None:  # a call that changes state, asked for its outcome only
+            read = lambda state, *arguments: transition(state, *arguments)[1]  # noqa: E731
+        arguments = declaration.arguments(op) if declaration.values_only else None
+        *through, last = declaration.path
+        plan = _PLANS[key] = _Plan(declaration, read, arguments, tuple(through), last)
+        if len(_PLANS) > _PLANS_KEPT:
+            _PLANS.clear()
+    return plan
+
+
+_PLANS_KEPT: Final = 4096
+
+
+def observe(
+    side: SpecSide | PoolSide[Any], queries: Sequence[object], handles: Sequence[Handle]
+) -> list[object]:
+    """What ``side`` shows: each handle's fields, then each query's outcome.
+
+    :func:`observation_keys` labels them, in the same order.
+    """
+    shown: list[object] = [side.fields(name) for name in handles]
+    shown.extend(side.query(op) for op in queries)
+    return shown
+
+
+def observation_keys(queries: Sequence[object], handles: Sequence[Handle]) -> list[str]:
+    """The labels of :func:`observe`'s values: ``h(0, 1)``, ``NFree(stream='k')``..."""
+    return [*map(repr, handles), *map(repr, queries)]
