@@ -1,10 +1,10 @@
 """The aliasing replay: random traces pass on both stores, planted bugs are caught.
 
 Covers :mod:`veloxquant_mlx.testing.aliasing` (the engine and its CLI) and
-:mod:`veloxquant_mlx.testing.traces` (the JSON-lines format and the
-recorder). Each planted bug is a small subclass of a real store that breaks
-one rule of the storage protocol; the replay must fail on it, at the right
-op, with the right diagnosis.
+:mod:`veloxquant_mlx.testing.traces` (the one JSON-lines format, its version 1
+upgrade, and the recorder). Each planted bug is a small subclass of a real
+store that breaks one rule of the storage protocol; the replay must fail on
+it, at the right line, with the right diagnosis.
 """
 
 from __future__ import annotations
@@ -39,24 +39,20 @@ from veloxquant_mlx.testing.storage_conformance import (
     drive_random_trace,
     random_trace_test,
 )
+from veloxquant_mlx.testing.store_operations import Gather, Sync, Write
 from veloxquant_mlx.testing.traces import (
-    Allocate,
-    Free,
-    FreeAll,
-    Op,
-    Read,
-    Shrink,
     StoreSpec,
-    Sync,
     Trace,
     TraceFormatError,
+    TraceLine,
     TraceRecorder,
-    Write,
     dumps,
     load,
     loads,
     save,
 )
+from veloxquant_mlx_spec.operations import Allocate, Free, FreeAll, MarkUsed, Shrink
+from veloxquant_mlx_spec.table import Raised, Returned, h
 
 NumpyArray = npt.NDArray[np.generic]
 
@@ -70,8 +66,13 @@ SHARED = PoolConfig(block_size=2, n_blocks=4, separate_kv=False)
 SPEC = StoreSpec(n_layers=1, n_kv_heads=1, head_dim=2)
 
 
-def trace(*ops: Op, pool: PoolConfig = SHARED) -> Trace:
-    return Trace(pool, SPEC, ops)
+def trace(*lines: TraceLine | object, pool: PoolConfig = SHARED) -> Trace:
+    """A trace of these lines (a bare op is a line of its own, labelled by position)."""
+    made = [
+        line if isinstance(line, TraceLine) else TraceLine(line, index)
+        for index, line in enumerate(lines)
+    ]
+    return Trace(pool, SPEC, tuple(made))
 
 
 def numpy_variant(store_class: type[NumpyBlockStorage]) -> StorageBackend[NumpyArray]:
@@ -92,8 +93,8 @@ def test_recorded_trace_round_trips_through_a_file_and_replays(name: str, tmp_pa
     path = tmp_path / "trace.jsonl"
     save(recorded, path)
     assert load(path) == recorded
-    assert replay_file(path, "numpy") == len(recorded.ops)
-    assert replay_file(path, "mlx") == len(recorded.ops)
+    assert replay_file(path, "numpy") == len(recorded.lines)
+    assert replay_file(path, "mlx") == len(recorded.lines)
 
 
 @settings(max_examples=25, deadline=None)
@@ -111,10 +112,12 @@ def test_random_trace_round_trips_and_replays_to_the_same_outcomes(data: st.Data
         ("not json", "not JSON"),
         ("[1, 2]", "must be a JSON object"),
         ('{"op": "teleport"}', "'op' must be one of"),
-        ('{"op": "free_all", "owner": "1"}', "'owner' must be an int"),
+        ('{"op": "free_all", "owner": {"x": 1}}', "field 'owner': expected a JSON value"),
         ('{"op": "free_all", "owner": 1, "colour": 2}', "has no field"),
-        ('{"op": "free", "handles": [[0]]}', "handle [call, position]"),
+        ('{"op": "free", "blocks": [[0]]}', "handle [call, position]"),
         ('{"op": "shrink", "stream": "k"}', "target_free"),
+        ('{"op": "allocate", "stream": "k", "n_tokens": 1, "owner": 1}', "needs a 'call' label"),
+        ('{"op": "free_all", "owner": 1, "returned": 3}', "'returned' needs"),
     ],
 )
 def test_a_bad_op_line_is_rejected_with_its_line_number(line: str, complaint: str) -> None:
@@ -132,19 +135,19 @@ def test_a_bad_header_is_rejected() -> None:
 
 
 def test_a_header_with_an_unknown_key_is_rejected() -> None:
-    text = dumps(trace()).replace('"version":1,', '"version":1,"colour":"red",')
+    text = dumps(trace()).replace('"version":2,', '"version":2,"colour":"red",')
     with pytest.raises(TraceFormatError, match=r"unknown key\(s\) \['colour'\]"):
         loads(text)
 
 
 def test_a_partial_mark_survives_a_round_trip_and_only_when_set() -> None:
-    partial = Trace(SHARED, SPEC, (Allocate(0, "kv", 2, 1),), partial=True)
+    partial = Trace(SHARED, SPEC, (TraceLine(Allocate("kv", 2, 1), 0),), partial=True)
     assert '"partial":true' in dumps(partial)
     assert loads(dumps(partial)).partial is True
     assert '"partial"' not in dumps(trace())
     assert loads(dumps(trace())).partial is False
     with pytest.raises(TraceFormatError, match='"partial" must be true or false'):
-        loads(dumps(trace()).replace('"version":1,', '"version":1,"partial":"yes",'))
+        loads(dumps(trace()).replace('"version":2,', '"version":2,"partial":"yes",'))
 
 
 @pytest.mark.parametrize(
@@ -165,41 +168,87 @@ def test_a_store_spec_refuses_sizes_that_are_not_positive_ints(
 
 
 def test_recorder_names_handles_of_a_live_session_and_its_trace_replays() -> None:
-    pool = BlockPoolAllocator(SHARED)
+    pool = BlockPoolAllocator(SHARED, history_len=0)
     recorder = TraceRecorder(SHARED, SPEC)
-    first = pool.allocate("kv", 3, owner=1)
-    recorder.allocate("kv", 3, 1, result=first)
-    pool.free(first[:1])
-    recorder.free(first[:1])
-    try:
-        pool.free(first[:1])
-    except ValueError as error:
-        recorder.free(first[:1], error=error)
-    recorder.write(0, first[1], 0, 2)
-    ops = recorder.trace().ops
-    assert ops[2] == Free(((0, 0),), expect="InvalidFreeError")
-    assert ops[3] == Write(0, (0, 1), 0, 2, expect="ok")
+    first = recorder.call(lambda: pool.allocate("kv", 3, owner=1), Allocate("kv", 3, 1))
+    assert isinstance(first, list)
+    recorder.call(lambda: pool.free(first[:1]), Free(recorder.names(first[:1])))
+    with pytest.raises(ValueError, match="not a live handle"):
+        recorder.call(lambda: pool.free(first[:1]), Free(recorder.names(first[:1])))
+    recorder.record(Write(0, recorder.name_of(first[1]), 0, 2))
+    lines = recorder.trace().lines
+    assert lines[0] == TraceLine(Allocate("kv", 3, 1), 0, Returned((0, 1)))
+    assert lines[2] == TraceLine(Free((h(0, 0),)), 2, Raised("InvalidFreeError"))
+    assert lines[3] == TraceLine(Write(0, h(0, 1), 0, 2), 3, Returned(None))
     replay(recorder.trace(), numpy_backend())
 
 
+def test_a_version_1_trace_loads_upgraded_to_the_api_names() -> None:
+    v1 = "\n".join(
+        [
+            '{"trace":"veloxquant-mlx","version":1,"pool":{"block_size":2,"n_blocks":4,'
+            '"separate_kv":false,"grow_on_exhaustion":false,"max_blocks":null},'
+            '"store":{"n_layers":1,"n_kv_heads":1,"head_dim":2,"dtype":"float32"}}',
+            '{"op":"allocate","call":0,"stream":"kv","n_tokens":3,"owner":1,"block_ids":[0,1]}',
+            '{"op":"read","layer":0,"handles":[[0,0]],"n_tokens":2,"expect":"ok"}',
+            '{"op":"mark_used","handle":[0,1],"n_used":1}',
+            '{"op":"shrink","stream":"kv","target_free":0,"retired":2,"expect":"ok"}',
+        ]
+    )
+    upgraded = loads(v1)
+    assert upgraded.history_len == 0
+    assert [line.op for line in upgraded.lines] == [
+        Allocate("kv", 3, 1),
+        Gather(0, (h(0, 0),), 2),
+        MarkUsed(h(0, 1), 1),
+        Shrink("kv", 0),
+    ]
+    assert upgraded.lines[0].outcome == Returned((0, 1))
+    assert upgraded.lines[3].outcome == Returned(2)
+    replay(upgraded, numpy_backend())
+
+
+@pytest.mark.parametrize(
+    ("text", "complaint"),
+    [
+        ('{"reproducer": "veloxquant-mlx-linearizability", "version": 1}', "v1 reproducer"),
+        ('[{"scope": "separate-4"}]', "a JSON array"),
+        ('{"trace": "veloxquant-mlx", "version": 3, "pool": {}}', "version 3 is not supported"),
+    ],
+)
+def test_a_file_in_another_format_is_refused_naming_the_format_expected(
+    text: str, complaint: str
+) -> None:
+    with pytest.raises(TraceFormatError, match=complaint) as raised:
+        loads(text + "\n")
+    assert '"version": 2' in str(raised.value) or "expected 2" in str(raised.value)
+
+
 def test_a_recorded_outcome_that_a_sequential_replay_contradicts_fails() -> None:
-    contradicted = trace(Allocate(0, "kv", 2, 1), Free(((0, 0),)), Free(((0, 0),), expect="ok"))
+    contradicted = trace(
+        Allocate("kv", 2, 1),
+        Free((h(0, 0),)),
+        TraceLine(Free((h(0, 0),)), outcome=Returned(None)),
+    )
     with pytest.raises(ReplayError) as raised:
         replay(contradicted, numpy_backend())
     assert raised.value.op_index == 2
     assert '"op":"free"' in str(raised.value)
-    assert "the trace expects ok" in raised.value.detail
+    assert "the trace records it returned None" in raised.value.detail
 
 
 def test_a_handle_no_allocate_returned_is_a_malformed_trace() -> None:
     with pytest.raises(ReplayError, match="malformed trace") as raised:
-        replay(trace(Allocate(0, "kv", 2, 1), Write(0, (0, 5), 0, 1)), numpy_backend())
+        replay(trace(Allocate("kv", 2, 1), Write(0, h(0, 5), 0, 1)), numpy_backend())
     assert raised.value.op_index == 1
+    with pytest.raises(ReplayError, match=r"malformed trace: no call returned a handle h\(7, 0\)"):
+        replay(trace(Allocate("kv", 2, 1), Free((h(7, 0),))), numpy_backend())
 
 
 def test_allocate_ids_differing_from_the_trace_fail() -> None:
-    with pytest.raises(ReplayError, match=r"returned block ids \[0\]"):
-        replay(trace(Allocate(0, "kv", 2, 1, block_ids=(3,))), numpy_backend())
+    recorded = TraceLine(Allocate("kv", 2, 1), 0, Returned((3,)))
+    with pytest.raises(ReplayError, match=r"returned \(0,\); the trace records it returned \(3,\)"):
+        replay(trace(recorded), numpy_backend())
 
 
 # -- the engine's laziness -----------------------------------------------------------------
@@ -225,13 +274,13 @@ def test_a_held_read_is_first_evaluated_when_its_hold_ends() -> None:
     engine = AliasingReplay(
         SHARED, SPEC, dataclasses.replace(base, make_storage=make, to_numpy=to_numpy)
     )
-    engine.apply(Allocate(0, "kv", 2, 1))
+    engine.apply(TraceLine(Allocate("kv", 2, 1), 0))
     first_gather_of_the_read = len(gathered)
-    engine.apply(Read(0, ((0, 0),), 2, hold=2))
+    engine.apply(TraceLine(Gather(0, (h(0, 0),), 2, hold=2)))
     held = gathered[first_gather_of_the_read]
-    engine.apply(Write(0, (0, 0), 0, 2))
+    engine.apply(TraceLine(Write(0, h(0, 0), 0, 2)))
     assert not any(array is held for array in evaluated)
-    engine.apply(Write(0, (0, 0), 1, 1))
+    engine.apply(TraceLine(Write(0, h(0, 0), 1, 1)))
     assert any(array is held for array in evaluated)
 
 
@@ -305,16 +354,16 @@ class CachedGatherMLXStorage(MLXBlockStorage):
 
 def test_replay_catches_two_ids_sharing_storage() -> None:
     with pytest.raises(ReplayError) as raised:
-        replay(trace(Allocate(0, "kv", 4, owner=1)), numpy_variant(TwoIdsOneSlotStorage))
+        replay(trace(Allocate("kv", 4, owner=1)), numpy_variant(TwoIdsOneSlotStorage))
     assert raised.value.op_index == 0
     assert (
-        "live handle [0, 0] (block id 0) layer 0 slot 0 holds the values written to "
-        "live handle [0, 1] (block id 1) slot 0: the two ids share storage" in str(raised.value)
+        "live handle h(0, 0) (block id 0) layer 0 slot 0 holds the values written to "
+        "live handle h(0, 1) (block id 1) slot 0: the two ids share storage" in str(raised.value)
     )
 
 
 def test_replay_catches_a_read_that_a_later_write_leaks_into() -> None:
-    ops = (Allocate(0, "kv", 2, owner=1), Read(0, ((0, 0),), 2), Write(0, (0, 0), 0, 1))
+    ops = (Allocate("kv", 2, owner=1), Gather(0, (h(0, 0),), 2), Write(0, h(0, 0), 0, 1))
     with pytest.raises(ReplayError, match="changed after it was taken") as raised:
         replay(trace(*ops), numpy_variant(ViewReturningStorage))
     assert raised.value.op_index == 2
@@ -327,9 +376,9 @@ def test_replay_catches_an_mlx_read_mutated_in_place_even_when_evaluated_late() 
 
     backend = dataclasses.replace(mlx_backend(), make_storage=make)
     ops = (
-        Allocate(0, "kv", 2, owner=1),
-        Read(0, ((0, 0),), 2, hold=1),
-        Write(0, (0, 0), 0, 1),
+        Allocate("kv", 2, owner=1),
+        Gather(0, (h(0, 0),), 2, hold=1),
+        Write(0, h(0, 0), 0, 1),
         Sync(),
     )
     with pytest.raises(ReplayError, match="changed after it was taken") as raised:
@@ -338,14 +387,14 @@ def test_replay_catches_an_mlx_read_mutated_in_place_even_when_evaluated_late() 
 
 
 def test_replay_catches_a_store_that_keeps_a_retired_tail() -> None:
-    ops = (Allocate(0, "kv", 2, owner=1), Shrink("kv", 0, retired=3))
+    ops = (Allocate("kv", 2, owner=1), TraceLine(Shrink("kv", 0), outcome=Returned(3)))
     with pytest.raises(ReplayError, match="does not follow the pool's id_bound 1") as raised:
         replay(trace(*ops), numpy_variant(NeverShrinkingStorage))
     assert raised.value.op_index == 1
 
 
 def test_replay_catches_a_write_through_a_stale_handle() -> None:
-    ops = (Allocate(0, "kv", 2, owner=1), FreeAll(1), Write(0, (0, 0), 0, 1))
+    ops = (Allocate("kv", 2, owner=1), FreeAll(1), Write(0, h(0, 0), 0, 1))
     with pytest.raises(ReplayError, match="should have raised ValueError but succeeded") as raised:
         replay(trace(*ops), numpy_variant(StaleWriteAcceptingStorage))
     assert raised.value.op_index == 2
@@ -386,6 +435,11 @@ def test_cli_reports_the_first_failing_op(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     path = tmp_path / "failing.jsonl"
-    save(trace(Allocate(0, "kv", 2, owner=1), Free(((0, 0),)), Free(((0, 0),), expect="ok")), path)
+    lines = (
+        Allocate("kv", 2, owner=1),
+        Free((h(0, 0),)),
+        TraceLine(Free((h(0, 0),)), outcome=Returned(None)),
+    )
+    save(trace(*lines), path)
     assert main([str(path), "--backend", "mlx"]) == 1
-    assert "FAILED: op #2" in capsys.readouterr().err
+    assert "FAILED: line 2 " in capsys.readouterr().err

@@ -25,7 +25,9 @@ from veloxquant_mlx import cli
 from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.stress import schedules
 from veloxquant_mlx.testing import aliasing, exhaustive
-from veloxquant_mlx.testing.traces import Allocate, Free, Op, StoreSpec, Trace, dumps, save
+from veloxquant_mlx.testing.traces import StoreSpec, Trace, TraceLine, dumps, save
+from veloxquant_mlx_spec.operations import Allocate, Free
+from veloxquant_mlx_spec.table import Returned, h
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADER = {
@@ -75,7 +77,7 @@ def refused(
         (header_with(n_layers=True), "n_layers must be an int >= 1, got True"),
         (header_with(n_layers=100_000_000_000), "n_layers=100000000000"),
         (header_with() + '{"op": "bogus"}\n', "line 2: 'op' must be one of"),
-        ('{"trace": "other"}\n', 'expected a header with "trace"'),
+        ('{"trace": "other"}\n', 'expected a header {"trace": "veloxquant-mlx", "version": 2'),
     ],
     ids=[
         "missing",
@@ -121,7 +123,11 @@ def test_the_aliasing_cli_tells_a_violation_from_bad_input_and_a_partial_trace(
 ) -> None:
     pool = PoolConfig(block_size=4, n_blocks=8)
     violation = tmp_path / "violation.jsonl"
-    ops = (Allocate(0, "k", 2, 1), Free(((0, 0),)), Free(((0, 0),), expect="ok"))
+    ops = (
+        TraceLine(Allocate("k", 2, 1), 0),
+        TraceLine(Free((h(0, 0),))),
+        TraceLine(Free((h(0, 0),)), outcome=Returned(None)),
+    )
     save(Trace(pool, StoreSpec(1, 1, 2), ops), violation)
     assert aliasing.main([str(violation), "--backend", "numpy"]) == 1
     assert "FAILED" in capsys.readouterr().err
@@ -253,11 +259,11 @@ def interrupt(process: subprocess.Popen[str]) -> tuple[int, str, str]:
 def long_trace(path: Path) -> None:
     """A trace that takes far longer to replay than the test waits."""
     pool = PoolConfig(block_size=4, n_blocks=64)
-    ops: list[Op] = []
+    lines: list[TraceLine] = []
     for call in range(40_000):
-        ops.append(Allocate(call, "k", 16, 1))
-        ops.append(Free(((call, 0), (call, 1), (call, 2), (call, 3))))
-    save(Trace(pool, StoreSpec(2, 2, 8), tuple(ops)), path)
+        lines.append(TraceLine(Allocate("k", 16, 1), call))
+        lines.append(TraceLine(Free(tuple(h(call, i) for i in range(4)))))
+    save(Trace(pool, StoreSpec(2, 2, 8), tuple(lines)), path)
 
 
 def test_ctrl_c_in_a_stress_run_is_one_line_130_and_a_partial_report(tmp_path: Path) -> None:
@@ -286,14 +292,14 @@ def test_ctrl_c_in_every_other_command_is_one_line_and_130(tmp_path: Path, comma
         prog = "veloxquant-mlx"
     elif command == "exhaustive":
         args = ["-m", "veloxquant_mlx.testing.exhaustive", "--profile", "nightly"]
-        prog = "python -m veloxquant_mlx.testing.exhaustive"
+        prog = "veloxquant-mlx exhaustive"
     elif command == "schedules":
         args = ["-m", "veloxquant_mlx.stress.schedules", "--granularity", "line"]
-        prog = "python -m veloxquant_mlx.stress.schedules"
+        prog = "veloxquant-mlx schedules"
     else:
         long_trace(tmp_path / "long.jsonl")
         args = ["-m", "veloxquant_mlx.testing.aliasing", "long.jsonl", "--backend", "numpy"]
-        prog = "python -m veloxquant_mlx.testing.aliasing"
+        prog = "veloxquant-mlx replay"
     process = start(args, tmp_path)
     time.sleep(3.0)  # past the imports, into the work (each command runs for minutes)
     assert process.poll() is None, "the command ended before it could be interrupted"

@@ -34,29 +34,10 @@ from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.checker import LinearizabilityChecker, check_history
 from veloxquant_mlx.stress.config import OPERATION_KINDS, OperationMix
-from veloxquant_mlx.stress.history import (
-    Allocate,
-    Call,
-    Event,
-    Free,
-    FreeAll,
-    NFree,
-    Outcome,
-    Raised,
-    Returned,
-    Stats,
-    ThreadRecorder,
-)
-from veloxquant_mlx.stress.history_json import event_from_json, event_to_json
+from veloxquant_mlx.stress.history import ThreadRecorder
 from veloxquant_mlx.stress.linearizability import split_at_quiescent_points
 from veloxquant_mlx.stress.recording import EXPECTED_ERRORS
-from veloxquant_mlx.stress.reproducer import (
-    load_reproducer,
-    recheck,
-    replay_path,
-    spec_config,
-    write_reproducer,
-)
+from veloxquant_mlx.stress.reproducer import recheck, replay_trace, write_reproducer
 from veloxquant_mlx.stress.specstep import compact, initial_checkpoint
 from veloxquant_mlx.stress.workload import (
     FOREIGN_OWNER,
@@ -65,8 +46,12 @@ from veloxquant_mlx.stress.workload import (
     Worker,
     named_events,
 )
+from veloxquant_mlx.testing.aliasing import spec_config
+from veloxquant_mlx.testing.traces import Trace, TraceLine, decode_line, encode_line, load
 from veloxquant_mlx_spec import transitions
 from veloxquant_mlx_spec.model import SpecConfig
+from veloxquant_mlx_spec.operations import Allocate, Free, FreeAll, NFree, Stats
+from veloxquant_mlx_spec.table import Outcome, Raised, Returned, h
 
 CONFIG = SpecConfig(block_size=4, n_blocks=8)
 POOL = PoolConfig(block_size=4, n_blocks=8)
@@ -74,11 +59,11 @@ HISTORY_LEN = 4
 SMOKE_BUDGET_SECONDS = 60
 
 
-def event(  # noqa: PLR0917 -- an Event's six fields, in order
-    op_id: int, thread: int, call: Call, start: int, end: int | None, outcome: Outcome | None
-) -> Event:
+def event(  # noqa: PLR0917 -- a timed line's fields, in the order they are read
+    op_id: int, thread: int, call: object, start: int, end: int | None, outcome: Outcome | None
+) -> TraceLine:
     """A recorded call of ``thread`` from ``start`` to ``end`` (``None``: never returned)."""
-    return Event(op_id, thread, call, start, end, outcome)
+    return TraceLine(call, op_id, outcome, thread, start, end)
 
 
 def ok(value: object = None) -> Returned:
@@ -156,6 +141,8 @@ def test_smoke_run_leaves_its_reports_and_a_trace_that_replays(
     prefix.write_text("\n".join(lines[:1001]) + "\n")
     assert cli.main(["stress", "--replay", str(prefix)]) == 0
     assert "1000 ops replayed on mlx: ok" in capsys.readouterr().out
+    # Every call is in the trace, queries and bad arguments included, and replays on the spec.
+    assert replay_trace(load(out / "linearized.jsonl"), "spec")[0] is Verdict.OK
 
 
 def test_python_dash_m_stress_runs_from_the_repository_root() -> None:
@@ -183,7 +170,7 @@ def test_concurrent_allocates_may_take_blocks_in_either_order() -> None:
     history = [
         event(0, 0, Allocate("k", 4, 1), 0, 10, ok((1,))),
         event(1, 1, Allocate("k", 4, 2), 1, 11, ok((0,))),
-        event(2, 0, Free(((0, 0),)), 12, 20, ok()),
+        event(2, 0, Free((h(0, 0),)), 12, 20, ok()),
         event(3, 1, Stats(), 13, 21, ok((8, 2, 1, 0, 0, 0, 0, 2, 1, 0))),
     ]
     assert check_history(CONFIG, HISTORY_LEN, history) is None
@@ -199,9 +186,9 @@ def test_two_live_handles_on_one_block_are_not_linearizable() -> None:
     violation = check_history(CONFIG, HISTORY_LEN, history)
     assert violation is not None
     # Minimal: the later n_free is cut off in time, the concurrent stats dropped.
-    assert [e.op_id for e in violation.window] == [0, 1]
+    assert [e.call for e in violation.window] == [0, 1]
     assert (
-        "allocate('k', 4, 2, 'fp16') -> block ids [0]; the spec: block ids [1]" in violation.message
+        "allocate('k', 4, 2, 'fp16') -> returned (0,); the spec: returned (1,)" in violation.message
     )
 
 
@@ -221,8 +208,8 @@ def test_the_order_of_concurrent_frees_is_carried_to_the_next_window(reused: int
     history = [
         event(0, 0, Allocate("k", 4, 1), 0, 10, ok((0,))),
         event(1, 0, Allocate("k", 4, 2), 20, 30, ok((1,))),
-        event(2, 0, Free(((0, 0),)), 40, 50, ok()),
-        event(3, 1, Free(((1, 0),)), 41, 51, ok()),
+        event(2, 0, Free((h(0, 0),)), 40, 50, ok()),
+        event(3, 1, Free((h(1, 0),)), 41, 51, ok()),
         event(4, 0, Allocate("k", 4, 3), 60, 70, ok((reused,))),
     ]
     checker = LinearizabilityChecker(CONFIG, HISTORY_LEN)
@@ -293,10 +280,10 @@ def test_a_handle_stale_since_an_earlier_window_is_freed_as_an_invalid_handle() 
     history = [
         event(0, 0, Allocate("k", 4, 1), 0, 10, ok((0,))),
         event(1, 0, FreeAll(1), 20, 30, ok()),
-        event(2, 1, Free(((0, 0),)), 40, 50, Raised("InvalidFreeError")),
+        event(2, 1, Free((h(0, 0),)), 40, 50, Raised("InvalidFreeError")),
     ]
     assert check_history(CONFIG, HISTORY_LEN, history) is None
-    wrong = [*history[:2], event(2, 1, Free(((0, 0),)), 40, 50, ok())]
+    wrong = [*history[:2], event(2, 1, Free((h(0, 0),)), 40, 50, ok())]
     assert check_history(CONFIG, HISTORY_LEN, wrong) is not None
 
 
@@ -310,7 +297,7 @@ def test_quiescent_points_split_a_history_only_where_nothing_is_pending() -> Non
         event(5, 0, Stats(), 50, 60, ok()),
     ]
     parts = split_at_quiescent_points(history)
-    assert [[e.op_id for e in part] for part in parts] == [[0, 1, 2], [3, 4, 5]]
+    assert [[e.call for e in part] for part in parts] == [[0, 1, 2], [3, 4, 5]]
 
 
 def test_compaction_drops_stale_handles_and_renumbers_the_live_ones() -> None:
@@ -318,9 +305,9 @@ def test_compaction_drops_stale_handles_and_renumbers_the_live_ones() -> None:
     state, _ = transitions.allocate(start, "k", 8, 1)
     state, _ = transitions.allocate(state, "v", 4, 2)
     state, _ = transitions.free(state, (0,))
-    names = ((10, 0), (10, 1), (11, 0))
+    names = (h(10, 0), h(10, 1), h(11, 0))
     compacted = compact(state, names)
-    assert compacted.names == ((10, 1), (11, 0))
+    assert compacted.names == (h(10, 1), h(11, 0))
     assert [view.block_id for view in compacted.state.handles] == [1, 4]
     assert transitions.blocks_for(compacted.state, 1) == (0,)
 
@@ -328,16 +315,18 @@ def test_compaction_drops_stale_handles_and_renumbers_the_live_ones() -> None:
 # -- reproducers -----------------------------------------------------------------------------
 
 
-def _violation_history() -> Sequence[Event]:
+def _violation_history() -> Sequence[TraceLine]:
     return [
         event(0, 0, Allocate("k", 4, 1), 0, 10, ok((0,))),
         event(1, 1, Allocate("k", 4, 2), 1, 11, ok((0,))),
     ]
 
 
-def test_events_round_trip_through_json() -> None:
-    for original in [*_violation_history(), event(7, 2, Free(((0, 0), (3, 1))), 5, None, None)]:
-        assert event_from_json(json.loads(json.dumps(event_to_json(original)))) == original
+def test_a_history_is_trace_lines_and_round_trips_through_json() -> None:
+    pending = event(7, 2, Free((h(0, 0), h(3, 1))), 5, None, None)
+    for original in [*_violation_history(), pending]:
+        assert decode_line(json.dumps(json.loads(encode_line(original)))) == original
+    assert '"invoke_ns":5,"return_ns":null' in encode_line(pending)
 
 
 def test_a_reproducer_is_written_and_still_fails_when_rechecked(
@@ -345,14 +334,20 @@ def test_a_reproducer_is_written_and_still_fails_when_rechecked(
 ) -> None:
     violation = check_history(CONFIG, HISTORY_LEN, _violation_history())
     assert violation is not None
-    path = tmp_path / "violation.json"
-    write_reproducer(path, violation, POOL, HISTORY_LEN)
-    reproducer = load_reproducer(path)
-    assert reproducer.window == violation.window
-    assert reproducer.starts == violation.starts
+    prefix = tmp_path / "linearized.partial.jsonl"
+    header = Trace(POOL, history_len=HISTORY_LEN)
+    path = tmp_path / "violation-linearizability.jsonl"
+    write_reproducer(path, violation, header, None)
+    assert load(path).partial  # without the linearized calls before it
+    prefix.write_text('{"trace":"veloxquant-mlx","version":2,"pool":{}}\n')  # no call before
+    write_reproducer(path, violation, header, prefix)
+    reproducer = load(path)
+    assert not reproducer.partial
+    assert reproducer.lines == violation.window
     assert recheck(reproducer)[0] is Verdict.VIOLATION
-    verdict, message = replay_path(path)
+    verdict, message = replay_trace(reproducer, "pool")
     assert verdict is Verdict.VIOLATION
-    assert "still not linearizable" in message
+    assert "not linearizable" in message
     assert cli.main(["stress", "--replay", str(path)]) == 1
-    assert "block ids [0]" in capsys.readouterr().err
+    assert "returned (0,)" in capsys.readouterr().err
+    assert cli.main(["replay", str(path), "--on", "spec"]) == 1

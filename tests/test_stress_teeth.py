@@ -26,8 +26,9 @@ import pytest
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.config import StressConfig, profile
-from veloxquant_mlx.stress.reproducer import load_reproducer, recheck
+from veloxquant_mlx.stress.reproducer import recheck
 from veloxquant_mlx.stress.runner import run_stress
+from veloxquant_mlx.testing.traces import load
 
 MAX_OPS = 20_000
 
@@ -136,7 +137,7 @@ def test_a_planted_check_then_act_race_is_caught_by_the_linearizability_checker(
     # is handed out twice), so the window shows where the spec first disagrees.
     assert "; the spec: " in found[0].message
     assert found[0].path is not None
-    assert recheck(load_reproducer(Path(found[0].path)))[0] is Verdict.VIOLATION
+    assert recheck(load(Path(found[0].path)))[0] is Verdict.VIOLATION
 
 
 def test_the_real_allocator_passes_the_same_run(tmp_path: Path) -> None:

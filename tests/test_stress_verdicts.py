@@ -32,26 +32,28 @@ from veloxquant_mlx.stress.checker import (
 )
 from veloxquant_mlx.stress.checking import CheckingBudget, HistoryChecking, WindowQueue
 from veloxquant_mlx.stress.config import StressConfig, profile
-from veloxquant_mlx.stress.history import Allocate, Event, Returned, Stats
 from veloxquant_mlx.stress.linearizability import SearchResult
 from veloxquant_mlx.stress.replay import LinearizedReplay
-from veloxquant_mlx.stress.reproducer import Reproducer, recheck, replay_path, spec_config
+from veloxquant_mlx.stress.reproducer import recheck
 from veloxquant_mlx.stress.runner import run_stress
-from veloxquant_mlx.stress.specstep import Checkpoint, initial_checkpoint
-from veloxquant_mlx.testing.traces import Allocate as TraceAllocate
-from veloxquant_mlx.testing.traces import load
+from veloxquant_mlx.stress.specstep import Checkpoint
+from veloxquant_mlx.testing.aliasing import spec_config
+from veloxquant_mlx.testing.replay_command import replay_paths
+from veloxquant_mlx.testing.traces import Trace, TraceLine, load
 from veloxquant_mlx_spec.model import SpecConfig
+from veloxquant_mlx_spec.operations import Allocate, Stats
+from veloxquant_mlx_spec.table import Returned
 
 CONFIG = SpecConfig(block_size=4, n_blocks=8)
 HISTORY_LEN = 4
 
 
-def two_concurrent_allocates() -> list[Event]:
+def two_concurrent_allocates() -> list[TraceLine]:
     """A window whose search needs more than one configuration."""
     return [
-        Event(0, 0, Allocate("k", 4, 1), 0, 10, Returned((1,))),
-        Event(1, 1, Allocate("k", 4, 2), 1, 11, Returned((0,))),
-        Event(2, 0, Stats(), 20, 30, Returned((8, 2, 0, 0, 0, 0, 0, 2, 2, 0))),
+        TraceLine(Allocate("k", 4, 1), 0, Returned((1,)), 0, 0, 10),
+        TraceLine(Allocate("k", 4, 2), 1, Returned((0,)), 1, 1, 11),
+        TraceLine(Stats(), 2, Returned((8, 2, 0, 0, 0, 0, 0, 2, 2, 0)), 0, 20, 30),
     ]
 
 
@@ -87,9 +89,8 @@ def test_check_history_raises_rather_than_calling_an_unchecked_history_lineariza
 
 
 def test_a_reproducer_rechecked_past_its_budget_is_inconclusive_not_linearizable() -> None:
-    starts: tuple[Checkpoint, ...] = (initial_checkpoint(CONFIG, HISTORY_LEN),)
     window = tuple(two_concurrent_allocates()[:2])
-    reproducer = Reproducer(PoolConfig(block_size=4, n_blocks=8), HISTORY_LEN, starts, window, "")
+    reproducer = Trace(PoolConfig(block_size=4, n_blocks=8), lines=window, history_len=HISTORY_LEN)
     assert recheck(reproducer, budget=1)[0] is Verdict.INCONCLUSIVE
     assert recheck(reproducer)[0] is Verdict.OK
 
@@ -129,7 +130,7 @@ def test_checking_that_runs_out_of_time_after_the_calls_is_inconclusive(tmp_path
 
 
 def endless_search(
-    starts: Sequence[Checkpoint], events: Sequence[Event], **options: object
+    starts: Sequence[Checkpoint], events: Sequence[TraceLine], **options: object
 ) -> SearchResult:
     """A search that never finishes on its own: only its tick can stop it."""
     tick = options["tick"]
@@ -186,15 +187,14 @@ def test_an_interrupted_run_stops_cleanly_and_leaves_a_partial_report(tmp_path: 
     assert saved["partial"] is True
     assert {gap["what"] for gap in saved["not_checked"]} >= {"the conservation audit"}
     assert not (tmp_path / "linearized.jsonl").exists()
-    verdict, _ = replay_path(tmp_path / "linearized.partial.jsonl", "numpy")
-    assert verdict is Verdict.INCONCLUSIVE
+    assert replay_paths([tmp_path / "linearized.partial.jsonl"], "numpy") == 3
 
 
 # -- the linearized trace ------------------------------------------------------------------
 
 
-def allocate_event(op_id: int) -> Event:
-    return Event(op_id, 0, Allocate("k", 4, 1), 10 * op_id, 10 * op_id + 5, Returned((op_id,)))
+def allocate_event(op_id: int) -> TraceLine:
+    return TraceLine(Allocate("k", 4, 1), op_id, Returned((op_id,)), 0, 10 * op_id, 10 * op_id + 5)
 
 
 @pytest.mark.parametrize("complete", [True, False])
@@ -213,7 +213,8 @@ def test_only_a_complete_linearized_trace_loses_its_partial_mark(
         assert names == ["linearized.partial.jsonl"]
         trace = load(tmp_path / "linearized.partial.jsonl")
     assert trace.partial is not complete
-    assert [op.block_ids for op in trace.ops if isinstance(op, TraceAllocate)] == [(0,), (1,)]
+    assert [line.outcome for line in trace.lines] == [Returned((0,)), Returned((1,))]
+    assert not any(line.timed for line in trace.lines)  # linearized: in order, no times
 
 
 def test_a_replay_stopped_by_the_budget_counts_what_it_did_not_replay(tmp_path: Path) -> None:

@@ -31,6 +31,8 @@ from veloxquant_mlx.commandline.interrupts import run_command
 from veloxquant_mlx.simulate import command as simulate_command
 from veloxquant_mlx.simulate import options as simulate_options
 from veloxquant_mlx.stress import cli as stress_command
+from veloxquant_mlx.stress import schedules_command
+from veloxquant_mlx.testing import exhaustive_command, replay_command
 
 PROG = "veloxquant-mlx"
 
@@ -67,6 +69,30 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         add_arguments=stress_command.add_arguments,
         validate=stress_command.validate,
         run=stress_command.run,
+    ),
+    Subcommand(
+        name="exhaustive",
+        summary=exhaustive_command.SUMMARY,
+        description=exhaustive_command.DESCRIPTION,
+        add_arguments=exhaustive_command.add_arguments,
+        validate=exhaustive_command.validate,
+        run=exhaustive_command.run,
+    ),
+    Subcommand(
+        name="replay",
+        summary=replay_command.SUMMARY,
+        description=replay_command.DESCRIPTION,
+        add_arguments=replay_command.add_arguments,
+        validate=replay_command.validate,
+        run=replay_command.run,
+    ),
+    Subcommand(
+        name="schedules",
+        summary=schedules_command.SUMMARY,
+        description=schedules_command.DESCRIPTION,
+        add_arguments=schedules_command.add_arguments,
+        validate=schedules_command.validate,
+        run=schedules_command.run,
     ),
 )
 

@@ -272,9 +272,7 @@ class Declaration:
     sets_on_unowned: tuple[str, str] | None = None
     #: Whether every argument is a value (no handle to resolve): derived, for speed.
     values_only: bool = field(init=False, compare=False, repr=False)
-    _getter: Callable[[object], tuple[object, ...]] = field(
-        init=False, compare=False, repr=False
-    )
+    _getter: Callable[[object], tuple[object, ...]] = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(
@@ -405,13 +403,20 @@ def declaration_of(op: object) -> Declaration:
         raise TypeError(f"{op!r} is not a declared operation") from None
 
 
+def _declared() -> None:
+    """Make sure the pool's calls are declared (importing them registers them)."""
+    import veloxquant_mlx_spec.operations  # noqa: F401, PLC0415 -- it imports this module
+
+
 def declaration_named(name: str) -> Declaration | None:
     """The declaration whose trace name is ``name``, if any."""
+    _declared()
     return _BY_NAME.get(name)
 
 
 def declarations(target: Target | None = "pool") -> tuple[Declaration, ...]:
     """Every declared call on ``target`` (``None``: all), in declaration order."""
+    _declared()
     return tuple(d for d in _REGISTRY.values() if target is None or d.target == target)
 
 

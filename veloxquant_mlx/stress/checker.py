@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Final
 
 from veloxquant_mlx.commandline.verdicts import Gap
-from veloxquant_mlx.stress.history import Event
 from veloxquant_mlx.stress.linearizability import (
     DEFAULT_BUDGET,
     Witness,
@@ -38,6 +37,7 @@ from veloxquant_mlx.stress.linearizability import (
 )
 from veloxquant_mlx.stress.minimal import explain, minimal_failing_window
 from veloxquant_mlx.stress.specstep import Checkpoint, initial_checkpoint
+from veloxquant_mlx.testing.traces import TraceLine
 from veloxquant_mlx_spec.model import SpecConfig
 
 __all__ = [
@@ -72,7 +72,7 @@ class Violation:
 
     window_index: int
     message: str
-    window: tuple[Event, ...]
+    window: tuple[TraceLine, ...]
     starts: tuple[Checkpoint, ...]
 
 
@@ -80,7 +80,7 @@ class Violation:
 class _Pending:
     """A checked window whose order is not decided yet (several end states remain)."""
 
-    events: tuple[Event, ...]
+    events: tuple[TraceLine, ...]
     starts: tuple[Checkpoint, ...]
     ends: dict[Checkpoint, Witness]
 
@@ -119,7 +119,7 @@ class LinearizabilityChecker:
         config: SpecConfig,
         history_len: int,
         *,
-        on_commit: Callable[[Sequence[Event]], None] | None = None,
+        on_commit: Callable[[Sequence[TraceLine]], None] | None = None,
         budget: int | None = DEFAULT_BUDGET,
         tick: Callable[[], None] | None = None,
     ) -> None:
@@ -156,7 +156,7 @@ class LinearizabilityChecker:
             f"linearizability {figures.gave_up_because}",
         )
 
-    def check(self, events: Sequence[Event]) -> Violation | None:
+    def check(self, events: Sequence[TraceLine]) -> Violation | None:
         """Check the next window; return the violation if it has no valid order."""
         for part in split_at_quiescent_points(events):
             if self.stopped:
@@ -165,7 +165,7 @@ class LinearizabilityChecker:
             self._check_part(part)
         return self.violation
 
-    def _check_part(self, events: Sequence[Event]) -> None:
+    def _check_part(self, events: Sequence[TraceLine]) -> None:
         starts = tuple(self.ends)
         figures = self.figures
         try:
@@ -195,7 +195,7 @@ class LinearizabilityChecker:
         if len(self.ends) == 1:
             self._commit_all()
 
-    def _fail(self, starts: tuple[Checkpoint, ...], events: Sequence[Event]) -> None:
+    def _fail(self, starts: tuple[Checkpoint, ...], events: Sequence[TraceLine]) -> None:
         self._commit_all()
         index = self.figures.windows - 1
         try:  # shrinking the window is a courtesy: a stop keeps the whole window
@@ -214,7 +214,7 @@ class LinearizabilityChecker:
         """Emit the pending windows' calls in order, along the witnesses of the first end."""
         if not self._pending:
             return
-        orders: list[tuple[Event, ...]] = []
+        orders: list[tuple[TraceLine, ...]] = []
         end = next(iter(self._pending[-1].ends))
         for pending in reversed(self._pending):
             witness = pending.ends[end]
@@ -229,7 +229,7 @@ class LinearizabilityChecker:
 def check_history(
     config: SpecConfig,
     history_len: int,
-    events: Sequence[Event],
+    events: Sequence[TraceLine],
     *,
     budget: int | None = DEFAULT_BUDGET,
 ) -> Violation | None:

@@ -33,8 +33,8 @@ from typing import Final
 
 from veloxquant_mlx.commandline.verdicts import Gap
 from veloxquant_mlx.stress.checker import LinearizabilityChecker, SearchStopped
-from veloxquant_mlx.stress.history import Event
 from veloxquant_mlx.stress.replay import LinearizedReplay
+from veloxquant_mlx.testing.traces import TraceLine
 
 __all__ = ["INTERRUPTED", "CheckingBudget", "HistoryChecking", "WindowQueue"]
 
@@ -87,11 +87,11 @@ class WindowQueue:
     def __init__(self, max_queued: int) -> None:
         """Make producers wait while ``max_queued`` windows are unchecked."""
         self._max_queued: Final = max_queued
-        self._items: Final[collections.deque[list[Event] | None]] = collections.deque()
+        self._items: Final[collections.deque[list[TraceLine] | None]] = collections.deque()
         self._changed: Final = threading.Condition()
         self.queued_calls = 0  # calls in the windows waiting; read unlocked by progress
 
-    def put(self, events: list[Event], may_wait: Callable[[], bool]) -> None:
+    def put(self, events: list[TraceLine], may_wait: Callable[[], bool]) -> None:
         """Queue a window; wait for room while ``may_wait()`` (checked every 0.1 s)."""
         with self._changed:
             while len(self._items) >= self._max_queued and may_wait():
@@ -106,7 +106,7 @@ class WindowQueue:
             self._items.append(None)
             self._changed.notify_all()
 
-    def get(self) -> list[Event] | None:
+    def get(self) -> list[TraceLine] | None:
         """The oldest window (waiting for one), or ``None`` at the end."""
         with self._changed:
             while not self._items:
@@ -155,7 +155,7 @@ class HistoryChecking:
         if reason is not None:
             raise SearchStopped(reason)
 
-    def commit(self, events: Sequence[Event]) -> None:
+    def commit(self, events: Sequence[TraceLine]) -> None:
         """Replay a decided stretch of the linearization, a heartbeat per chunk."""
         for start in range(0, len(events), _COMMIT_CHUNK):
             reason = self.budget.stop_reason()

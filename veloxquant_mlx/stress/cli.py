@@ -83,8 +83,9 @@ is listed in the report, and the verdict is then INCONCLUSIVE, never OK.
 
 The run's folder (--out) receives report.json (with "verdict"), summary.txt,
 linearized.jsonl (linearized.partial.jsonl if not every call was checked or
-the run was interrupted) and, on a violation, violation-linearizability.json.
-Replay either later with --replay FILE.
+the run was interrupted) and, on a violation, violation-linearizability.jsonl
+(the calls before the window, then the window). Replay either later with
+veloxquant-mlx replay FILE (or --replay FILE here).
 
 Exit status: 0 OK (every call checked, nothing found), 1 violation, 2 bad
 input, 3 inconclusive, 130 interrupted (Ctrl-C; a second Ctrl-C stops at
@@ -105,8 +106,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="FILE",
-        help="instead of running: replay a linearized.jsonl trace on --replay-backend, "
-        "or re-check a violation-*.json reproducer",
+        help="instead of running: replay a trace (linearized.jsonl, a violation-*.jsonl "
+        "reproducer) on --replay-backend; the same as veloxquant-mlx replay FILE --on BACKEND",
     )
     _add_run_arguments(parser)
     _add_pool_arguments(parser)
@@ -383,8 +384,7 @@ def start_line(config: StressConfig) -> str:
 
 
 def _replay(path: Path, backend: str) -> int:
-    from veloxquant_mlx.stress.reproducer import replay_path  # noqa: PLC0415
+    """``--replay FILE``: ``veloxquant-mlx replay FILE --on BACKEND`` (the spec, for "none")."""
+    from veloxquant_mlx.testing.replay_command import replay_paths  # noqa: PLC0415
 
-    verdict, message = replay_path(path, backend)
-    print(message, file=sys.stderr if verdict is Verdict.VIOLATION else sys.stdout)
-    return verdict.exit_status
+    return replay_paths([path], "spec" if backend == "none" else backend)

@@ -29,6 +29,7 @@ from typing import Final, Literal
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.testing.traces import StoreSpec
+from veloxquant_mlx_spec.table import declarations
 
 __all__ = [
     "DEFAULT_MIX",
@@ -40,47 +41,33 @@ __all__ = [
     "profile",
 ]
 
-#: Every kind of call a worker makes, as named in the mix and the report.
-OPERATION_KINDS: Final = (
-    "allocate",
-    "free",
-    "free_all",
-    "shrink",
-    "mark_used",
-    "register_owner",
-    "release_owner",
-    "stats",
-    "prometheus",
-    "history",
-    "n_free",
-    "blocks_for",
-    "is_live",
-    "id_bound",
-    "write",
-    "read",
-)
+#: Every kind of call a worker makes, as named in the mix and the report: every call of
+#: the operation table, and the store's write and gather.
+OPERATION_KINDS: Final = (*(d.name for d in declarations()), "write", "gather")
 
-#: Relative weights of the default mix: mostly allocation and freeing, every call present.
-DEFAULT_MIX: Final = MappingProxyType(
-    {
-        "allocate": 24,
-        "free": 14,
-        "free_all": 6,
-        "shrink": 3,
-        "mark_used": 12,
-        "register_owner": 3,
-        "release_owner": 3,
-        "stats": 5,
-        "prometheus": 2,
-        "history": 1,
-        "n_free": 4,
-        "blocks_for": 5,
-        "is_live": 4,
-        "id_bound": 2,
-        "write": 6,
-        "read": 6,
-    }
-)
+#: Weights of the default mix: mostly allocation and freeing, every call present. A kind
+#: of the table it does not name (a call added since) gets weight 1.
+_WEIGHTS: Final = {
+    "allocate": 24,
+    "free": 14,
+    "free_all": 6,
+    "shrink": 3,
+    "mark_used": 12,
+    "register_owner": 3,
+    "release_owner": 3,
+    "stats": 5,
+    "prometheus": 2,
+    "history": 1,
+    "n_free": 4,
+    "blocks_for": 5,
+    "is_live": 4,
+    "all_live": 2,
+    "id_bound": 2,
+    "check_invariants": 1,
+    "write": 6,
+    "gather": 6,
+}
+DEFAULT_MIX: Final = MappingProxyType({kind: _WEIGHTS.get(kind, 1) for kind in OPERATION_KINDS})
 
 StorageName = Literal["mlx", "numpy", "none"]
 

@@ -21,24 +21,26 @@ uses the pool.
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import Final
+from typing import Any, Final
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
-from veloxquant_mlx.stress import history
-from veloxquant_mlx.stress.history import BlocksFor, FreeAll, NFree, Stats, ThreadRecorder
-from veloxquant_mlx.stress.recording import record_call, stats_tuple_of
+from veloxquant_mlx.stress.history import ThreadRecorder
+from veloxquant_mlx.stress.recording import record_call
+from veloxquant_mlx_spec.model import STATS_FIELDS, free_list_names
+from veloxquant_mlx_spec.operations import Allocate, BlocksFor, FreeAll, NFree, Stats
+from veloxquant_mlx_spec.table import bind, stats_values
 
 __all__ = ["CONSERVATION_OWNER", "check_conservation"]
 
 #: The owner the drain allocates to; no worker uses it.
 CONSERVATION_OWNER: Final = 999_999
 
-_IN_USE: Final = history.STATS_FIELDS.index("blocks_in_use")
-_N_BLOCKS: Final = history.STATS_FIELDS.index("n_blocks")
+_IN_USE: Final = STATS_FIELDS.index("blocks_in_use")
+_N_BLOCKS: Final = STATS_FIELDS.index("n_blocks")
 
 
 def _storage_streams(pool: BlockPoolAllocator) -> tuple[str, ...]:
-    return ("k", "v") if pool.config.separate_kv else ("kv",)
+    return free_list_names(pool.config)
 
 
 class _Auditor:
@@ -49,40 +51,30 @@ class _Auditor:
         self.recorder: Final = recorder
         self.problems: list[str] = []
 
-    def stats(self) -> tuple[int, ...] | None:
-        pool = self.pool
-        result = record_call(self.recorder, Stats(), lambda: pool.stats, stats_tuple_of).result
-        return None if isinstance(result, Exception) else stats_tuple_of(result)
+    def call(self, op: object) -> Any:
+        """Make and record ``op``; its result (``None`` and a problem if it raised)."""
+        result = record_call(self.recorder, op, bind(self.pool, op, _no_ref)).result
+        if isinstance(result, Exception):
+            self.problems.append(f"{op!r} raised {result!r}")
+            return None
+        return result
+
+    def stats(self) -> tuple[float, ...] | None:
+        snapshot = self.call(Stats())
+        return None if snapshot is None else stats_values(snapshot)
 
     def n_free(self, stream: str) -> int:
-        pool = self.pool
-        result = record_call(self.recorder, NFree(stream), lambda: pool.n_free(stream), int).result
-        if isinstance(result, Exception):
-            self.problems.append(f"n_free({stream!r}) raised {result!r}")
-            return 0
-        return result
+        return int(self.call(NFree(stream)) or 0)
 
     def blocks_for(self, owner: int) -> list[Block]:
-        pool = self.pool
-        result = record_call(
-            self.recorder, BlocksFor(owner), lambda: pool.blocks_for(owner), tuple
-        ).result
-        if isinstance(result, Exception):
-            self.problems.append(f"blocks_for({owner}) raised {result!r}")
-            return []
-        return result
+        return list(self.call(BlocksFor(owner)) or [])
 
     def free_all(self, owner: int) -> None:
-        pool = self.pool
-        result = record_call(
-            self.recorder, FreeAll(owner), lambda: pool.free_all(owner), _nothing
-        ).result
-        if isinstance(result, Exception):
-            self.problems.append(f"free_all({owner}) raised {result!r}")
+        self.call(FreeAll(owner))
 
 
-def _nothing(result: object) -> None:
-    del result
+def _no_ref(ref: object) -> object:
+    raise AssertionError(f"the audit names no handle, got {ref!r}")
 
 
 def check_conservation(
@@ -160,16 +152,8 @@ def _check_drain(audit: _Auditor) -> None:
         if n_free == 0:
             continue
         n_tokens = n_free * pool.config.block_size
-        result = record_call(
-            audit.recorder,
-            history.Allocate(stream, n_tokens, CONSERVATION_OWNER),
-            lambda: pool.allocate(stream, n_tokens, CONSERVATION_OWNER),  # noqa: B023
-            lambda blocks: tuple(block.block_id for block in blocks),
-        ).result
-        if isinstance(result, Exception):
-            audit.problems.append(
-                f"allocating the {n_free} free blocks of {stream!r} raised {result!r}"
-            )
+        result = audit.call(Allocate(stream, n_tokens, CONSERVATION_OWNER))
+        if result is None:
             continue
         ids = [block.block_id for block in result]
         if len(set(ids)) != len(ids) or seen & set(ids):

@@ -23,7 +23,9 @@ wait for its own thread), no finaliser raised, and after a final drain on
 the main thread every block is back, the victim's owner id is free again
 and ``check_invariants()`` passes.
 
-``python -m veloxquant_mlx.stress.finaliser_schedules`` prints the counts.
+``veloxquant-mlx schedules`` runs it as its last scenario
+(``--scenario finaliser_inside_the_lock`` alone); ``python -m
+veloxquant_mlx.stress.finaliser_schedules [--max-runs N]`` is that.
 
 Complexity: one run per (drop point, schedule): about 80 drop points times
 a few dozen schedules, each a fresh pool and two threads. Thread safety: an
@@ -33,7 +35,6 @@ exploration creates and joins its own threads, and swaps
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import sys
 import time
@@ -218,40 +219,12 @@ def explore_finaliser(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Explore the scenario and print its counts.
+    """``python -m ...finaliser_schedules [--max-runs N]``: ``veloxquant-mlx schedules`` with
+    only this scenario (exit status 0 OK, 1 violation, 2 bad input, 3 inconclusive, 130)."""
+    from veloxquant_mlx.cli import main as cli_main  # noqa: PLC0415
 
-    Exit status: 0 every run passed and the exploration was exhaustive, 1 a
-    violation, 2 bad arguments (argparse), 3 inconclusive (``--max-runs`` cut
-    it short), 130 interrupted.
-    """
-    parser = argparse.ArgumentParser(prog="python -m veloxquant_mlx.stress.finaliser_schedules")
-    parser.add_argument("--max-runs", type=_positive_int, default=20_000)
-    args = parser.parse_args(argv)
-    try:
-        result = explore_finaliser(max_runs=args.max_runs)
-    except KeyboardInterrupt:
-        print("finaliser schedules: interrupted", file=sys.stderr)
-        return 130
-    verdict = "OK" if result.exhaustive else "INCONCLUSIVE (--max-runs reached)"
-    if result.violations:
-        verdict = "VIOLATION"
-    print(
-        f"finaliser inside the pool's lock: {verdict}: {result.drop_points} drop points, "
-        f"{result.runs} runs, {result.fired_inside_lock} fired inside the lock, "
-        f"{result.seconds:.2f} s"
-    )
-    for violation in result.violations:
-        print(violation)
-    if result.violations:
-        return 1
-    return 0 if result.exhaustive else 3
-
-
-def _positive_int(text: str) -> int:
-    value = int(text) if text.isdecimal() else 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
-    return value
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    return cli_main(["schedules", "--scenario", "finaliser_inside_the_lock", *arguments])
 
 
 if __name__ == "__main__":

@@ -11,12 +11,13 @@ handle names)`` and is never expanded twice (Lowe's memo), so the cost is the
 number of distinct configurations, exponential in the concurrency (threads),
 not in the length of the history.
 
-Handle names. A recorded call names a handle by ``(allocate op_id,
-position)``; the spec numbers handles in checkout order, which depends on
-the order chosen for concurrent allocates. So the mapping from names to spec
-ids (:class:`~veloxquant_mlx.stress.specstep.Checkpoint.names`) is part of
-the configuration: it is extended when an allocate is linearized, and a
-call that uses a name whose allocate is not linearized yet cannot go next.
+Handle names. A recorded call names a handle ``h(op_id, position)`` after
+the call that handed it out; the spec numbers handles in checkout order,
+which depends on the order chosen for concurrent calls. So the mapping from
+names to spec ids (:class:`~veloxquant_mlx.stress.specstep.Checkpoint.names`)
+is part of the configuration: it is extended when a call that hands out
+handles is linearized, and a call that uses a name whose call is not
+linearized yet cannot go next.
 
 Windows, and why cutting there is sound. A *quiescent point* is a moment
 when no call is pending: every call before it returned before every call
@@ -61,9 +62,10 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from veloxquant_mlx.stress.history import QUERY_KINDS, Allocate, Event, Raised
 from veloxquant_mlx.stress.specstep import Checkpoint, Names, compact, step
-from veloxquant_mlx_spec.model import ErrorKind, PoolState
+from veloxquant_mlx.testing.traces import TraceLine
+from veloxquant_mlx_spec.model import PoolState
+from veloxquant_mlx_spec.table import declaration_of
 
 __all__ = [
     "DEFAULT_BUDGET",
@@ -112,32 +114,36 @@ class Window:
     """A window's events with the orderings the search needs, computed once.
 
     ``required`` has a bit for every completed call (pending ones are optional);
-    ``allocates`` holds the op ids of the window's allocates; ``inert[i]``
-    says whether call ``i`` changes no state wherever it goes (:func:`changes_no_state`).
+    ``issuing`` holds the labels of the window's calls that hand out handles;
+    ``inert[i]`` says whether call ``i`` changes no state wherever it goes
+    (:func:`changes_no_state`).
     """
 
-    def __init__(self, events: Sequence[Event]) -> None:
+    def __init__(self, events: Sequence[TraceLine]) -> None:
         self.events: Final = tuple(events)
         indices = range(len(self.events))
-        self.by_invoke: Final = sorted(indices, key=lambda i: self.events[i].invoke_ns)
+        self._invoked: Final = [e.invoke_ns or 0 for e in self.events]
+        self._returned: Final = [e.return_ns or 0 for e in self.events]
+        self.by_invoke: Final = sorted(indices, key=self._invoked.__getitem__)
         completed = [i for i in indices if not self.events[i].pending]
-        self.by_return: Final = sorted(completed, key=lambda i: self.events[i].return_ns or 0)
+        self.by_return: Final = sorted(completed, key=self._returned.__getitem__)
         self.required: Final = sum(1 << i for i in completed)
-        self.allocates: Final = frozenset(
-            e.op_id for e in self.events if isinstance(e.call, Allocate)
+        self.issuing: Final = frozenset(
+            e.call
+            for e in self.events
+            if e.call is not None and declaration_of(e.op).may_issue_handles
         )
         self.inert: Final = [changes_no_state(e) for e in self.events]
 
     def candidates(self, mask: int) -> Iterator[int]:
         """Unlinearized calls that no unlinearized call must precede (invoke order)."""
-        events = self.events
         deadline: float = _INFINITY
         for i in self.by_return:
             if not mask >> i & 1:
-                deadline = events[i].return_ns or 0
+                deadline = self._returned[i]
                 break
         for i in self.by_invoke:
-            if events[i].invoke_ns > deadline:
+            if self._invoked[i] > deadline:
                 return
             if not mask >> i & 1:
                 yield i
@@ -157,7 +163,7 @@ _Node = tuple[int, PoolState, Names, "tuple[int, object] | None", int]
 
 def search(
     starts: Sequence[Checkpoint],
-    events: Sequence[Event],
+    events: Sequence[TraceLine],
     *,
     budget: int | None = DEFAULT_BUDGET,
     tick: Callable[[], None] | None = None,
@@ -218,7 +224,7 @@ def _children(window: Window, node: _Node) -> list[_Node]:
     mask, state, names, path, start = node
     children: list[_Node] = []
     for i in window.candidates(mask):
-        stepped = step(state, names, window.events[i], window.allocates)
+        stepped = step(state, names, window.events[i], window.issuing)
         if stepped is None:
             continue
         child: _Node = (mask | 1 << i, *stepped, (i, path), start)
@@ -228,28 +234,25 @@ def _children(window: Window, node: _Node) -> list[_Node]:
     return children
 
 
-def changes_no_state(event: Event) -> bool:
+def changes_no_state(event: TraceLine) -> bool:
     """Whether ``event`` leaves the spec state as it was wherever it is validly linearized.
 
-    True for queries, and for a completed call that recorded an error other
-    than exhaustion: the spec changes nothing on such an error (exhaustion
-    counts itself), and a valid order must give the call the error it
-    recorded. A successful call that happens to change nothing in one state
-    (``free_all`` of an owner holding nothing yet) is *not* such a call:
-    elsewhere in the order it may change a lot.
+    True for queries, and for a completed call that recorded an error that
+    does not count itself (every error but exhaustion): the spec changes
+    nothing on such an error, and a valid order must give the call the error
+    it recorded. A successful call that happens to change nothing in one
+    state (``free_all`` of an owner holding nothing yet) is *not* such a
+    call: elsewhere in the order it may change a lot.
     """
-    if event.call.kind in QUERY_KINDS:
-        return True
-    outcome = event.outcome
-    return isinstance(outcome, Raised) and outcome.kind != ErrorKind.EXHAUSTED.value
+    return declaration_of(event.op).changes_no_state(event.outcome)
 
 
-def split_at_quiescent_points(events: Sequence[Event]) -> list[list[Event]]:
+def split_at_quiescent_points(events: Sequence[TraceLine]) -> list[list[TraceLine]]:
     """``events`` cut wherever every call so far returned before the next was invoked."""
-    parts: list[list[Event]] = []
+    parts: list[list[TraceLine]] = []
     latest_return: float = -_INFINITY
-    for event in sorted(events, key=lambda e: e.invoke_ns):
-        if not parts or event.invoke_ns > latest_return:
+    for event in sorted(events, key=lambda e: e.invoke_ns or 0):
+        if not parts or (event.invoke_ns or 0) > latest_return:
             parts.append([])
         parts[-1].append(event)
         end = _INFINITY if event.return_ns is None else event.return_ns

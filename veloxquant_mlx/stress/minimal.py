@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Final
 
-from veloxquant_mlx.stress.history import QUERY_KINDS, Event, describe
+from veloxquant_mlx.stress.history import describe
 from veloxquant_mlx.stress.linearizability import (
     DEFAULT_BUDGET,
     SearchResult,
@@ -37,6 +37,8 @@ from veloxquant_mlx.stress.linearizability import (
     search,
 )
 from veloxquant_mlx.stress.specstep import Checkpoint, predicted_outcome
+from veloxquant_mlx.testing.traces import TraceLine
+from veloxquant_mlx_spec.table import declaration_of
 
 __all__ = ["MINIMIZE_BUDGET", "explain", "minimal_failing_window"]
 
@@ -44,14 +46,14 @@ __all__ = ["MINIMIZE_BUDGET", "explain", "minimal_failing_window"]
 MINIMIZE_BUDGET: Final = 20_000
 
 
-def _cut_at(events: Sequence[Event], cutoff: int) -> list[Event]:
+def _cut_at(events: Sequence[TraceLine], cutoff: int) -> list[TraceLine]:
     """The history as it stood at ``cutoff``: calls not returned by then become pending."""
-    cut: list[Event] = []
+    cut: list[TraceLine] = []
     for event in events:
-        if event.invoke_ns > cutoff:
+        if (event.invoke_ns or 0) > cutoff:
             continue
         if event.return_ns is None or event.return_ns > cutoff:
-            if event.call.kind not in QUERY_KINDS:  # a pending query changes nothing
+            if declaration_of(event.op).changes_state:  # a pending query changes nothing
                 cut.append(replace(event, return_ns=None, outcome=None))
         else:
             cut.append(event)
@@ -71,7 +73,7 @@ class _Minimizer:
         self.remaining = budget
         self.tick: Final = tick
 
-    def fails(self, events: Sequence[Event]) -> bool:
+    def fails(self, events: Sequence[TraceLine]) -> bool:
         """True if ``events`` has no valid order; False if it has one or the budget ran out."""
         if self.remaining is not None and self.remaining <= 0:
             return False
@@ -85,11 +87,11 @@ class _Minimizer:
 
 def minimal_failing_window(
     starts: Sequence[Checkpoint],
-    events: Sequence[Event],
+    events: Sequence[TraceLine],
     *,
     budget: int | None = DEFAULT_BUDGET,
     tick: Callable[[], None] | None = None,
-) -> list[Event]:
+) -> list[TraceLine]:
     """A small sub-history of a failing window that is itself not linearizable.
 
     The shortest time prefix that fails, then without the calls it does not
@@ -125,14 +127,14 @@ def minimal_failing_window(
 
 def explain(
     starts: Sequence[Checkpoint],
-    window: Sequence[Event],
+    window: Sequence[TraceLine],
     *,
     budget: int | None = DEFAULT_BUDGET,
     tick: Callable[[], None] | None = None,
 ) -> str:
     """A timeline of ``window`` and where the search got stuck, for a human."""
-    ordered = sorted(window, key=lambda e: e.invoke_ns)
-    base = ordered[0].invoke_ns if ordered else 0
+    ordered = sorted(window, key=lambda e: e.invoke_ns or 0)
+    base = (ordered[0].invoke_ns or 0) if ordered else 0
     lines = [
         f"no order of these {len(ordered)} calls is allowed by the spec from the "
         f"window's start state{'s' if len(starts) != 1 else ''} ({len(starts)}); "
@@ -141,8 +143,8 @@ def explain(
     for event in ordered:
         end = "pending" if event.return_ns is None else f"{(event.return_ns - base) / 1e3:9.1f}"
         lines.append(
-            f"  thread {event.thread:>2}  [{(event.invoke_ns - base) / 1e3:9.1f}, {end:>9}]  "
-            f"op {event.op_id:<8} {describe(event)}"
+            f"  thread {event.thread:>2}  [{((event.invoke_ns or 0) - base) / 1e3:9.1f}, "
+            f"{end:>9}]  op {event.call:<8} {describe(event)}"
         )
     result = search(starts, ordered, budget=budget, tick=tick)
     if result.deepest_state is not None:
@@ -150,7 +152,7 @@ def explain(
     return "\n".join(lines)
 
 
-def _stuck_lines(result: SearchResult, ordered: Sequence[Event]) -> list[str]:
+def _stuck_lines(result: SearchResult, ordered: Sequence[TraceLine]) -> list[str]:
     window = Window(ordered)
     total = window.required.bit_count()
     lines = [
@@ -161,6 +163,6 @@ def _stuck_lines(result: SearchResult, ordered: Sequence[Event]) -> list[str]:
     assert checkpoint is not None, "called with a search that expanded a configuration"
     for i in window.candidates(result.deepest_mask):
         event = ordered[i]
-        predicted = predicted_outcome(checkpoint.state, checkpoint.names, event, window.allocates)
-        lines.append(f"  op {event.op_id:<8} {describe(event)}; the spec: {predicted}")
+        predicted = predicted_outcome(checkpoint.state, checkpoint.names, event, window.issuing)
+        lines.append(f"  op {event.call:<8} {describe(event)}; the spec: {predicted}")
     return lines

@@ -2,11 +2,10 @@
 
 :func:`record_call` runs a call, takes ``time.perf_counter_ns()`` just before
 and just after it (so the recorded interval contains the call), and appends
-the :class:`~veloxquant_mlx.stress.history.Event` with what it returned (as
-the plain value the history keeps: block ids, a stats tuple, parsed
-Prometheus samples...) or the class of what it raised. The workers, the
-runner's observations at barriers and the conservation audit all record
-through it.
+the timed line with what it returned, in the form the spec predicts it
+(:func:`~veloxquant_mlx.testing.sides.pool_encoder`), or the class of what
+it raised. The workers, the runner's observations at barriers and the
+conservation audit all record through it.
 
 Complexity: O(1) plus the call and its value's conversion. Thread safety:
 each thread records into its own :class:`~veloxquant_mlx.stress.history.ThreadRecorder`.
@@ -17,63 +16,33 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter_ns
-from typing import Any, Final, Generic, TypeVar
+from typing import Final, Generic, TypeVar
 
-from veloxquant_mlx.stress.history import Call, Raised, Returned, ThreadRecorder
+from veloxquant_mlx.stress.history import ThreadRecorder
+from veloxquant_mlx.testing.sides import pool_encoder
+from veloxquant_mlx_spec.model import ErrorKind
+from veloxquant_mlx_spec.table import Outcome, Raised, Returned, Returns, declaration_of
 
-__all__ = [
-    "EXPECTED_ERRORS",
-    "Invoked",
-    "parse_prometheus",
-    "record_call",
-    "stats_tuple_of",
-]
+__all__ = ["EXPECTED_ERRORS", "Invoked", "encoder_of", "record_call"]
 
 T = TypeVar("T")
 
 #: Errors the pool raises on purpose; any other is recorded with its message.
-EXPECTED_ERRORS: Final = frozenset(
-    {
-        "TypeError",
-        "ValueError",
-        "BlockPoolExhaustedError",
-        "OwnerAlreadyActiveError",
-        "InvalidFreeError",
-    }
-)
+EXPECTED_ERRORS: Final = frozenset(kind.value for kind in ErrorKind)
+
+#: How each kind of result is recorded; handles a query returned stay objects until the
+#: barrier names them (every call that handed them out has registered them by then).
+_ENCODERS: Final = {returns: pool_encoder(returns, None) for returns in Returns}
 
 
-def stats_tuple_of(stats: Any) -> tuple[int, ...]:
-    """An ``AllocationStats`` as a tuple in ``history.STATS_FIELDS`` order."""
-    return (
-        stats.n_blocks,
-        stats.n_allocations,
-        stats.n_frees,
-        stats.n_reused,
-        stats.n_exhausted,
-        stats.n_grown,
-        stats.n_retired,
-        stats.peak_blocks_in_use,
-        stats.blocks_in_use(),
-        stats._fragmented_count,
-    )
+def _done(value: object) -> Outcome:
+    return Returned(None)
 
 
-def parse_prometheus(text: str) -> tuple[tuple[str, float], ...]:
-    """The ``(sample, value)`` pairs of exposition text, sorted; with ``prometheus_client``'s
-    parser when it is installed, which also rejects malformed text."""
-    try:
-        from prometheus_client.parser import text_string_to_metric_families  # noqa: PLC0415
-    except ImportError:  # pragma: no cover - prometheus_client is a dev dependency
-        samples = [line.split() for line in text.splitlines() if line and line[0] != "#"]
-        return tuple(sorted((name, float(value)) for name, value in samples))
-    return tuple(
-        sorted(
-            (sample.name, float(sample.value))
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
-        )
-    )
+def encoder_of(op: object) -> Callable[[object], Outcome]:
+    """How ``op``'s return value is recorded (a store call's data is its caller's to check)."""
+    declaration = declaration_of(op)
+    return _done if declaration.target == "store" else _ENCODERS[declaration.returns]
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,14 +53,13 @@ class Invoked(Generic[T]):
     result: T | Exception
 
 
-def record_call(
-    recorder: ThreadRecorder, call: Call, action: Callable[[], T], value_of: Callable[[T], object]
-) -> Invoked[T]:
-    """Make a call through ``action`` and record it, with ``value_of(result)`` as its value.
+def record_call(recorder: ThreadRecorder, op: object, action: Callable[[], T]) -> Invoked[T]:
+    """Make ``op`` through ``action`` (which makes exactly that call) and record it.
 
     The invocation time is taken just before ``action`` runs and the return
     time just after, so the recorded interval contains the call.
     """
+    encode = encoder_of(op)
     op_id = recorder.next_op_id()
     start = perf_counter_ns()
     try:
@@ -100,8 +68,8 @@ def record_call(
         end = perf_counter_ns()
         kind = type(error).__name__
         message = "" if kind in EXPECTED_ERRORS else str(error)[:300]
-        recorder.add(op_id, call, start, end, Raised(kind, message))
+        recorder.add(op_id, op, start, end, Raised(kind, message))
         return Invoked(op_id, error)
     end = perf_counter_ns()
-    recorder.add(op_id, call, start, end, Returned(value_of(result)))
+    recorder.add(op_id, op, start, end, encode(result))
     return Invoked(op_id, result)

@@ -1,34 +1,28 @@
-"""The linearized history, replayed through the aliasing replay on a real store, and saved.
+"""The linearized history, replayed on a real store as it is decided, and saved as a trace.
 
 Once the linearizability checker has decided an order for a stretch of the
-history, :class:`LinearizedReplay` turns those calls into the ops of
-:mod:`veloxquant_mlx.testing.traces`, appends them to a JSON-lines trace file
-and applies them, one by one, to an :class:`~veloxquant_mlx.testing.aliasing.AliasingReplay`
-on MLX (or NumPy) storage: a fresh sequential pool must give every recorded
-outcome (the same block ids, the same errors, the same shrink counts), and
-after every ``free``, growing ``allocate`` and ``shrink`` the store's data,
-liveness and capacity are checked. The trace file replays again later with
-one command::
+history, :class:`LinearizedReplay` appends those calls, in that order and
+without their times, to a JSON-lines trace file
+(:mod:`veloxquant_mlx.testing.traces`) and applies them, one by one, to an
+:class:`~veloxquant_mlx.testing.aliasing.AliasingReplay` on MLX (or NumPy)
+storage: a fresh sequential pool, beside the spec, must give every recorded
+outcome (the same block ids, errors, counts, stats, names), and after every
+call the store's data, liveness and capacity are checked. Every call is in
+the trace, queries, store calls and calls with bad arguments included. The
+trace file replays again later with one command::
 
-    python -m stress --replay RUN_DIR/linearized.jsonl
-    python -m veloxquant_mlx.testing.aliasing RUN_DIR/linearized.jsonl
-
-Calls the trace format cannot express are left out, and leaving them out
-changes nothing a sequential replay can see: read-only queries and store
-calls (they change no pool state), and calls whose arguments are not of the
-trace's types or name a foreign block or a non-block (the spec makes every
-one of them fail without changing state; the checker already verified that
-they did).
+    veloxquant-mlx replay RUN_DIR/linearized.jsonl
 
 The trace is written as ``linearized.partial.jsonl``, its header marked
 ``"partial": true``, while the run goes on; only when every call of the run
 was checked and replayed does :meth:`LinearizedReplay.close` turn it into
 ``linearized.jsonl`` (atomically, without the mark). A run that was
 interrupted or whose checking gave up leaves the partial file, which
-replays with the verdict "inconclusive", never "ok".
+replays with the verdict "inconclusive", never "ok". The file written so far
+is also the prefix of a violation's reproducer (:mod:`.reproducer`).
 
-Complexity: O(1) per call to convert; the replay costs what
-:class:`AliasingReplay` costs per op. Thread safety: one thread feeds it.
+Complexity: O(1) per call to write; the replay costs what
+:class:`AliasingReplay` costs per call. Thread safety: one thread feeds it.
 """
 
 from __future__ import annotations
@@ -36,24 +30,13 @@ from __future__ import annotations
 import contextlib
 import shutil
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Final, TextIO
 
 from veloxquant_mlx.commandline.files import atomic_file
 from veloxquant_mlx.commandline.verdicts import Gap
 from veloxquant_mlx.memory.block_pool import PoolConfig
-from veloxquant_mlx.stress.history import (
-    Allocate,
-    Event,
-    Free,
-    FreeAll,
-    MarkUsed,
-    Raised,
-    RegisterOwner,
-    ReleaseOwner,
-    Returned,
-    Shrink,
-)
 from veloxquant_mlx.testing import traces
 from veloxquant_mlx.testing.aliasing import (
     AliasingReplay,
@@ -61,15 +44,9 @@ from veloxquant_mlx.testing.aliasing import (
     StorageBackend,
     builtin_backend,
 )
-from veloxquant_mlx_spec.model import NotAList
+from veloxquant_mlx.testing.traces import TraceLine
 
-__all__ = [
-    "PARTIAL_TRACE_NAME",
-    "TRACE_NAME",
-    "LinearizedReplay",
-    "backend_named",
-    "to_trace_op",
-]
+__all__ = ["PARTIAL_TRACE_NAME", "TRACE_NAME", "LinearizedReplay", "backend_named"]
 
 #: The linearized trace of a run whose every call was checked and replayed.
 TRACE_NAME: Final = "linearized.jsonl"
@@ -90,62 +67,6 @@ def backend_named(name: str) -> StorageBackend[Any] | None:
     return builtin_backend(name)
 
 
-def _int(value: object) -> int | None:
-    """``value`` if it is an ``int`` (not a ``bool``), else ``None``."""
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
-def _expect(event: Event) -> str | None:
-    if isinstance(event.outcome, Raised):
-        return event.outcome.kind
-    return None if event.outcome is None else "ok"
-
-
-def to_trace_op(event: Event) -> traces.Op | None:
-    """The trace op of a recorded call, or ``None`` if the trace leaves it out (module doc)."""
-    call, expect = event.call, _expect(event)
-    value = event.outcome.value if isinstance(event.outcome, Returned) else None
-    if isinstance(call, Allocate):
-        n_tokens, owner = _int(call.n_tokens), _int(call.owner)
-        if n_tokens is None or owner is None:
-            return None
-        if not (isinstance(call.stream, str) and isinstance(call.format, str)):
-            return None
-        block_ids = value if isinstance(value, tuple) else None
-        return traces.Allocate(
-            event.op_id, call.stream, n_tokens, owner, call.format, block_ids, expect
-        )
-    if isinstance(call, Free):
-        if isinstance(call.handles, NotAList):
-            return None
-        names = [ref for ref in call.handles if isinstance(ref, tuple)]
-        return traces.Free(tuple(names), expect) if len(names) == len(call.handles) else None
-    if isinstance(call, MarkUsed):
-        n_used = _int(call.n_used)
-        if not isinstance(call.handle, tuple) or n_used is None:
-            return None
-        return traces.MarkUsed(call.handle, n_used, expect)
-    if isinstance(call, Shrink):
-        target_free = _int(call.target_free)
-        if not isinstance(call.stream, str) or target_free is None:
-            return None
-        return traces.Shrink(call.stream, target_free, _int(value), expect)
-    return _owner_op(call, expect)
-
-
-def _owner_op(call: object, expect: str | None) -> traces.Op | None:
-    if not isinstance(call, (FreeAll, RegisterOwner, ReleaseOwner)):
-        return None
-    owner = _int(call.owner)
-    if owner is None:
-        return None
-    if isinstance(call, FreeAll):
-        return traces.FreeAll(owner, expect)
-    if isinstance(call, RegisterOwner):
-        return traces.RegisterOwner(owner, expect)
-    return traces.ReleaseOwner(owner, expect)
-
-
 class LinearizedReplay:
     """Saves the linearized calls as a trace and replays them on a store as they come.
 
@@ -161,6 +82,7 @@ class LinearizedReplay:
         store: traces.StoreSpec,
         backend: StorageBackend[Any] | None,
         folder: Path | None,
+        history_len: int = 0,
     ) -> None:
         """Replay on ``backend`` (``None``: only save); write into ``folder`` (``None``: don't)."""
         self.backend_name: Final = "none" if backend is None else backend.name
@@ -170,36 +92,47 @@ class LinearizedReplay:
         self.failure: ReplayError | None = None
         self.stopped_because: str | None = None
         self._folder = folder
-        self._header = traces.Trace(pool, store)
-        self._engine = None if backend is None else AliasingReplay(pool, store, backend)
+        self._header = traces.Trace(pool, store, history_len=history_len)
+        self._engine = (
+            None
+            if backend is None
+            else AliasingReplay(pool, store, backend, history_len=history_len)
+        )
         self._file: TextIO | None = None
         self.path: Path | None = None
         if folder is not None:
             self.path = folder / PARTIAL_TRACE_NAME
             self._file = self.path.open("w", encoding="utf-8")
-            partial = traces.Trace(pool, store, partial=True)
+            partial = replace(self._header, partial=True)
             self._file.write(traces.encode_header(partial) + "\n")
             self._file.flush()
 
-    def feed(self, events: Sequence[Event]) -> None:
+    def feed(self, events: Sequence[TraceLine]) -> None:
         """Save and replay ``events``, in this (linearization) order; stop at a failure."""
         for event in events:
-            op = to_trace_op(event)
-            if op is None or self.failure is not None:
+            if self.failure is not None:
                 continue
             if self.stopped_because is not None:
                 self.ops_not_replayed += 1
                 continue
+            line = TraceLine(event.op, event.call, event.outcome)  # in order: no times
             if self._file is not None:
-                self._file.write(traces.encode_op(op) + "\n")
+                self._file.write(traces.encode_line(line) + "\n")
                 self.ops_written += 1
             if self._engine is not None:
                 try:
-                    self._engine.apply(op)
+                    self._engine.apply(line)
                 except ReplayError as failure:
                     self.failure = failure
                     continue
                 self.ops_replayed += 1
+        if self._file is not None:
+            self._file.flush()  # a reproducer copies what is written so far
+
+    @property
+    def complete(self) -> bool:
+        """Whether the file holds every call fed so far (nothing stopped or failed)."""
+        return self.failure is None and self.stopped_because is None
 
     def stop(self, reason: str) -> None:
         """Replay and write nothing more (the checking time ran out, or Ctrl-C)."""

@@ -60,9 +60,8 @@ _OTHER_RUN_FILES: Final = ("linearized.jsonl", "linearized.partial.jsonl", "stac
 
 def is_run_file(name: str) -> bool:
     """Whether a stress run writes a file of this name (an earlier run's report, trace...)."""
-    return (
-        name in (REPORT_NAME, SUMMARY_NAME, *_OTHER_RUN_FILES)
-        or (name.startswith("violation-") and name.endswith(".json"))
+    return name in (REPORT_NAME, SUMMARY_NAME, *_OTHER_RUN_FILES) or (
+        name.startswith("violation-") and name.endswith((".json", ".jsonl"))
     )
 
 

@@ -39,7 +39,6 @@ time per process (it sets the interpreter's switch interval for the run).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import json
 import sys
 import threading
@@ -62,17 +61,8 @@ from veloxquant_mlx.stress.checking import (
 )
 from veloxquant_mlx.stress.config import StressConfig
 from veloxquant_mlx.stress.conservation import CONSERVATION_OWNER, check_conservation
-from veloxquant_mlx.stress.history import (
-    BlocksFor,
-    Event,
-    History,
-    IdBound,
-    NFree,
-    Raised,
-    Stats,
-    ThreadRecorder,
-)
-from veloxquant_mlx.stress.recording import record_call, stats_tuple_of
+from veloxquant_mlx.stress.history import ThreadRecorder
+from veloxquant_mlx.stress.recording import record_call
 from veloxquant_mlx.stress.replay import LinearizedReplay, backend_named
 from veloxquant_mlx.stress.report import (
     REPORT_NAME,
@@ -82,7 +72,7 @@ from veloxquant_mlx.stress.report import (
     Timing,
     summary_text,
 )
-from veloxquant_mlx.stress.reproducer import spec_config, write_reproducer
+from veloxquant_mlx.stress.reproducer import REPRODUCER_NAME, write_reproducer
 from veloxquant_mlx.stress.workload import (
     FOREIGN_OWNER,
     SHARED_OWNERS,
@@ -92,6 +82,9 @@ from veloxquant_mlx.stress.workload import (
     named_events,
     private_owners,
 )
+from veloxquant_mlx.testing.aliasing import spec_config
+from veloxquant_mlx.testing.traces import Trace, TraceLine
+from veloxquant_mlx_spec.table import Raised, bind, declaration_of, observation_ops
 
 __all__ = ["run_stress"]
 
@@ -149,6 +142,7 @@ class _Run:
             tick=self._tick,
         )
         self.checking: HistoryChecking | None = None  # built on the checker's thread
+        self.observed: Final = observation_ops(spec_config(config.pool), SHARED_OWNERS, ())
         self.invariant_checks = 0
         self.conservation_problems: tuple[str, ...] = ()
         self.audit_skipped: str | None = None  # why the conservation audit did not run
@@ -220,23 +214,18 @@ class _Run:
         )
 
     def _observe(self) -> None:
-        """Recorded queries at the quiescent point: they pin down the state between windows."""
-        pool, recorder = self.pool, self.observer
-        record_call(recorder, Stats(), lambda: pool.stats, stats_tuple_of)
-        record_call(
-            recorder, History(), lambda: pool.history, lambda h: tuple(map(stats_tuple_of, h))
-        )
-        for stream in ("k", "v") if pool.config.separate_kv else ("kv",):
-            record_call(recorder, NFree(stream), functools.partial(pool.n_free, stream), int)
-        for owner in SHARED_OWNERS:
-            record_call(
-                recorder, BlocksFor(owner), functools.partial(pool.blocks_for, owner), tuple
-            )
-        record_call(recorder, IdBound(), pool.id_bound, int)
+        """Recorded queries at the quiescent point: they pin down the state between windows.
 
-    def _tally(self, events: Sequence[Event]) -> None:
+        The queries the table observes (stats, history, free counts, the shared
+        owners' handles, ``id_bound``, ``check_invariants``), as the lockstep
+        runner compares them after every call.
+        """
+        for op in self.observed:
+            record_call(self.observer, op, bind(self.pool, op, _no_ref))
+
+    def _tally(self, events: Sequence[TraceLine]) -> None:
         for event in events:
-            kind = event.call.kind
+            kind = declaration_of(event.op).name
             self.calls_by_kind[kind] += 1
             if isinstance(event.outcome, Raised):
                 self.errors.setdefault(kind, Counter())[event.outcome.kind] += 1
@@ -253,7 +242,11 @@ class _Run:
         """The history checker's thread: see :class:`~.checking.HistoryChecking`."""
         config = self.config
         replay = LinearizedReplay(
-            config.pool, config.store, backend_named(config.replay_backend), config.out_dir
+            config.pool,
+            config.store,
+            backend_named(config.replay_backend),
+            config.out_dir,
+            config.history_len,
         )
         checking = HistoryChecking(self.checker, replay, self.windows, self.budget)
         self.checking = checking
@@ -272,9 +265,12 @@ class _Run:
         violation = checker.violation
         assert violation is not None, "called at a violation"
         config, out = self.config, self.config.out_dir
-        path = None if out is None else out / "violation-linearizability.json"
+        path = None if out is None else out / REPRODUCER_NAME
         if path is not None:
-            write_reproducer(path, violation, config.pool, config.history_len)
+            replay = None if self.checking is None else self.checking.replay
+            prefix = replay.path if replay is not None and replay.complete else None
+            header = Trace(config.pool, config.store, history_len=config.history_len)
+            write_reproducer(path, violation, header, prefix)
         self._violation("linearizability", violation.message, str(path) if path else None)
 
     def _drain_queue(self) -> None:
@@ -286,7 +282,7 @@ class _Run:
         assert self.checking is not None, "searches run on the checker's thread"
         self.checking.tick()
 
-    def _commit(self, events: Sequence[Event]) -> None:
+    def _commit(self, events: Sequence[TraceLine]) -> None:
         assert self.checking is not None, "windows are committed by the history checker only"
         self.checking.commit(events)
         self._report_replay_failure()
@@ -326,6 +322,10 @@ class _Run:
     def owners(self) -> list[int]:
         mine = [owner for i in range(self.config.threads) for owner in private_owners(i)]
         return [*SHARED_OWNERS, *mine, CONSERVATION_OWNER]
+
+
+def _no_ref(ref: object) -> object:
+    raise AssertionError(f"an observation names no handle, got {ref!r}")
 
 
 def _foreign_block(config: PoolConfig) -> Block:
@@ -461,9 +461,7 @@ def _gaps(run: _Run) -> tuple[Gap, ...]:
     return tuple(gaps)
 
 
-def _report(
-    run: _Run, calls_seconds: float, total_seconds: float, finished: float
-) -> StressReport:
+def _report(run: _Run, calls_seconds: float, total_seconds: float, finished: float) -> StressReport:
     config = run.config
     checking = run.checking
     replay = None if checking is None else checking.replay

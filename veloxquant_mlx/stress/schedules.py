@@ -331,7 +331,7 @@ def replay(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line; see :mod:`veloxquant_mlx.stress.schedules_command`."""
+    """``veloxquant-mlx schedules`` (:mod:`~veloxquant_mlx.stress.schedules_command`)."""
     from veloxquant_mlx.stress.schedules_command import main as command_main  # noqa: PLC0415
 
     return command_main(argv)

@@ -1,16 +1,24 @@
-"""``python -m veloxquant_mlx.stress.schedules``: explore every built-in scenario's schedules.
+"""``veloxquant-mlx schedules``: explore every built-in scenario's schedules.
 
 Prints the scope (granularity and preemption bound) and one line per
 scenario: its threads, sequential orders, allowed and seen outcomes,
 schedules run, whether the exploration was exhaustive, its time and its
-verdict; then any violation, with the choices that replay it.
+verdict; then any violation, with the choices that replay it. The last
+scenario, ``finaliser_inside_the_lock``
+(:mod:`~veloxquant_mlx.stress.finaliser_schedules`), fires a dropped KV
+cache's finaliser at every locked line of every schedule of its own
+scenario; its line gives the drop points and runs.
 
 A preemption bound is the stated scope of the check: OK means every
 schedule within it ran and matched the spec. ``--max-schedules`` is a
-budget: a scenario that reaches it is inconclusive.
+budget (for the finaliser scenario: runs): a scenario that reaches it is
+inconclusive.
 
 Exit status (:mod:`veloxquant_mlx.commandline.verdicts`): 0 OK, 1 a
-violation, 2 bad input, 3 inconclusive, 130 Ctrl-C.
+violation, 2 bad input, 3 inconclusive, 130 Ctrl-C. ``python -m
+veloxquant_mlx.stress.schedules`` is the same command; ``python -m
+veloxquant_mlx.stress.finaliser_schedules [--max-runs N]`` runs the
+finaliser scenario alone.
 
 Complexity: as :func:`~veloxquant_mlx.stress.schedules.explore`, per
 scenario. Thread safety: one command per process.
@@ -18,28 +26,35 @@ scenario. Thread safety: one command per process.
 
 from __future__ import annotations
 
+import argparse
+import sys
 from collections.abc import Sequence
 from typing import Final
 
-from veloxquant_mlx.commandline.bad_input import OneLineParser
-from veloxquant_mlx.commandline.interrupts import run_command
-from veloxquant_mlx.commandline.verdicts import combined
+from veloxquant_mlx.commandline.verdicts import Gap, Verdict, combined, verdict_of
 from veloxquant_mlx.simulate.options import int_at_least
-from veloxquant_mlx.stress.schedules import SCENARIOS, Exploration, Granularity, explore
+from veloxquant_mlx.stress.schedule_scenarios import SCENARIOS
 
-__all__ = ["PROG", "main"]
+__all__ = ["DESCRIPTION", "FINALISER", "SUMMARY", "add_arguments", "main", "run", "validate"]
 
-PROG: Final = "python -m veloxquant_mlx.stress.schedules"
+#: The name of the finaliser scenario (its own explorer).
+FINALISER: Final = "finaliser_inside_the_lock"
 _DEFAULT_MAX_SCHEDULES: Final = 100_000
 
+SUMMARY: Final = "run small concurrent scenarios under every thread interleaving"
+DESCRIPTION: Final = """\
+Run every built-in scenario (a few threads' pool calls) under every
+interleaving of its scheduling points, and check each schedule's outcomes
+and final state against the sequential orders the spec allows; then fire a
+dropped cache's finaliser at every locked line of every schedule of its
+scenario.
 
-def _parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog=PROG,
-        description="Run every built-in scenario under every schedule and check each against "
-        "the spec. Exit status: 0 ok, 1 violation, 2 bad input, 3 inconclusive, 130 "
-        "interrupted.",
-    )
+Exit status: 0 ok, 1 violation, 2 bad input, 3 inconclusive, 130 interrupted.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``schedules``' options."""
     parser.add_argument("--granularity", choices=("lock", "line"), default="lock")
     parser.add_argument(
         "--max-preemptions",
@@ -50,15 +65,28 @@ def _parser() -> OneLineParser:
     )
     parser.add_argument(
         "--max-schedules",
+        "--max-runs",
+        dest="max_schedules",
         type=int_at_least(1),
         default=_DEFAULT_MAX_SCHEDULES,
         metavar="N",
-        help="schedules per scenario before it stops, inconclusive (default: %(default)s)",
+        help="schedules (runs) per scenario before it stops, inconclusive (default: %(default)s)",
     )
-    return parser
+    names = [scenario.name for scenario in SCENARIOS] + [FINALISER]
+    parser.add_argument(
+        "--scenario", action="append", choices=names, help="repeatable (default: all)"
+    )
 
 
-def _row(result: Exploration, threads: int) -> str:
+def validate(args: argparse.Namespace) -> str | None:
+    """Nothing spans several options."""
+    return None
+
+
+def _row(result: object, threads: int) -> str:
+    from veloxquant_mlx.stress.schedules import Exploration  # noqa: PLC0415
+
+    assert isinstance(result, Exploration)
     exhaustive = "yes" if result.exhaustive else "no"
     return (
         f"{result.scenario:<36} {threads:>7} {result.sequential_orders:>6} "
@@ -67,35 +95,59 @@ def _row(result: Exploration, threads: int) -> str:
     )
 
 
-def _explore_all(granularity: Granularity, bound: int | None, max_schedules: int) -> int:
+def run(args: argparse.Namespace) -> int:
+    """Explore the chosen scenarios; the exit status (module docstring)."""
+    from veloxquant_mlx.stress.schedules import explore  # noqa: PLC0415
+
+    chosen = args.scenario
+    bound = args.max_preemptions
     scope = "every schedule" if bound is None else f"every schedule with <= {bound} preemptions"
-    print(f"granularity={granularity} max_preemptions={bound} ({scope})")
+    print(f"granularity={args.granularity} max_preemptions={bound} ({scope})")
     print(
         f"{'scenario':<36} {'threads':>7} {'orders':>6} {'outcomes':>8} {'seen':>4} "
         f"{'schedules':>9} exhaustive  seconds  verdict"
     )
-    results = []
+    verdicts = []
     for scenario in SCENARIOS:
+        if chosen is not None and scenario.name not in chosen:
+            continue
         result = explore(
             scenario,
-            granularity=granularity,
+            granularity=args.granularity,
             max_preemptions=bound,
-            max_schedules=max_schedules,
+            max_schedules=args.max_schedules,
         )
-        results.append(result)
+        verdicts.append(result.verdict)
         print(_row(result, len(scenario.threads)), flush=True)
         for violation in result.violations:
             print(violation)
         if result.gap is not None and not result.violations:
             print(f"  NOT CHECKED: {result.gap}")
-    return combined(result.verdict for result in results).exit_status
+    if chosen is None or FINALISER in chosen:
+        verdicts.append(_finaliser(args.max_schedules))
+    return combined(verdicts).exit_status
+
+
+def _finaliser(max_runs: int) -> Verdict:
+    from veloxquant_mlx.stress.finaliser_schedules import explore_finaliser  # noqa: PLC0415
+
+    result = explore_finaliser(max_runs=max_runs)
+    gaps = () if result.exhaustive else (Gap(f"runs after the first {result.runs:,}", "budget"),)
+    verdict = verdict_of(violations=len(result.violations), gaps=gaps)
+    cut = "" if result.exhaustive else " (INCONCLUSIVE: --max-schedules runs ran out)"
+    print(
+        f"{FINALISER}: {result.drop_points} drop points, {result.runs} runs, "
+        f"{result.fired_inside_lock} fired inside the lock, {result.seconds:.2f} s, "
+        f"{verdict.label}{cut}",
+        flush=True,
+    )
+    for violation in result.violations:
+        print(f"  {violation}")
+    return verdict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Explore every built-in scenario; the exit status (module docstring)."""
-    return run_command(PROG, lambda: _run(argv))
+    """``python -m veloxquant_mlx.stress.schedules``: the ``schedules`` subcommand."""
+    from veloxquant_mlx.cli import main as cli_main  # noqa: PLC0415
 
-
-def _run(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
-    return _explore_all(args.granularity, args.max_preemptions, args.max_schedules)
+    return cli_main(["schedules", *(sys.argv[1:] if argv is None else argv)])

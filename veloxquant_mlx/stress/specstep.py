@@ -1,28 +1,28 @@
 """One recorded call, applied to the executable spec: the state after it, or "not allowed".
 
 The linearizability checker tries recorded calls in many orders; each try is
-:func:`step`: turn the call's handle names into the spec's ``HandleId``s,
-apply the spec's transition (``veloxquant_mlx_spec.transitions``), and keep
-the result only if the outcome the thread recorded is the one the spec
-predicts there (the same return value, or the same error class).
+:func:`step`: turn the call's handle names into the spec's serials, apply
+the spec's transition (through the operation table), and keep the result
+only if the outcome the thread recorded is the one the spec predicts there
+(the same value, or the same error class).
 
 A :class:`Checkpoint` is a spec state plus ``names``: ``names[h]`` is the
-history name (``(op_id, position)``) of the spec's handle ``h``. Spec handle
-ids are checkout serial numbers, so which name gets which id depends on the
-order in which the allocates were linearized: the mapping is part of the
-search state, and :func:`step` extends it when it linearizes an allocate.
+name (``h(op_id, position)``) of the spec's handle ``h``. Spec handle ids
+are checkout serial numbers, so which name gets which id depends on the
+order in which the calls that hand out handles were linearized: the mapping
+is part of the search state, and :func:`step` extends it.
 
 :func:`compact` drops the stale handles from a state and renumbers the live
 ones, keeping their order. This changes nothing observable: every spec
 transition ignores a handle whose ``owner`` is ``None`` (``live_handles``,
 ``is_active``, ``blocks_for`` and ``stats`` filter on it), and a call that
-names a stale handle gets exactly the outcome it would get with a hand-made
-free block (``ForeignBlock(None)``): ``free`` and ``is_live`` see a non-live
-block, ``mark_used`` succeeds with no visible effect. New handles get ids
-after the live ones, and ``names`` follows the renumbering. So a checkpoint
-stays as small as the pool's live handles, instead of growing with every
-handle the run ever made, and states that differ only in stale handles
-become equal, which the checker's memo then merges.
+names a stale handle gets exactly the outcome it would get with a block
+built by hand (``ForeignBlock(None)``): ``free`` and ``is_live`` see a
+non-live block, ``mark_used`` succeeds with no visible effect. New handles
+get ids after the live ones, and ``names`` follows the renumbering. So a
+checkpoint stays as small as the pool's live handles, instead of growing
+with every handle the run ever made, and states that differ only in stale
+handles become equal, which the checker's memo then merges.
 
 Complexity: :func:`step` costs one spec transition, O(live handles + pool
 size). Thread safety: pure functions over immutable values.
@@ -32,71 +32,44 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass, replace
-from typing import Final
 
-from veloxquant_mlx.stress.history import (
-    Allocate,
-    BlocksFor,
-    Call,
-    Event,
-    Free,
-    FreeAll,
-    HandleName,
-    History,
-    IdBound,
-    IsLive,
-    MarkUsed,
-    NFree,
-    Outcome,
-    Prometheus,
-    Raised,
-    Ref,
-    RegisterOwner,
-    ReleaseOwner,
-    Returned,
-    Shrink,
-    Stats,
-    StoreRead,
-    StoreWrite,
-    describe_ref,
-)
-from veloxquant_mlx_spec import transitions
+from veloxquant_mlx.testing.sides import describe
+from veloxquant_mlx.testing.traces import TraceLine
 from veloxquant_mlx_spec.model import (
     Err,
-    ErrorKind,
     ForeignBlock,
     HandleArg,
-    NotABlock,
-    NotAList,
     PoolState,
     SpecConfig,
-    StatsView,
     new_pool,
-    stats,
+)
+from veloxquant_mlx_spec.table import (
+    Handle,
+    HandleRef,
+    Outcome,
+    Raised,
+    declaration_of,
+    issued,
+    spec_call,
+    spec_outcome,
 )
 
 __all__ = [
-    "PROMETHEUS_PREFIX",
     "Checkpoint",
     "Names",
     "compact",
     "initial_checkpoint",
     "predicted_outcome",
-    "prometheus_samples",
-    "stats_tuple",
     "step",
 ]
 
-Names = tuple[HandleName, ...]
-"""``names[h]``: the history name of the spec's handle ``h``."""
-
-#: The prefix of the Prometheus text the stress runner reads (the library's default).
-PROMETHEUS_PREFIX: Final = "veloxquant_block_pool"
+Names = tuple[Handle, ...]
+"""``names[h]``: the name of the spec's handle ``h``."""
 
 
 @dataclass(frozen=True, slots=True)
 class Checkpoint:
-    """A spec state and the history names of its handles (see the module docstring)."""
+    """A spec state and the names of its handles (see the module docstring)."""
 
     state: PoolState
     names: Names
@@ -123,177 +96,75 @@ def compact(state: PoolState, names: Names) -> Checkpoint:
     return Checkpoint(replace(state, handles=handles), tuple(names[h] for h in live))
 
 
-def stats_tuple(view: StatsView) -> tuple[int, ...]:
-    """A spec stats view in the form a ``stats`` query records (``STATS_FIELDS`` order)."""
-    return (
-        view.n_blocks,
-        view.n_allocations,
-        view.n_frees,
-        view.n_reused,
-        view.n_exhausted,
-        view.n_grown,
-        view.n_retired,
-        view.peak_blocks_in_use,
-        view.blocks_in_use,
-        view.fragmented_count,
-    )
-
-
-def prometheus_samples(view: StatsView) -> tuple[tuple[str, float], ...]:
-    """The ``(sample name, value)`` pairs ``to_prometheus()`` must show for ``view``, sorted."""
-    values: dict[str, float] = {
-        "blocks": view.n_blocks,
-        "blocks_in_use": view.blocks_in_use,
-        "peak_blocks_in_use": view.peak_blocks_in_use,
-        "fragmentation_ratio": view.fragmentation(),
-        "allocations_total": view.n_allocations,
-        "frees_total": view.n_frees,
-        "reused_total": view.n_reused,
-        "exhausted_total": view.n_exhausted,
-        "grown_total": view.n_grown,
-        "retired_total": view.n_retired,
-    }
-    return tuple(sorted((f"{PROMETHEUS_PREFIX}_{name}", float(v)) for name, v in values.items()))
-
-
 class _UnresolvableError(Exception):
-    """A handle name whose allocate is in this window but not linearized yet."""
+    """A handle name whose call is in this window but not linearized yet."""
 
 
-def _resolve(ref: Ref, names: Names, window_allocates: Container[int]) -> HandleArg:
-    """The spec's reference for a recorded one (see the module docstring for stale names)."""
-    if isinstance(ref, (ForeignBlock, NotABlock)):
-        return ref
-    try:
-        return names.index(ref)
-    except ValueError:
-        if ref[0] in window_allocates:
-            raise _UnresolvableError(ref) from None
-        return ForeignBlock(None)  # stale since an earlier checkpoint (or never issued)
+def _resolver(names: Names, window_calls: Container[int]) -> object:
+    def resolve(ref: HandleRef) -> HandleArg:
+        """The spec's reference for a recorded one (see the module docstring for stale names)."""
+        if not isinstance(ref, Handle):
+            return ref
+        try:
+            return names.index(ref)
+        except ValueError:
+            if ref.call in window_calls:
+                raise _UnresolvableError(ref) from None
+            return ForeignBlock(None)  # stale since an earlier checkpoint (or never issued)
+
+    return resolve
 
 
-def _matches(outcome: Outcome | None, predicted: object) -> bool:
-    """Whether a recorded outcome is the predicted value or error (pending: anything)."""
-    if outcome is None:
-        return True
-    if isinstance(predicted, Err):
-        return isinstance(outcome, Raised) and outcome.kind == predicted.kind.value
-    return isinstance(outcome, Returned) and outcome.value == predicted
+def _predict(
+    state: PoolState, names: Names, event: TraceLine, window_calls: Container[int]
+) -> tuple[PoolState, Outcome]:
+    after, result = spec_call(state, event.op, _resolver(names, window_calls))  # type: ignore[arg-type]
+    return after, spec_outcome(declaration_of(event.op), after, result, names.__getitem__)
+
+
+def _store_shape(event: TraceLine) -> bool:
+    """A store call refused for its shape (layer, slots, tokens): the store's rule, not the spec's.
+
+    The spec decides only whether the blocks are live; a store may refuse a
+    call on live blocks for its shape as well, and whoever replays the store
+    checks that.
+    """
+    return declaration_of(event.op).target == "store" and event.outcome == Raised("ValueError")
 
 
 def step(
-    state: PoolState, names: Names, event: Event, window_allocates: Container[int]
+    state: PoolState, names: Names, event: TraceLine, window_calls: Container[int]
 ) -> tuple[PoolState, Names] | None:
     """Linearize ``event`` at ``state``: the next state and names, or ``None`` if not allowed.
 
     Args:
         state: The spec state before the call.
-        names: The history names of ``state``'s handles.
-        event: The recorded call and outcome (a pending event allows any outcome).
-        window_allocates: Op ids of the allocates of the window being checked; a
-            name made by one of them that is not in ``names`` yet cannot be used.
+        names: The names of ``state``'s handles.
+        event: The recorded call and outcome (a pending one allows any outcome).
+        window_calls: Labels of the window's calls that hand out handles; a name
+            made by one of them that is not in ``names`` yet cannot be used.
 
     Returns:
         ``(state after, names after)``, or ``None``: the spec predicts another
         outcome here, or the call names a handle not handed out yet.
     """
     try:
-        return _step(state, names, event, window_allocates)
+        after, predicted = _predict(state, names, event, window_calls)
     except _UnresolvableError:
         return None
-
-
-def _step(
-    state: PoolState, names: Names, event: Event, window_allocates: Container[int]
-) -> tuple[PoolState, Names] | None:
-    call, outcome = event.call, event.outcome
-    if isinstance(call, Allocate):
-        return _allocate(state, names, event)
-    after, predicted = _transition(state, names, call, window_allocates)
-    return (after, names) if _matches(outcome, predicted) else None
-
-
-def _allocate(state: PoolState, names: Names, event: Event) -> tuple[PoolState, Names] | None:
-    call = event.call
-    assert isinstance(call, Allocate), "only called for allocate events"
-    after, result = transitions.allocate(state, call.stream, call.n_tokens, call.owner, call.format)
-    if isinstance(result, Err):
-        return (after, names) if _matches(event.outcome, result) else None
-    block_ids = tuple(after.handles[h].block_id for h in result)
-    if not _matches(event.outcome, block_ids):
+    if event.outcome is not None and event.outcome != predicted and not _store_shape(event):
         return None
-    return after, names + tuple((event.op_id, position) for position in range(len(result)))
-
-
-def _transition(
-    state: PoolState, names: Names, call: Call, window_allocates: Container[int]
-) -> tuple[PoolState, object]:
-    """Every call but allocate: the state after it and its predicted value or error."""
-    if isinstance(call, Free):
-        if isinstance(call.handles, NotAList):
-            return transitions.free(state, call.handles)
-        refs = tuple(_resolve(ref, names, window_allocates) for ref in call.handles)
-        return transitions.free(state, refs)
-    if isinstance(call, FreeAll):
-        return transitions.free_all(state, call.owner)
-    if isinstance(call, RegisterOwner):
-        return transitions.register_owner(state, call.owner)
-    if isinstance(call, ReleaseOwner):
-        return transitions.release_owner(state, call.owner)
-    if isinstance(call, Shrink):
-        return transitions.shrink(state, call.stream, call.target_free)
-    if isinstance(call, MarkUsed):
-        ref = _resolve(call.handle, names, window_allocates)
-        return transitions.mark_used(state, ref, call.n_used)
-    return state, _query(state, names, call, window_allocates)
-
-
-def _query(state: PoolState, names: Names, call: Call, window_allocates: Container[int]) -> object:
-    """The value (or error) a read-only call must return at ``state``."""
-    if isinstance(call, Stats):
-        return stats_tuple(stats(state))
-    if isinstance(call, Prometheus):
-        return prometheus_samples(stats(state))
-    if isinstance(call, History):
-        return tuple(stats_tuple(view) for view in state.history)
-    if isinstance(call, NFree):
-        return transitions.n_free(state, call.stream)
-    if isinstance(call, BlocksFor):
-        handles = transitions.blocks_for(state, call.owner)
-        return handles if isinstance(handles, Err) else tuple(names[h] for h in handles)
-    if isinstance(call, IsLive):
-        return transitions.is_live(state, _resolve(call.handle, names, window_allocates))
-    if isinstance(call, IdBound):
-        return transitions.id_bound(state)
-    if isinstance(call, StoreWrite):
-        refs: tuple[HandleArg, ...] = (_resolve(call.handle, names, window_allocates),)
-    else:
-        assert isinstance(call, StoreRead), f"unknown call {call!r}"
-        refs = tuple(_resolve(ref, names, window_allocates) for ref in call.handles)
-    # The store checks liveness through the pool: it writes (reads) iff every block is live.
-    if all(transitions.is_live(state, ref) for ref in refs):
-        return None
-    return Err(ErrorKind.VALUE, "a block is not a live handle of the store's pool")
+    if isinstance(predicted, Raised) or event.call is None:
+        return after, names
+    new = tuple(Handle(event.call, i) for i in range(len(issued(state, after))))
+    return after, names + new
 
 
 def predicted_outcome(
-    state: PoolState, names: Names, event: Event, window_allocates: Container[int]
+    state: PoolState, names: Names, event: TraceLine, window_calls: Container[int]
 ) -> str:
     """What the spec says ``event``'s call returns or raises at ``state``, as text."""
-    call = event.call
     try:
-        if isinstance(call, Allocate):
-            after, result = transitions.allocate(
-                state, call.stream, call.n_tokens, call.owner, call.format
-            )
-            if isinstance(result, Err):
-                return f"raises {result.kind.value}"
-            return f"block ids {[after.handles[h].block_id for h in result]}"
-        predicted = _transition(state, names, call, window_allocates)[1]
+        return describe(_predict(state, names, event, window_calls)[1])
     except _UnresolvableError as unresolvable:
-        return f"names handle {unresolvable.args[0]}, whose allocate has not happened yet"
-    if isinstance(predicted, Err):
-        return f"raises {predicted.kind.value}"
-    if isinstance(call, BlocksFor) and isinstance(predicted, tuple):
-        return "[" + ", ".join(describe_ref(ref) for ref in predicted) + "]"
-    return "ok" if predicted is None else repr(predicted)
+        return f"names handle {unresolvable.args[0]!r}, whose call has not happened yet"

@@ -1,96 +1,96 @@
-"""Aliasing replay: apply a trace to a pool and its store, checking the data after every op.
+"""Aliasing replay: apply a trace to a pool, the spec and a store; check the data after each line.
 
 The replay engine (:class:`AliasingReplay`) is the referee for backing
-stores. It applies a :mod:`trace <veloxquant_mlx.testing.traces>` op by op to
-a fresh pool and a store built by a :class:`StorageBackend`, writes a
-distinct sentinel into every slot of every block it allocates (and into
-every slot a ``write`` op names), keeps a NumPy shadow of what each live
-block must hold, and after every single op checks that:
+stores. It applies a :mod:`trace <veloxquant_mlx.testing.traces>` line by
+line to a fresh pool and a store built by a :class:`StorageBackend`. Pool
+calls go through :class:`~veloxquant_mlx.testing.lockstep.Lockstep`, so the
+executable spec predicts every outcome (block ids, errors, counts) and which
+handles are live; the engine writes a distinct sentinel into every slot of
+every block the spec says became live (and into every slot a ``write``
+names), keeps a NumPy shadow of what each live block must hold, and after
+every single line checks that:
 
 1. the pool's books are consistent and every live handle is live in the pool
-   (and every handle the op freed is not); no two live handles share an id;
+   (and every handle the line freed is not); no two live handles share an id;
 2. every live block's contents, read back with ``gather``, equal the shadow:
    a write through one id that shows up in another means two ids share storage;
-3. every array an earlier ``read`` returned still holds the values it had when
-   it was taken, including reads left unevaluated (``hold``) until after later
-   writes: a lazy graph or a donated buffer must not leak a later write in;
+3. every array an earlier ``gather`` returned still holds the values it had
+   when it was taken, including ones left unevaluated (``hold``) until after
+   later writes: a lazy graph or a donated buffer must not leak a later write in;
 4. the store follows the pool: ``id_bound <= capacity`` and ``capacity <
    headroom * id_bound`` unless they are equal, so the retired tail of the id
    range holds nothing beyond that headroom; ``resident_bytes`` is
    proportional to capacity, so it falls when a shrink retires the tail.
 
-The first op that breaks any of these raises :class:`ReplayError` naming
-the op's index in the trace, the op, and what broke. Every op may record the
-outcome it must have (``expect``, ``block_ids``, ``retired``); the replay
-checks those too, so a history recorded from a concurrent run replays as a
-linearizability check.
+The first line that breaks any of these, or whose outcome differs from the
+spec's or from the one it records, raises :class:`ReplayError` naming the
+line's index, the line, and what broke. So a history recorded from a
+concurrent run replays as a linearizability check too.
 
-Command line: ``python -m veloxquant_mlx.testing.aliasing TRACE.jsonl
-[--backend mlx|numpy]`` (:mod:`~veloxquant_mlx.testing.replay_command`: it
-refuses bad input first, and gives a partial trace the verdict
-inconclusive), or :func:`replay_file` from code.
+Command line: ``veloxquant-mlx replay TRACE.jsonl [--on mlx|numpy|...]``
+(:mod:`~veloxquant_mlx.testing.replay_command`), or :func:`replay_file`.
 
-Complexity: per op O(live blocks x layers x block slots) for the content
-check, plus O(held reads) and the pool's O(n) invariant check; this is a test
-tool. Thread safety: an engine is used from one thread.
+Complexity: per line O(live blocks x layers x block slots) for the content
+check, plus O(held reads), the pool's O(n) invariant check and one spec
+transition (the spec's stale handles are compacted away as the replay goes,
+so a long trace costs linear time). Thread safety: an engine is used from
+one thread.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
+from typing import Any, Final, Generic, TypeVar
 
 import numpy as np
-import numpy.typing as npt
 
 from veloxquant_mlx.memory.block_pool import (
     Block,
     BlockPoolAllocator,
-    BlockPoolError,
     InvariantViolationError,
     PoolConfig,
 )
-from veloxquant_mlx.memory.storage import BlockStorage
-from veloxquant_mlx.testing.traces import (
-    Allocate,
-    Free,
-    FreeAll,
-    HandleRef,
-    MarkUsed,
-    Op,
-    Read,
-    RegisterOwner,
-    ReleaseOwner,
-    Shrink,
-    StoreSpec,
-    Sync,
-    Trace,
-    Write,
-    encode_op,
-    load,
-    outcome_name,
+from veloxquant_mlx.testing.lockstep import Check, ConformanceError, Lockstep
+from veloxquant_mlx.testing.storage_backends import (
+    TOKEN_DTYPES,
+    StorageBackend,
+    Values,
+    builtin_backend,
+    mlx_backend,
+    numpy_backend,
 )
-
-if TYPE_CHECKING:
-    import mlx.core as mx
+from veloxquant_mlx.testing.store_operations import Gather, Sync, Write
+from veloxquant_mlx.testing.traces import StoreSpec, Trace, TraceLine, encode_line, load
+from veloxquant_mlx_spec import model
+from veloxquant_mlx_spec.table import (
+    ArgKind,
+    AsTuple,
+    Handle,
+    Outcome,
+    Raised,
+    Returned,
+    declaration_of,
+    matches,
+)
 
 __all__ = [
     "TOKEN_DTYPES",
     "AliasingReplay",
     "ReplayError",
     "StorageBackend",
+    "Values",
     "builtin_backend",
     "main",
     "mlx_backend",
     "numpy_backend",
     "replay",
     "replay_file",
+    "spec_config",
 ]
 
 ArrayT = TypeVar("ArrayT")
-Values = npt.NDArray[np.float32]
 
 #: Sentinels count modulo this per dtype, so that every value is exact in it.
 _SENTINEL_MODULUS: Final = {
@@ -101,163 +101,48 @@ _SENTINEL_MODULUS: Final = {
     "int16": 2**15,
 }
 _DEFAULT_MODULUS: Final = 2**24
-#: Dtypes a replayed store may have: numbers in which every sentinel is exact.
-TOKEN_DTYPES: Final = (
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "int8",
-    "int16",
-    "int32",
-    "int64",
-    "uint8",
-    "uint16",
-    "uint32",
-    "uint64",
-)
+#: Compact the spec's state once it holds this many stale handles (they change nothing).
+_COMPACT_AFTER: Final = 256
 
 
-@dataclass(frozen=True)
-class StorageBackend(Generic[ArrayT]):
-    """What the replay and the conformance suite need to drive one kind of store.
-
-    Attributes:
-        name: Shown in messages (``"mlx"``, ``"numpy"``, ``"my-cuda-store"``).
-        make_storage: Builds the store under test for a pool and a store shape.
-        from_numpy: Turns float32 token values into the store's array type.
-        to_numpy: Evaluates an array of the store's type and returns it as float32.
-        headroom: The store's capacity stays below ``headroom * pool.id_bound()``
-            (unless equal to it): the most its growth rule over-allocates.
-        cast: Converts an array made by ``from_numpy`` to a ``StoreSpec.dtype`` name;
-            stores refuse tokens of another dtype than theirs. ``None`` for a backend
-            whose stores only hold float32.
-        dtype_size: Bytes per value of a dtype name; raises ``ValueError`` for a
-            name this backend cannot store. ``None``: the backend does not say
-            (a command then cannot refuse a trace's store up front).
-    """
-
-    name: str
-    make_storage: Callable[[BlockPoolAllocator, StoreSpec], BlockStorage[ArrayT]]
-    from_numpy: Callable[[Values], ArrayT]
-    to_numpy: Callable[[ArrayT], Values]
-    headroom: int = 2
-    cast: Callable[[ArrayT, str], ArrayT] | None = None
-    dtype_size: Callable[[str], int] | None = None
-
-    def tokens(self, values: Values, dtype: str) -> ArrayT:
-        """``values`` as the store's array type in ``dtype``: what a write must be given."""
-        array = self.from_numpy(values)
-        return array if self.cast is None else self.cast(array, dtype)
-
-
-def _unknown_dtype(backend: str, name: str) -> ValueError:
-    known = [dtype for dtype in TOKEN_DTYPES if not (backend == "numpy" and dtype == "bfloat16")]
-    return ValueError(f"store dtype must be one of {known} for the {backend} backend, got {name!r}")
-
-
-def numpy_backend() -> StorageBackend[npt.NDArray[np.generic]]:
-    """The backend of :class:`~veloxquant_mlx.memory.numpy_storage.NumpyBlockStorage`."""
-    from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage  # noqa: PLC0415
-
-    def make(pool: BlockPoolAllocator, spec: StoreSpec) -> NumpyBlockStorage:
-        return NumpyBlockStorage(
-            pool, spec.n_layers, spec.n_kv_heads, spec.head_dim, np.dtype(spec.dtype)
-        )
-
-    def dtype_size(name: str) -> int:
-        if name not in TOKEN_DTYPES or name == "bfloat16":  # NumPy has no bfloat16
-            raise _unknown_dtype("numpy", name)
-        return np.dtype(name).itemsize
-
-    return StorageBackend(
-        "numpy",
-        make,
-        lambda values: values,
-        lambda array: np.array(array, dtype=np.float32),
-        cast=lambda array, dtype: array.astype(np.dtype(dtype)),
-        dtype_size=dtype_size,
+def spec_config(pool: PoolConfig) -> model.SpecConfig:
+    """The spec's twin of a ``PoolConfig``."""
+    return model.SpecConfig(
+        pool.block_size, pool.n_blocks, pool.separate_kv, pool.grow_on_exhaustion, pool.max_blocks
     )
 
 
-def mlx_backend(*, lazy_writes: bool = False) -> StorageBackend[mx.array]:
-    """The backend of :class:`~veloxquant_mlx.memory.mlx_storage.MLXBlockStorage`.
-
-    ``lazy_writes`` builds stores that leave writes unevaluated (named ``"mlx-lazy"``).
-    """
-    import mlx.core as mx  # noqa: PLC0415
-
-    from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage  # noqa: PLC0415
-
-    def make(pool: BlockPoolAllocator, spec: StoreSpec) -> MLXBlockStorage:
-        dtype = getattr(mx, spec.dtype, None)
-        if not isinstance(dtype, mx.Dtype):
-            raise ValueError(f"store dtype must name an mlx.core dtype, got {spec.dtype!r}")
-        return MLXBlockStorage(
-            pool, spec.n_layers, spec.n_kv_heads, spec.head_dim, dtype, lazy_writes=lazy_writes
-        )
-
-    def to_numpy(array: mx.array) -> Values:
-        return np.array(array.astype(mx.float32), dtype=np.float32)
-
-    def cast(array: mx.array, dtype: str) -> mx.array:
-        return array.astype(getattr(mx, dtype))
-
-    def dtype_size(name: str) -> int:
-        dtype = getattr(mx, name, None)
-        if name not in TOKEN_DTYPES or not isinstance(dtype, mx.Dtype):
-            raise _unknown_dtype("mlx", name)
-        return int(dtype.size)
-
-    name = "mlx-lazy" if lazy_writes else "mlx"
-    return StorageBackend(name, make, mx.array, to_numpy, cast=cast, dtype_size=dtype_size)
-
-
-def builtin_backend(name: str) -> StorageBackend[Any]:
-    """The backend ``"mlx"`` or ``"numpy"``.
-
-    Raises:
-        ValueError: Any other name.
-    """
-    if name == "mlx":
-        return mlx_backend()
-    if name == "numpy":
-        return numpy_backend()
-    raise ValueError(f"backend must be 'mlx' or 'numpy', got {name!r}")
-
-
 class ReplayError(AssertionError):
-    """The first op of a replay after which a check failed; names the op and what broke."""
+    """The first line of a replay after which a check failed; names the line and what broke."""
 
-    def __init__(self, op_index: int, op: Op, detail: str) -> None:
-        super().__init__(f"op #{op_index} {encode_op(op)}: {detail}")
+    def __init__(self, op_index: int, line: TraceLine, detail: str) -> None:
+        super().__init__(f"op #{op_index} {encode_line(line)}: {detail}")
         self.op_index = op_index
-        self.op = op
+        self.line = line
         self.detail = detail
 
 
 class _CheckError(Exception):
-    """Raised inside an op's application; the engine turns it into a ReplayError."""
+    """Raised inside a line's application; the engine turns it into a ReplayError."""
 
 
 @dataclass
 class _HeldRead(Generic[ArrayT]):
-    """An array a ``read`` op returned, and the values it must keep holding."""
+    """An array a ``gather`` returned, and the values it must keep holding."""
 
     op_index: int
     array: ArrayT
     expected: Values
-    first_check: int  # op index at whose end it is first evaluated
+    first_check: int  # line index at whose end it is first evaluated
 
 
 class AliasingReplay(Generic[ArrayT]):
-    """Applies ops to a fresh pool and store and checks the store's data after each one.
+    """Applies lines to a fresh pool, the spec and a store, and checks the store after each.
 
-    Invariants of the engine's own state, which the checks compare the pool and
-    store against: ``_live`` holds exactly the handles that the ops so far left
-    checked out, each with a shadow of shape ``(n_layers, block_size,
-    n_kv_heads, head_dim)`` equal to the sentinels last written to it;
-    ``_handles`` holds every handle ever handed out, live or stale.
+    Invariants: ``_shadow`` holds exactly the handles the spec says are live,
+    each with the sentinels last written to it, of shape ``(n_layers,
+    block_size, n_kv_heads, head_dim)``; the lockstep runner names every
+    handle ever handed out.
     """
 
     def __init__(
@@ -266,209 +151,175 @@ class AliasingReplay(Generic[ArrayT]):
         store_spec: StoreSpec,
         backend: StorageBackend[ArrayT],
         *,
+        history_len: int = 0,
         max_held_reads: int = 8,
     ) -> None:
-        """Build the pool and the store under test (nothing applied yet)."""
+        """Build the pool, the spec and the store under test (nothing applied yet)."""
+        pools: list[BlockPoolAllocator] = []
+
+        def make(config: PoolConfig, history: int) -> BlockPoolAllocator:
+            pools.append(BlockPoolAllocator(config, history_len=history))
+            return pools[-1]
+
+        self.lockstep: Final = Lockstep(
+            make, spec_config(pool_config), history_len, check=Check.OUTCOMES
+        )
+        self.pool: Final = pools[0]
         self.backend: Final = backend
-        self.pool: Final = BlockPoolAllocator(pool_config, history_len=0)
         self.store: Final = backend.make_storage(self.pool, store_spec)
         self.spec: Final = store_spec
         self._block_size: Final = pool_config.block_size
         self._max_held_reads: Final = max_held_reads
         self._modulus: Final = _SENTINEL_MODULUS.get(store_spec.dtype, _DEFAULT_MODULUS)
-        self._handles: Final[dict[HandleRef, Block]] = {}
-        self._calls: Final[set[int]] = set()  # every allocate call label seen
-        self._owner_of: Final[dict[HandleRef, int]] = {}
-        self._live: Final[dict[HandleRef, Block]] = {}
-        self._shadow: Final[dict[HandleRef, Values]] = {}
+        self._shadow: Final[dict[Handle, Values]] = {}
         self._held: Final[list[_HeldRead[ArrayT]]] = []
         self._next_sentinel = 0
         self._bytes_per_block: float | None = None
-        self._applied: Final[list[Op]] = []
+        self._applied: Final[list[TraceLine]] = []
+        self._history_len: Final = history_len
 
     # -- public ------------------------------------------------------------------------
 
-    def apply(self, op: Op) -> Op:
-        """Apply one op, run every check, and return it with its outcome filled in.
+    def apply(self, line: TraceLine) -> TraceLine:
+        """Apply one line, run every check, and return it with its outcome filled in.
 
         Raises:
-            ReplayError: The op's outcome differs from what it records or what the
-                engine predicts, or a check failed after it.
+            ReplayError: The line's outcome differs from the spec's or the one it
+                records, or a check failed after it.
         """
         index = len(self._applied)
         try:
-            recorded, touched = self._execute(index, op)
+            recorded, touched = self._execute(index, line)
             self._check_state(index, touched)
         except _CheckError as broken:
-            self._applied.append(op)
-            raise ReplayError(index, op, str(broken)) from broken.__cause__
+            self._applied.append(line)
+            raise ReplayError(index, line, str(broken)) from broken.__cause__
         except Exception as error:  # a store's own bug (IndexError, a backend error...)
-            self._applied.append(op)
+            self._applied.append(line)
             raise ReplayError(
-                index, op, f"raised {type(error).__name__} unexpectedly: {error}"
+                index, line, f"raised {type(error).__name__} unexpectedly: {error}"
             ) from error
         self._applied.append(recorded)
         return recorded
 
-    def run(self, ops: Iterable[Op]) -> None:
-        """Apply ``ops`` in order, stopping at the first failure."""
-        for op in ops:
-            self.apply(op)
+    def run(self, lines: Iterable[TraceLine]) -> None:
+        """Apply ``lines`` in order, stopping at the first failure."""
+        for line in lines:
+            self.apply(line)
 
     def trace(self) -> Trace:
-        """The ops applied so far (with outcomes; a failing op as given), as a trace."""
-        return Trace(self.pool.config, self.spec, tuple(self._applied))
+        """The lines applied so far (with outcomes; a failing line as given), as a trace."""
+        return Trace(self.pool.config, self.spec, tuple(self._applied), self._history_len)
 
-    def known_refs(self) -> list[HandleRef]:
+    def known_refs(self) -> list[Handle]:
         """Names of every handle handed out so far, live or stale, in hand-out order."""
-        return list(self._handles)
+        return list(self.lockstep.pool_side.objects)
 
-    def live_refs(self) -> list[HandleRef]:
+    def live_refs(self) -> list[Handle]:
         """Names of the handles currently checked out, in hand-out order."""
-        return list(self._live)
+        return list(self._shadow)
 
     def next_call(self) -> int:
-        """A ``call`` label no ``allocate`` op has used yet."""
-        return 1 + max(self._calls, default=-1)
+        """A call label no line has used yet."""
+        return 1 + max((label for label, _ in self.lockstep.trace), default=-1)
 
-    # -- executing ops -----------------------------------------------------------------
+    # -- applying lines ----------------------------------------------------------------
 
-    def _execute(self, index: int, op: Op) -> tuple[Op, list[HandleRef]]:
-        """Apply ``op``; return it with its outcome, and the handles it may have freed."""
-        match op:
-            case Allocate():
-                return self._allocate(op), []
-            case Free(handles=refs):
-                blocks = [self._block(ref) for ref in refs]
-                all_live = all(ref in self._live for ref in refs) and len(set(refs)) == len(refs)
-                error = _attempt(lambda: self.pool.free(blocks))
-                self._require_outcome(op.expect, error, "InvalidFreeError", ok=all_live)
-                if error is None:
-                    self._forget(refs)
-                return replace(op, expect=outcome_name(error)), list(refs)
-            case FreeAll(owner=owner):
-                owned = [ref for ref in self._live if self._owner_of[ref] == owner]
-                error = _attempt(lambda: self.pool.free_all(owner))
-                self._require_outcome(op.expect, error)
-                if error is None:
-                    self._forget(owned)
-                return replace(op, expect=outcome_name(error)), owned
-            case Shrink():
-                return self._shrink(op), []
-            case MarkUsed(handle=ref, n_used=n_used):
-                block = self._block(ref)
-                error = _attempt(lambda: self.pool.mark_used(block, n_used))
-                self._require_outcome(op.expect, error)
-                return replace(op, expect=outcome_name(error)), [ref]
-            case RegisterOwner(owner=owner):
-                error = _attempt(lambda: self.pool.register_owner(owner))
-                self._require_outcome(op.expect, error)
-                return replace(op, expect=outcome_name(error)), []
-            case ReleaseOwner(owner=owner):
-                error = _attempt(lambda: self.pool.release_owner(owner))
-                self._require_outcome(op.expect, error)
-                return replace(op, expect=outcome_name(error)), []
-            case Write():
-                return self._write(op), [op.handle]
-            case Read():
-                return self._read(index, op), list(op.handles)
-            case Sync():
-                error = _attempt(self.store.sync)
-                self._require_outcome(op.expect, error, ok=True)
-                return replace(op, expect=outcome_name(error)), []
-        raise _CheckError(f"malformed trace: {op!r} is not an op")
+    def _execute(self, index: int, line: TraceLine) -> tuple[TraceLine, list[Handle]]:
+        """Apply ``line``; return it with its outcome, and the handles it may have freed."""
+        if declaration_of(line.op).target == "store":
+            outcome = self._store_call(index, line)
+            return replace(line, outcome=outcome), _names_in(line.op)
+        label = index if line.call is None else line.call
+        spec = self.lockstep.spec
+        before = spec.live_names()
+        try:
+            outcome = self.lockstep.apply(line.op, label, expect=line.outcome)
+        except ConformanceError as error:
+            first = str(error).split("\n", 1)[0]
+            raise _CheckError(first.replace("malformed sequence", "malformed trace")) from None
+        after = spec.live_names()
+        gone = [name for name in before if name not in set(after)]
+        for name in gone:
+            del self._shadow[name]
+        for name in after:
+            if name not in self._shadow:
+                self._give_sentinels(name)
+        if len(spec.state.handles) - len(after) > _COMPACT_AFTER:
+            spec.compact()
+        if isinstance(outcome, Raised):
+            outcome = Raised(outcome.kind)
+        return replace(line, call=label, outcome=outcome), [*_names_in(line.op), *gone]
 
-    def _allocate(self, op: Allocate) -> Allocate:
-        if op.call in self._calls:
-            raise _CheckError(f"malformed trace: allocate call label {op.call} is used twice")
-        self._calls.add(op.call)
-        blocks: list[Block] = []
+    def _give_sentinels(self, name: Handle) -> None:
+        """A block the spec says became live: its shadow, and sentinels in every slot."""
+        self._shadow[name] = np.zeros(self._block_shape(), dtype=np.float32)
+        for layer in range(self.spec.n_layers):
+            self._write_sentinels(name, layer, 0, self._block_size, "the sentinel write")
 
-        def allocate() -> None:
-            blocks.extend(self.pool.allocate(op.stream, op.n_tokens, op.owner, op.format))
+    def _store_call(self, index: int, line: TraceLine) -> Outcome:
+        op = line.op
+        if isinstance(op, Write):
+            outcome = self._write(op)
+        elif isinstance(op, Gather):
+            outcome = self._gather(index, op)
+        else:
+            assert isinstance(op, Sync), f"the store calls are write, gather and sync: {op!r}"
+            outcome = self._attempt(self.store.sync)
+            self._require(None, outcome, valid=True)
+        self._require(line.outcome, outcome)
+        return Raised(outcome.kind) if isinstance(outcome, Raised) else outcome
 
-        error = _attempt(allocate)
-        self._require_outcome(op.expect, error)
-        block_ids = tuple(block.block_id for block in blocks)
-        if error is None and op.block_ids is not None and op.block_ids != block_ids:
-            raise _CheckError(
-                f"allocate returned block ids {list(block_ids)}, the trace "
-                f"records {list(op.block_ids)}"
-            )
-        live_ids = {block.block_id: ref for ref, block in self._live.items()}
-        for position, block in enumerate(blocks):
-            if block.block_id in live_ids:
-                raise _CheckError(
-                    f"the pool handed out block id {block.block_id}, which live "
-                    f"handle {list(live_ids[block.block_id])} still holds"
-                )
-            ref = (op.call, position)
-            self._handles[ref] = block
-            self._owner_of[ref] = op.owner
-            self._live[ref] = block
-            self._shadow[ref] = np.zeros(self._block_shape(), dtype=np.float32)
-            for layer in range(self.spec.n_layers):
-                self._write_sentinels(ref, layer, 0, self._block_size, "the sentinel write")
-        recorded = replace(op, expect=outcome_name(error))
-        return replace(recorded, block_ids=block_ids) if error is None else recorded
-
-    def _shrink(self, op: Shrink) -> Shrink:
-        retired: list[int] = []
-        error = _attempt(lambda: retired.append(self.pool.shrink(op.stream, op.target_free)))
-        self._require_outcome(op.expect, error)
-        if error is not None:
-            return replace(op, expect=outcome_name(error))
-        if op.retired is not None and op.retired != retired[0]:
-            raise _CheckError(f"shrink retired {retired[0]} blocks, the trace records {op.retired}")
-        return replace(op, retired=retired[0], expect="ok")
-
-    def _write(self, op: Write) -> Write:
-        block = self._block(op.handle)
-        if op.n_tokens < 0:
-            raise _CheckError(f"malformed trace: a write of {op.n_tokens} tokens")
+    def _write(self, op: Write) -> Outcome:
+        layer, start, n_tokens = _ints(op.layer, op.start, op.n_tokens)
+        block = self._object(op.block)
+        if n_tokens < 0:
+            raise _CheckError(f"malformed trace: a write of {n_tokens} tokens")
         valid = (
-            op.handle in self._live
-            and 0 <= op.layer < self.spec.n_layers
-            and op.start >= 0
-            and op.start + op.n_tokens <= self._block_size
+            op.block in self._shadow
+            and 0 <= layer < self.spec.n_layers
+            and start >= 0
+            and start + n_tokens <= self._block_size
         )
         if not valid:
-            tokens = self.backend.tokens(self._sentinels(op.n_tokens), self.spec.dtype)
-            error = _attempt(lambda: self.store.write(op.layer, block, op.start, tokens))
-            self._require_outcome(op.expect, error, "ValueError", ok=False)
-            return replace(op, expect=outcome_name(error))
-        self._write_sentinels(op.handle, op.layer, op.start, op.n_tokens, "a valid write")
-        self._require_outcome(op.expect, None)
-        return replace(op, expect="ok")
+            tokens = self.backend.tokens(self._sentinels(n_tokens), self.spec.dtype)
+            outcome = self._attempt(lambda: self.store.write(layer, block, start, tokens))
+            self._require(None, outcome, valid=False)
+            return outcome
+        assert isinstance(op.block, Handle), "checked by _object"
+        self._write_sentinels(op.block, layer, start, n_tokens, "a valid write")
+        return Returned(None)
 
     def _write_sentinels(
-        self, ref: HandleRef, layer: int, start: int, n_tokens: int, what: str
+        self, name: Handle, layer: int, start: int, n_tokens: int, what: str
     ) -> None:
         values = self._sentinels(n_tokens)
         tokens = self.backend.tokens(values, self.spec.dtype)
-        error = _attempt(lambda: self.store.write(layer, self._live[ref], start, tokens))
-        if error is not None:
+        block = self._object(name)
+        outcome = self._attempt(lambda: self.store.write(layer, block, start, tokens))
+        if isinstance(outcome, Raised):
             raise _CheckError(
-                f"the store refused {what} to live handle {list(ref)} layer {layer} "
-                f"slots {start}..{start + n_tokens}: {error!r}"
+                f"the store refused {what} to live handle {name!r} layer {layer} "
+                f"slots {start}..{start + n_tokens}: {outcome.kind}({outcome.text()})"
             )
-        self._shadow[ref][layer, start : start + n_tokens] = values
+        self._shadow[name][layer, start : start + n_tokens] = values
 
-    def _read(self, index: int, op: Read) -> Read:
-        blocks = [self._block(ref) for ref in op.handles]
-        available = len(blocks) * self._block_size
+    def _gather(self, index: int, op: Gather) -> Outcome:
+        layer, n_tokens, hold = _ints(op.layer, op.n_tokens, op.hold)
+        names = _names_in(op)
+        blocks = [self._object(name) for name in names]
         valid = (
-            all(ref in self._live for ref in op.handles)
-            and 0 <= op.layer < self.spec.n_layers
-            and 0 <= op.n_tokens <= available
+            all(name in self._shadow for name in names)
+            and 0 <= layer < self.spec.n_layers
+            and 0 <= n_tokens <= len(blocks) * self._block_size
         )
         result: list[ArrayT] = []
-        error = _attempt(lambda: result.append(self.store.gather(op.layer, blocks, op.n_tokens)))
-        self._require_outcome(op.expect, error, "ValueError", ok=valid)
-        if error is None:
-            expected = self._expected_tokens(op.layer, op.handles)[: op.n_tokens]
-            self._hold(_HeldRead(index, result[0], expected, index + max(op.hold, 0)))
-        return replace(op, expect=outcome_name(error))
+        outcome = self._attempt(lambda: result.append(self.store.gather(layer, blocks, n_tokens)))
+        self._require(None, outcome, valid=valid)
+        if result:
+            expected = self._expected_tokens(layer, names)[:n_tokens]
+            self._hold(_HeldRead(index, result[0], expected, index + max(hold, 0)))
+        return outcome
 
     def _hold(self, read: _HeldRead[ArrayT]) -> None:
         self._held.append(read)
@@ -477,7 +328,7 @@ class AliasingReplay(Generic[ArrayT]):
 
     # -- checks ------------------------------------------------------------------------
 
-    def _check_state(self, index: int, touched: Sequence[HandleRef]) -> None:
+    def _check_state(self, index: int, touched: Sequence[Handle]) -> None:
         try:
             self.pool.check_invariants()
         except InvariantViolationError as error:
@@ -490,53 +341,57 @@ class AliasingReplay(Generic[ArrayT]):
                 self._check_read(read)
         self._check_capacity()
 
-    def _check_liveness(self, touched: Sequence[HandleRef]) -> None:
-        ids: dict[int, HandleRef] = {}
-        for ref, block in self._live.items():
+    def _check_liveness(self, touched: Sequence[Handle]) -> None:
+        objects = self.lockstep.pool_side.objects
+        ids: dict[int, Handle] = {}
+        for name in self._shadow:
+            block = self._object(name)
             if not self.pool.is_live(block):
-                raise _CheckError(f"handle {list(ref)} should be live but the pool says it is not")
+                raise _CheckError(f"handle {name!r} should be live but the pool says it is not")
             if block.block_id in ids:
                 raise _CheckError(
-                    f"live handles {list(ids[block.block_id])} and {list(ref)} "
-                    f"share block id {block.block_id}"
+                    f"live handles {ids[block.block_id]!r} and {name!r} share block id "
+                    f"{block.block_id}"
                 )
-            ids[block.block_id] = ref
-        for ref in touched:
-            if ref not in self._live and self.pool.is_live(self._handles[ref]):
-                raise _CheckError(f"handle {list(ref)} was freed but the pool says it is live")
+            ids[block.block_id] = name
+        for name in touched:
+            if name not in self._shadow and name in objects and self.pool.is_live(objects[name]):
+                raise _CheckError(f"handle {name!r} was freed but the pool says it is live")
 
     def _check_contents(self, layer: int) -> None:
-        refs = list(self._live)
-        if not refs:
+        names = list(self._shadow)
+        if not names:
             return
-        blocks = [self._live[ref] for ref in refs]
+        blocks = [self._object(name) for name in names]
         got = self.backend.to_numpy(
             self.store.gather(layer, blocks, len(blocks) * self._block_size)
         )
-        expected = self._expected_tokens(layer, refs)
+        expected = self._expected_tokens(layer, names)
         if got.shape != expected.shape:
             raise _CheckError(
                 f"gather of every live block in layer {layer} has shape "
                 f"{got.shape}, expected {expected.shape}"
             )
-        for position, ref in enumerate(refs):
+        for position, name in enumerate(names):
             for slot in range(self._block_size):
                 row = position * self._block_size + slot
                 if not np.array_equal(got[row], expected[row]):
-                    raise _CheckError(self._describe_mismatch(ref, layer, slot, got[row]))
+                    raise _CheckError(self._describe_mismatch(name, layer, slot, got[row]))
 
-    def _describe_mismatch(self, ref: HandleRef, layer: int, slot: int, got: Values) -> str:
-        block_id = self._live[ref].block_id
-        where = f"live handle {list(ref)} (block id {block_id}) layer {layer} slot {slot}"
-        for other_ref, shadow in self._shadow.items():
+    def _block_id(self, name: Handle) -> object:
+        return getattr(self.lockstep.pool_side.objects[name], "block_id", None)
+
+    def _describe_mismatch(self, name: Handle, layer: int, slot: int, got: Values) -> str:
+        where = f"live handle {name!r} (block id {self._block_id(name)}) layer {layer} slot {slot}"
+        for other, shadow in self._shadow.items():
             for other_slot in range(self._block_size):
-                if other_ref != ref and np.array_equal(shadow[layer, other_slot], got):
-                    other_id = self._live[other_ref].block_id
+                if other != name and np.array_equal(shadow[layer, other_slot], got):
                     return (
-                        f"{where} holds the values written to live handle {list(other_ref)} "
-                        f"(block id {other_id}) slot {other_slot}: the two ids share storage"
+                        f"{where} holds the values written to live handle {other!r} "
+                        f"(block id {self._block_id(other)}) slot {other_slot}: the two ids "
+                        "share storage"
                     )
-        expected = self._shadow[ref][layer, slot]
+        expected = self._shadow[name][layer, slot]
         if not got.any():
             return f"{where} holds zeros, expected {expected.ravel().tolist()}: its data was lost"
         return (
@@ -580,50 +435,48 @@ class AliasingReplay(Generic[ArrayT]):
 
     # -- helpers -----------------------------------------------------------------------
 
-    def _require_outcome(
-        self,
-        expect: str | None,
-        error: BaseException | None,
-        error_name: str | None = None,
-        *,
-        ok: bool | None = None,
-    ) -> None:
-        """Compare the outcome with the trace's ``expect`` and the engine's prediction.
+    @staticmethod
+    def _attempt(call: Any) -> Outcome:
+        """Run a store call; its outcome (the error kind it raised, if any)."""
+        try:
+            call()
+        except (ValueError, TypeError) as error:
+            return Raised(type(error).__name__, str(error))
+        return Returned(None)
 
-        ``ok`` is the engine's prediction (``None``: none); when it predicts a
-        failure, ``error_name`` is the error class it expects.
-        """
-        got = outcome_name(error)
-        if expect is not None and expect != got:
-            raise _CheckError(f"outcome {got} ({error}), the trace expects {expect}")
-        if ok is True and error is not None:
-            raise _CheckError(f"a valid call raised {error!r}")
-        if ok is False and error is None:
-            raise _CheckError(f"the call should have raised {error_name} but succeeded")
-        if ok is False and error_name == "ValueError" and not isinstance(error, ValueError):
-            raise _CheckError(f"the call should have raised ValueError, raised {error!r}")
+    @staticmethod
+    def _require(recorded: Outcome | None, outcome: Outcome, *, valid: bool | None = None) -> None:
+        """The outcome must be the recorded one, and ok iff the engine says the call is valid."""
+        if recorded is not None and not matches(recorded, outcome):
+            shown = recorded.kind if isinstance(recorded, Raised) else "ok"
+            got = outcome.kind if isinstance(outcome, Raised) else "ok"
+            raise _CheckError(f"outcome {got}, the trace expects {shown}")
+        if valid is True and isinstance(outcome, Raised):
+            raise _CheckError(f"a valid call raised {outcome.kind}({outcome.text()})")
+        if valid is False and not isinstance(outcome, Raised):
+            raise _CheckError("the call should have raised ValueError but succeeded")
+        if valid is False and isinstance(outcome, Raised) and outcome.kind != "ValueError":
+            raise _CheckError(f"the call should have raised ValueError, raised {outcome.kind}")
 
-    def _block(self, ref: HandleRef) -> Block:
-        block = self._handles.get(ref)
+    def _object(self, ref: object) -> Block:
+        if not isinstance(ref, Handle):
+            raise _CheckError(f"malformed trace: a store call names handles, got {ref!r}")
+        block = self.lockstep.pool_side.objects.get(ref)
         if block is None:
-            raise _CheckError(f"malformed trace: no allocate handed out a handle {list(ref)}")
+            raise _CheckError(f"malformed trace: no call handed out a handle {ref!r}")
+        assert isinstance(block, Block), "our pool hands out Blocks"
         return block
-
-    def _forget(self, refs: Iterable[HandleRef]) -> None:
-        for ref in refs:
-            del self._live[ref]
-            del self._shadow[ref]
 
     def _block_shape(self) -> tuple[int, int, int, int]:
         spec = self.spec
         return (spec.n_layers, self._block_size, spec.n_kv_heads, spec.head_dim)
 
-    def _expected_tokens(self, layer: int, refs: Sequence[HandleRef]) -> Values:
-        """The shadow's slots of ``refs`` in ``layer``, concatenated: ``(k * bs, H, D)``."""
+    def _expected_tokens(self, layer: int, names: Sequence[Handle]) -> Values:
+        """The shadow's slots of ``names`` in ``layer``, concatenated: ``(k * bs, H, D)``."""
         spec = self.spec
-        if not refs:
+        if not names:
             return np.zeros((0, spec.n_kv_heads, spec.head_dim), dtype=np.float32)
-        return np.concatenate([self._shadow[ref][layer] for ref in refs])
+        return np.concatenate([self._shadow[name][layer] for name in names])
 
     def _sentinels(self, n_tokens: int) -> Values:
         """``n_tokens`` slots of values never written before (modulo the dtype's exact range)."""
@@ -635,23 +488,37 @@ class AliasingReplay(Generic[ArrayT]):
         return values.reshape(n_tokens, spec.n_kv_heads, spec.head_dim)
 
 
-def _attempt(call: Callable[[], object]) -> BaseException | None:
-    """Run ``call``; return the pool or argument error it raised, or ``None``."""
-    try:
-        call()
-    except (BlockPoolError, ValueError, TypeError) as error:
-        return error
-    return None
+def _ints(*values: object) -> tuple[int, ...]:
+    """A store call's numbers, which must be ints (the engine writes its own values)."""
+    if not all(model.is_int(value) for value in values):
+        raise _CheckError(f"malformed trace: a store call's numbers must be ints, got {values}")
+    return values  # type: ignore[return-value]
+
+
+def _names_in(op: object) -> list[Handle]:
+    """The handle names ``op`` passes, in argument order."""
+    declaration = declaration_of(op)
+    names: list[Handle] = []
+    for parameter, value in zip(declaration.parameters, declaration.arguments(op), strict=True):
+        if parameter.kind is ArgKind.HANDLE and isinstance(value, Handle):
+            names.append(value)
+        elif parameter.kind is ArgKind.HANDLES and isinstance(value, tuple | AsTuple):
+            refs = value.refs if isinstance(value, AsTuple) else value
+            names += [ref for ref in refs if isinstance(ref, Handle)]
+    return names
 
 
 def replay(trace: Trace, backend: StorageBackend[ArrayT]) -> AliasingReplay[ArrayT]:
-    """Apply every op of ``trace`` to a fresh pool and store; return the engine.
+    """Apply every line of ``trace`` to a fresh pool, spec and store; return the engine.
+
+    Timed lines are applied in file order (a linearized history); the
+    ``replay`` command linearizes concurrent windows first.
 
     Raises:
-        ReplayError: At the first op after which a check fails.
+        ReplayError: At the first line after which a check fails.
     """
-    engine = AliasingReplay(trace.pool, trace.store, backend)
-    engine.run(trace.ops)
+    engine = AliasingReplay(trace.pool, trace.store, backend, history_len=trace.history_len)
+    engine.run(trace.lines)
     return engine
 
 
@@ -663,20 +530,20 @@ def replay_file(path: str | Path, backend: str | StorageBackend[ArrayT] = "mlx")
     gives the verdict.
 
     Returns:
-        The number of ops replayed.
+        The number of lines replayed.
 
     Raises:
-        ReplayError: At the first op after which a check fails.
+        ReplayError: At the first line after which a check fails.
         TraceFormatError: The file is not a trace.
         ValueError: ``backend`` names no built-in backend.
     """
     trace = load(path)
     replay(trace, backend if isinstance(backend, StorageBackend) else builtin_backend(backend))
-    return len(trace.ops)
+    return len(trace.lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line; see :mod:`veloxquant_mlx.testing.replay_command`."""
+    """``python -m veloxquant_mlx.testing.aliasing``: ``veloxquant-mlx replay``'s old name."""
     from veloxquant_mlx.testing.replay_command import main as command_main  # noqa: PLC0415
 
     return command_main(argv)

@@ -66,6 +66,7 @@ A letters (about 60) and depth D; memory O(S). Thread safety: none; each
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -75,6 +76,7 @@ from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError, Lockstep
 from veloxquant_mlx.testing.templates import Live, Names, Template, small_scope
+from veloxquant_mlx.testing.traces import Trace, TraceLine, encode_line
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.operations import Allocate, BlockPool, RegisterOwner
 from veloxquant_mlx_spec.table import ArgKind, AsTuple, Handle, declaration_of
@@ -258,6 +260,22 @@ class Counterexample:
     letters: tuple[str, ...]
     operations: tuple[object, ...]  # replays with a fresh Lockstep, labelled 0, 1, 2...
     message: str  # the ConformanceError's
+    scope: Scope | None = None  # where it was found
+
+    @property
+    def trace(self) -> Trace:
+        """The sequence as a trace (calls labelled 0, 1, 2...), for ``veloxquant-mlx replay``."""
+        config = self.scope.config if self.scope is not None else model.SpecConfig()
+        pool = PoolConfig(
+            config.block_size,
+            config.n_blocks,
+            config.separate_kv,
+            config.grow_on_exhaustion,
+            config.max_blocks,
+        )
+        history_len = 0 if self.scope is None else self.scope.history_len
+        lines = tuple(TraceLine(op, call) for call, op in enumerate(self.operations))
+        return Trace(pool, lines=lines, history_len=history_len)
 
     def __str__(self) -> str:
         steps = [
@@ -267,9 +285,9 @@ class Counterexample:
         return f"{len(self.operations)} operations:{''.join(steps)}\n{self.message}"
 
     def to_json(self) -> dict[str, object]:
-        """JSON-ready values; operations as their reprs."""
-        operations = [repr(op) for op in self.operations]
-        return {"letters": list(self.letters), "operations": operations, "message": self.message}
+        """JSON-ready values; the calls as trace lines (docs/TRACE_FORMAT.md)."""
+        lines = [json.loads(encode_line(line)) for line in self.trace.lines]
+        return {"letters": list(self.letters), "lines": lines, "message": self.message}
 
 
 @dataclass(frozen=True)
@@ -478,9 +496,7 @@ class _Explorer:
         )
         return len(self.nodes) - 1
 
-    def _probe(
-        self, index: int, letter: str, operation: object, lockstep: _ReplayLockstep
-    ) -> None:
+    def _probe(self, index: int, letter: str, operation: object, lockstep: _ReplayLockstep) -> None:
         """Run :func:`probe` on a path that is merged away; keep its failure, if any.
 
         Outcomes are compared call by call, everything else after the last call.
@@ -541,6 +557,7 @@ class _Explorer:
             (*(node.letter for node in path), *letters),
             (*(node.operation for node in path if node.operation is not None), *operations),
             message,
+            self.scope,
         )
 
     def search(self, depth: int, progress: Callable[[str], None] | None) -> Counterexample | None:
@@ -553,7 +570,7 @@ class _Explorer:
         try:
             self.replay(0).compare_observations()
         except ConformanceError as error:
-            return Counterexample((), (), str(error))
+            return Counterexample((), (), str(error), self.scope)
         start, layer = time.perf_counter(), [0]
         for level in range(1, depth + 1):
             next_layer: list[int] = []
@@ -618,7 +635,7 @@ def explore(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line; see :mod:`veloxquant_mlx.testing.exhaustive_command`."""
+    """``veloxquant-mlx exhaustive`` (:mod:`~veloxquant_mlx.testing.exhaustive_command`)."""
     from veloxquant_mlx.testing.exhaustive_command import main as command_main  # noqa: PLC0415
 
     return command_main(argv)

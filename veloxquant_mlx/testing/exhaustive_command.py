@@ -1,8 +1,10 @@
-"""``python -m veloxquant_mlx.testing.exhaustive``: the small-scope exhaustive check.
+"""``veloxquant-mlx exhaustive``: the small-scope exhaustive check, from the command line.
 
 Explores the chosen scopes (:data:`~veloxquant_mlx.testing.exhaustive.SCOPES`)
 to the profile's depth (or ``--depth``), printing one summary line per scope
-(or, with ``--json``, one JSON document) and progress on stderr.
+(or, with ``--json``, one JSON document) and progress on stderr. With
+``--out DIR``, each counterexample is also written there as a trace
+(``counterexample-SCOPE.jsonl``), which ``veloxquant-mlx replay`` replays.
 
 Budgets: ``--max-states`` bounds each scope's distinct states (the memory:
 about :data:`BYTES_PER_STATE` each; a value that cannot fit in the memory
@@ -12,6 +14,7 @@ not checked and why.
 
 Exit status (:mod:`veloxquant_mlx.commandline.verdicts`): 0 every scope
 checked in full, 1 a counterexample, 2 bad input, 3 inconclusive, 130 Ctrl-C.
+``python -m veloxquant_mlx.testing.exhaustive`` is the same command.
 
 Complexity: as :func:`~veloxquant_mlx.testing.exhaustive.explore`.
 Thread safety: one command per process.
@@ -19,34 +22,50 @@ Thread safety: one command per process.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Final
 
-from veloxquant_mlx.commandline.bad_input import OneLineParser, require_fits_in_memory
-from veloxquant_mlx.commandline.interrupts import run_command
+from veloxquant_mlx.commandline.bad_input import require_fits_in_memory
+from veloxquant_mlx.commandline.files import atomic_write_text, out_dir_argument, prepare_out_dir
 from veloxquant_mlx.commandline.verdicts import combined
 from veloxquant_mlx.simulate.options import finite_float, int_at_least
 from veloxquant_mlx.testing.exhaustive import PROFILE_DEPTHS, SCOPES, Exploration, explore
+from veloxquant_mlx.testing.traces import dumps
 
-__all__ = ["BYTES_PER_STATE", "DEFAULT_MAX_STATES", "PROG", "main"]
+__all__ = [
+    "BYTES_PER_STATE",
+    "DEFAULT_MAX_STATES",
+    "DESCRIPTION",
+    "SUMMARY",
+    "add_arguments",
+    "main",
+    "run",
+    "validate",
+]
 
-PROG: Final = "python -m veloxquant_mlx.testing.exhaustive"
 #: Heap bytes per distinct state (measured with tracemalloc: about 2,200), rounded up.
 BYTES_PER_STATE: Final = 3_000
 #: The default state budget per scope: the nightly depth needs about a million.
 DEFAULT_MAX_STATES: Final = 3_000_000
 
+SUMMARY: Final = "check every call sequence up to a depth on small pools, against the spec"
+DESCRIPTION: Final = """\
+Explore every sequence of calls (derived from the operation table) up to a
+depth on each small pool, in lockstep with the spec; print states and
+transitions per scope, and a shortest counterexample if there is one.
 
-def _parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog=PROG,
-        description="Check every operation sequence up to a depth against the spec. Exit "
-        "status: 0 ok, 1 counterexample, 2 bad input, 3 inconclusive (a budget ran out), "
-        "130 interrupted.",
-    )
+Exit status: 0 ok, 1 counterexample, 2 bad input, 3 inconclusive (a budget
+ran out), 130 interrupted.
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``exhaustive``'s options."""
     parser.add_argument("--profile", choices=sorted(PROFILE_DEPTHS), default="ci")
     parser.add_argument(
         "--depth", type=int_at_least(0), help="overrides the profile's depth (ci 4, nightly 6)"
@@ -67,41 +86,63 @@ def _parser() -> OneLineParser:
         help="stop (inconclusive) after this long, all scopes together (default: no limit)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    return parser
+    parser.add_argument(
+        "--out", type=out_dir_argument, metavar="DIR", help="write counterexamples here as traces"
+    )
+    parser.add_argument(
+        "--force", action="store_true", help="replace an earlier run's counterexamples in --out"
+    )
 
 
-def _explore_all(
-    depth: int, names: Sequence[str] | None, max_states: int, seconds: float | None, as_json: bool
-) -> int:
-    deadline = None if seconds is None else time.monotonic() + seconds
+def validate(args: argparse.Namespace) -> str | None:
+    """Refuse a state budget that cannot fit in memory."""
+    try:
+        require_fits_in_memory(args.max_states * BYTES_PER_STATE, f"--max-states {args.max_states}")
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def _is_counterexample(name: str) -> bool:
+    return name.startswith("counterexample-") and name.endswith(".jsonl")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Explore the chosen scopes; the exit status (module docstring)."""
+    if args.out is not None:
+        prepare_out_dir(args.out, force=args.force, is_run_file=_is_counterexample)
+    depth: int = PROFILE_DEPTHS[args.profile] if args.depth is None else args.depth
+    deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
     results: list[Exploration] = []
     for scope in SCOPES:
-        if names is not None and scope.name not in names:
+        if args.scope is not None and scope.name not in args.scope:
             continue
         result = explore(
             scope,
             depth,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
-            max_states=max_states,
+            max_states=args.max_states,
             deadline=deadline,
         )
         results.append(result)
-        if not as_json:
+        _save(result, scope.name, args.out)
+        if not args.json:
             print(result.summary(), flush=True)
             if result.counterexample is not None:
                 print(result.counterexample, flush=True)
-    if as_json:
+    if args.json:
         print(json.dumps([result.to_json() for result in results], indent=2))
     return combined(result.verdict for result in results).exit_status
 
 
+def _save(result: Exploration, scope: str, folder: Path | None) -> None:
+    found = result.counterexample
+    if folder is not None and found is not None:
+        atomic_write_text(folder / f"counterexample-{scope}.jsonl", dumps(found.trace))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Explore the chosen scopes; the exit status (module docstring)."""
-    return run_command(PROG, lambda: _run(argv))
+    """``python -m veloxquant_mlx.testing.exhaustive``: the ``exhaustive`` subcommand."""
+    from veloxquant_mlx.cli import main as cli_main  # noqa: PLC0415
 
-
-def _run(argv: Sequence[str] | None) -> int:
-    args = _parser().parse_args(argv)
-    depth: int = PROFILE_DEPTHS[args.profile] if args.depth is None else args.depth
-    require_fits_in_memory(args.max_states * BYTES_PER_STATE, f"--max-states {args.max_states}")
-    return _explore_all(depth, args.scope, args.max_states, args.time_budget, args.json)
+    return cli_main(["exhaustive", *(sys.argv[1:] if argv is None else argv)])

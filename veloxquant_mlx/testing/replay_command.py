@@ -1,59 +1,140 @@
-"""``python -m veloxquant_mlx.testing.aliasing TRACE... [--backend mlx|numpy]``: replay traces.
+"""``veloxquant-mlx replay TRACE... [--on spec|pool|numpy|mlx|mlx-lazy]``: replay any trace.
+
+Every trace (docs/TRACE_FORMAT.md) replays with this one command: a
+conformance or exhaustive counterexample, a stress run's ``linearized.jsonl``
+or reproducer, an aliasing-replay input, a bug report; version 1 traces too.
+``--on`` says where: the executable spec alone, the allocator beside it, or
+the allocator, the spec and a store (the aliasing replay, which also checks
+the store's data; the default, on MLX). Concurrent windows (timed lines) are
+linearized on the spec first (``--budget`` bounds that search); see
+:func:`veloxquant_mlx.stress.reproducer.replay_trace`.
 
 Every trace named is read and checked before any is replayed: the file must
-exist and be a trace (:mod:`~veloxquant_mlx.testing.traces`), its store's
-dtype one the backend stores, and what replaying it allocates (the pool's
-books, the store's slabs, the replay's shadow copy) must fit in the memory
-available. Anything else is bad input: one line naming the file and the
-value, exit status 2, and nothing replayed. Then each trace is replayed
-through :class:`~veloxquant_mlx.testing.aliasing.AliasingReplay`, one line
-each, stopping at the first failure.
+exist and be a trace, its store's dtype one the backend stores, and what
+replaying it allocates (the pool's books, the store's slabs, the replay's
+shadow copy) must fit in the memory available. Anything else is bad input:
+one line naming the file and the value, exit status 2, and nothing replayed.
+Then each trace is replayed, one line each, stopping at the first failure.
 
 Verdicts (:mod:`veloxquant_mlx.commandline.verdicts`): a failing replay is a
 violation (1); a clean replay of a trace marked partial (a stress run that
-was interrupted or gave up) is inconclusive (3), since the rest of its
-history was never recorded; otherwise OK (0). Ctrl-C: one line, 130.
+was interrupted or gave up), or a window the search budget could not decide,
+is inconclusive (3); otherwise OK (0). Ctrl-C: one line, 130.
+``python -m veloxquant_mlx.testing.aliasing`` is the same command
+(``--backend`` is ``--on``).
 
-:func:`load_checked` and :func:`replay_verdict` are also what ``python -m
-stress --replay`` uses.
-
-Complexity: reading is O(file); replaying as :mod:`.aliasing` says.
-Thread safety: one command per process.
+Complexity: reading is O(file); replaying as
+:func:`~veloxquant_mlx.stress.reproducer.replay_trace` says. Thread safety:
+one command per process.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from veloxquant_mlx.commandline.bad_input import (
-    BadInputError,
-    OneLineParser,
-    require_fits_in_memory,
-)
-from veloxquant_mlx.commandline.interrupts import run_command
+from veloxquant_mlx.commandline.bad_input import BadInputError, require_fits_in_memory
 from veloxquant_mlx.commandline.sizes import pool_bytes, slab_bytes
 from veloxquant_mlx.commandline.verdicts import Verdict, combined
-from veloxquant_mlx.testing.aliasing import (
-    ReplayError,
-    StorageBackend,
-    builtin_backend,
-    replay,
-)
-from veloxquant_mlx.testing.traces import (
-    Allocate,
-    Trace,
-    TraceFormatError,
-    Write,
-    load,
-)
+from veloxquant_mlx.simulate.options import int_at_least
+from veloxquant_mlx.testing.storage_backends import StorageBackend, builtin_backend, mlx_backend
+from veloxquant_mlx.testing.store_operations import Write
+from veloxquant_mlx.testing.traces import Trace, TraceFormatError, load
+from veloxquant_mlx_spec.operations import Allocate
 
-__all__ = ["PROG", "load_checked", "main", "replay_memory_estimate", "replay_verdict"]
+__all__ = [
+    "DESCRIPTION",
+    "SUMMARY",
+    "TARGETS",
+    "add_arguments",
+    "load_checked",
+    "main",
+    "replay_memory_estimate",
+    "replay_paths",
+    "run",
+    "validate",
+]
 
-PROG: Final = "python -m veloxquant_mlx.testing.aliasing"
+SUMMARY: Final = "replay traces on the spec, a pool or a store; check every recorded outcome"
+DESCRIPTION: Final = """\
+Replay trace files (JSON lines, docs/TRACE_FORMAT.md): a conformance or
+exhaustive counterexample, a stress run's linearized.jsonl or reproducer, an
+aliasing-replay input or a bug report. Untimed lines apply in order and each
+recorded outcome is checked; a run of timed lines (a concurrent window) is
+linearized on the spec first.
+
+--on spec replays on the executable spec alone; --on pool runs the allocator
+beside it (store calls are left out); --on numpy|mlx|mlx-lazy also replays
+on a store and checks its data after every line (the aliasing replay).
+
+Exit status: 0 ok, 1 a replay failed, 2 bad input, 3 inconclusive (a partial
+trace, or a window the search budget could not decide), 130 interrupted.
+"""
+#: Where a trace can be replayed (``--on``).
+TARGETS: Final = ("spec", "pool", "numpy", "mlx", "mlx-lazy")
 _SHADOW_ITEMSIZE: Final = 4  # the replay's shadow copy and its reads are float32
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Declare ``replay``'s options."""
+    parser.add_argument("traces", nargs="+", type=Path, help="trace files (.jsonl)")
+    parser.add_argument(
+        "--on",
+        "--backend",
+        dest="on",
+        choices=TARGETS,
+        default="mlx",
+        help="spec alone, the pool beside it, or pool, spec and a store (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--budget",
+        type=int_at_least(1),
+        default=200_000,
+        metavar="N",
+        help="configurations one window's linearization may expand (default: %(default)s)",
+    )
+
+
+def validate(args: argparse.Namespace) -> str | None:
+    """Nothing spans several options."""
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Replay the traces ``args`` names; the exit status (module docstring)."""
+    return replay_paths(args.traces, args.on, budget=args.budget)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m veloxquant_mlx.testing.aliasing``: the ``replay`` subcommand."""
+    from veloxquant_mlx.cli import main as cli_main  # noqa: PLC0415
+
+    return cli_main(["replay", *(sys.argv[1:] if argv is None else argv)])
+
+
+def _backend(on: str) -> StorageBackend[Any] | None:
+    if on in ("spec", "pool"):
+        return None
+    return mlx_backend(lazy_writes=True) if on == "mlx-lazy" else builtin_backend(on)
+
+
+def replay_paths(paths: Sequence[Path], on: str, *, budget: int | None = 200_000) -> int:
+    """Read every trace (refusing bad input up front), replay each; the exit status."""
+    from veloxquant_mlx.stress.reproducer import replay_trace  # noqa: PLC0415
+
+    backend = _backend(on)
+    traces = [(path, load_checked(path, backend)) for path in paths]  # all refused up front
+    verdicts = []
+    for path, trace in traces:
+        verdict, line = replay_trace(trace, on, budget=budget)
+        print(f"{path}: {line}", file=sys.stderr if verdict is Verdict.VIOLATION else sys.stdout)
+        verdicts.append(verdict)
+        if verdict is Verdict.VIOLATION:
+            break  # the first failure is the one to look at
+    return combined(verdicts).exit_status
 
 
 def _most_ids(trace: Trace) -> int:
@@ -61,7 +142,11 @@ def _most_ids(trace: Trace) -> int:
     pool = trace.pool
     if not pool.grow_on_exhaustion:
         return pool.n_blocks
-    wanted = sum(-(-op.n_tokens // pool.block_size) for op in trace.ops if isinstance(op, Allocate))
+    wanted = sum(
+        -(-line.op.n_tokens // pool.block_size)
+        for line in trace.lines
+        if isinstance(line.op, Allocate) and isinstance(line.op.n_tokens, int)
+    )
     cap = pool.max_blocks
     return pool.n_blocks + (wanted if cap is None else min(wanted, cap - pool.n_blocks))
 
@@ -78,13 +163,17 @@ def replay_memory_estimate(trace: Trace, itemsize: int) -> int:
         itemsize=itemsize,
     )
     shadow = (store.n_layers + 2) * ids * block_size * values * _SHADOW_ITEMSIZE
-    longest_write = max((op.n_tokens for op in trace.ops if isinstance(op, Write)), default=0)
-    sentinels = longest_write * values * (8 + _SHADOW_ITEMSIZE + itemsize)
+    writes = [
+        line.op.n_tokens
+        for line in trace.lines
+        if isinstance(line.op, Write) and isinstance(line.op.n_tokens, int)
+    ]
+    sentinels = max(writes, default=0) * values * (8 + _SHADOW_ITEMSIZE + itemsize)
     return pool_bytes(ids) + slabs + shadow + sentinels
 
 
-def load_checked(path: Path, backend: StorageBackend[Any]) -> Trace:
-    """Read the trace at ``path`` and check that ``backend`` can replay it here.
+def load_checked(path: Path, backend: StorageBackend[Any] | None) -> Trace:
+    """Read the trace at ``path`` and check that it can be replayed here (on ``backend``).
 
     Raises:
         BadInputError: The file cannot be read or is not a trace, its store's
@@ -93,14 +182,14 @@ def load_checked(path: Path, backend: StorageBackend[Any]) -> Trace:
     """
     try:
         size = path.stat().st_size
-        # Parsed ops take about ten times their text: refuse a file that cannot fit.
+        # Parsed lines take about ten times their text: refuse a file that cannot fit.
         require_fits_in_memory(10 * size, f"{path}: a trace file of {size:,} bytes")
         trace = load(path)
     except OSError as error:
         raise BadInputError(f"{path}: cannot read the trace: {error.strerror or error}") from None
     except TraceFormatError as error:
         raise BadInputError(f"{path}: not a trace: {error}") from None
-    if backend.dtype_size is None:
+    if backend is None or backend.dtype_size is None:
         return trace
     try:
         itemsize = backend.dtype_size(trace.store.dtype)
@@ -114,53 +203,3 @@ def load_checked(path: Path, backend: StorageBackend[Any]) -> Trace:
         f"head_dim={store.head_dim}, dtype={store.dtype}",
     )
     return trace
-
-
-def replay_verdict(path: Path, trace: Trace, backend: StorageBackend[Any]) -> tuple[Verdict, str]:
-    """Replay ``trace`` (read from ``path``) on ``backend``: its verdict and a line saying it."""
-    where = f"{path}: {len(trace.ops)} ops replayed on {backend.name}"
-    try:
-        replay(trace, backend)
-    except ReplayError as failure:
-        return Verdict.VIOLATION, f"{path}: replay on {backend.name} FAILED: {failure}"
-    if trace.partial:
-        return Verdict.INCONCLUSIVE, (
-            f"{where}, no failure, but INCONCLUSIVE: the trace is marked partial (its run was "
-            "interrupted or its checking gave up), so the rest of that history was never checked"
-        )
-    return Verdict.OK, f"{where}: ok"
-
-
-def _parser() -> OneLineParser:
-    parser = OneLineParser(
-        prog=PROG,
-        description="Replay JSON-lines pool/store traces and check the store's data. Exit "
-        "status: 0 ok, 1 a replay failed, 2 bad input, 3 inconclusive (a partial trace), "
-        "130 interrupted.",
-    )
-    parser.add_argument("traces", nargs="+", type=Path, help="trace files (.jsonl)")
-    parser.add_argument("--backend", choices=("mlx", "numpy"), default="mlx")
-    return parser
-
-
-def _replay_all(paths: Sequence[Path], backend_name: str) -> int:
-    backend = builtin_backend(backend_name)
-    traces = [(path, load_checked(path, backend)) for path in paths]  # all refused up front
-    verdicts = []
-    for path, trace in traces:
-        verdict, line = replay_verdict(path, trace, backend)
-        print(line, file=sys.stderr if verdict is Verdict.VIOLATION else sys.stdout, flush=True)
-        verdicts.append(verdict)
-        if verdict is Verdict.VIOLATION:
-            break  # the first failure is the one to look at
-    return combined(verdicts).exit_status
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Replay the trace files ``argv`` names; the exit status (module docstring)."""
-    return run_command(PROG, lambda: _run(argv))
-
-
-def _run(argv: Sequence[str] | None) -> int:
-    options = _parser().parse_args(argv)
-    return _replay_all(options.traces, options.backend)

@@ -230,15 +230,11 @@ def pool_encoder(
             tuple(map(stats_values, value)) if isinstance(value, Iterable) else value
         )
     if returns is Returns.METRICS:
-        return lambda value: Returned(
-            parse_prometheus(value) if isinstance(value, str) else value
-        )
+        return lambda value: Returned(parse_prometheus(value) if isinstance(value, str) else value)
     return Returned
 
 
-def pool_outcome(
-    op: object, value: object, name_of: Callable[[object], Handle] | None
-) -> Outcome:
+def pool_outcome(op: object, value: object, name_of: Callable[[object], Handle] | None) -> Outcome:
     """A pool's return value in the spec's form (``Returns`` of ``op``'s declaration)."""
     return pool_encoder(declaration_of(op).returns, name_of)(value)
 

@@ -28,12 +28,13 @@ lazy ones included, ``gather_heads`` agreeing with ``gather``, bad writes
 (tokens of another dtype included) refused without effect, a dropped
 cache's blocks returned by the next store call, geometric growth that keeps
 data, shrinkage that gives memory back, concurrent writers, and canned
-traces through the aliasing replay). :func:`random_trace_test` builds
-a Hypothesis test that replays random traces of every pool and store
-operation through :class:`~veloxquant_mlx.testing.aliasing.AliasingReplay`;
-a failing example is printed as a JSON-lines trace (and saved when the
-environment variable ``VELOXQUANT_TRACE_DIR`` names a directory), so
-``replay_file`` reproduces it exactly.
+traces through the aliasing replay). :func:`random_trace_test`
+(:mod:`~veloxquant_mlx.testing.store_traces`) builds a Hypothesis test that
+replays random traces of every pool and store call through
+:class:`~veloxquant_mlx.testing.aliasing.AliasingReplay`; a failing example
+is printed as a JSON-lines trace (and saved when the environment variable
+``VELOXQUANT_TRACE_DIR`` names a directory), so ``veloxquant-mlx replay``
+reproduces it exactly.
 
 Requires the ``dev`` extra (pytest and Hypothesis), unlike the replay engine.
 Complexity: each test is small (a few blocks, at most 64 ids); the random
@@ -43,108 +44,33 @@ builds its own pool and store.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import ClassVar, Generic, TypeVar
 
 import numpy as np
 import pytest
-from hypothesis import given, note, settings
-from hypothesis import strategies as st
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.memory.storage import BlockStorage
-from veloxquant_mlx.testing.aliasing import (
-    AliasingReplay,
-    ReplayError,
-    StorageBackend,
-    Values,
-    replay,
+from veloxquant_mlx.testing.aliasing import StorageBackend, Values, replay
+from veloxquant_mlx.testing.store_traces import (
+    CANNED_TRACES,
+    drive_random_trace,
+    random_trace_test,
 )
-from veloxquant_mlx.testing.traces import (
-    Allocate,
-    Free,
-    FreeAll,
-    MarkUsed,
-    Op,
-    Read,
-    RegisterOwner,
-    ReleaseOwner,
-    Shrink,
-    StoreSpec,
-    Sync,
-    Trace,
-    Write,
-    dumps,
-    save,
-)
+from veloxquant_mlx.testing.traces import StoreSpec
 
-__all__ = ["CANNED_TRACES", "StorageConformance", "drive_random_trace", "random_trace_test"]
+__all__ = [
+    "CANNED_TRACES",
+    "StorageConformance",
+    "ThreadSafeStorageConformance",
+    "drive_random_trace",
+    "random_trace_test",
+]
 
 ArrayT = TypeVar("ArrayT")
-T = TypeVar("T")
-
-TRACE_DIR_VARIABLE = "VELOXQUANT_TRACE_DIR"
-
-
-# -- canned traces ---------------------------------------------------------------------------
-
-_GROWING = PoolConfig(block_size=2, n_blocks=2, separate_kv=True, grow_on_exhaustion=True)
-_SMALL = StoreSpec(n_layers=2, n_kv_heads=1, head_dim=2)
-
-#: Short traces through every op type, each aimed at one way a store can go wrong.
-CANNED_TRACES: dict[str, Trace] = {
-    "grow-shrink-regrow": Trace(
-        _GROWING,
-        _SMALL,
-        (
-            Allocate(0, "k", 2, owner=1),
-            Allocate(1, "v", 10, owner=2),  # grows the "v" stream: ids 1..5
-            Write(1, (1, 4), 1, 1),
-            FreeAll(2),
-            Shrink("v", 0, retired=5),  # id_bound 6 -> 1: the store must give memory back
-            Sync(),
-            Allocate(2, "v", 12, owner=3),  # regrows on the retired ids
-            Read(0, ((0, 0), (2, 5)), 4),
-        ),
-    ),
-    "stale-handles": Trace(
-        _GROWING,
-        _SMALL,
-        (
-            Allocate(0, "k", 2, owner=1),
-            Free(((0, 0),)),
-            Allocate(1, "k", 2, owner=2),  # same id, new handle
-            Write(0, (0, 0), 0, 1, expect="ValueError"),
-            Free(((0, 0),), expect="InvalidFreeError"),
-            MarkUsed((0, 0), 1),
-            MarkUsed((1, 0), 1),
-            RegisterOwner(5),
-            RegisterOwner(5, expect="OwnerAlreadyActiveError"),
-            ReleaseOwner(5),
-            Read(1, ((1, 0),), 3, expect="ValueError"),
-            Write(1, (1, 0), 1, 2, expect="ValueError"),
-        ),
-    ),
-    "lazy-reads-across-resizes": Trace(
-        _GROWING,
-        _SMALL,
-        (
-            Allocate(0, "k", 2, owner=1),
-            Read(0, ((0, 0),), 2, hold=6),
-            Read(1, ((0, 0),), 1, hold=3),
-            Write(0, (0, 0), 0, 2),
-            Allocate(1, "k", 16, owner=2),  # growth
-            Write(1, (0, 0), 1, 1),
-            FreeAll(2),
-            Shrink("k", 0),  # shrink
-            Write(0, (0, 0), 1, 1),
-        ),
-    ),
-}
 
 
 class StorageConformance(Generic[ArrayT]):
@@ -567,166 +493,3 @@ class ThreadSafeStorageConformance(StorageConformance[ArrayT]):
 def _live_blocks(pool: BlockPoolAllocator) -> list[Block]:
     """Every live handle of ``pool`` for owners 0..63 (the owners these tests use)."""
     return [block for owner in range(64) for block in pool.blocks_for(owner)]
-
-
-# -- random traces ---------------------------------------------------------------------------
-
-_OP_KINDS = (
-    "allocate",
-    "allocate",
-    "allocate",
-    "free",
-    "free",
-    "free_all",
-    "shrink",
-    "mark_used",
-    "register_owner",
-    "release_owner",
-    "write",
-    "write",
-    "write",
-    "read",
-    "read",
-    "sync",
-)
-
-
-@st.composite
-def pool_configs(draw: st.DrawFn) -> PoolConfig:
-    """Small pools of every kind: both stream modes, growth on and off, capped or not."""
-    n_blocks = draw(st.integers(0, 8))
-    grow = draw(st.booleans())
-    cap = draw(st.none() | st.integers(n_blocks, n_blocks + 8)) if grow else None
-    return PoolConfig(
-        block_size=draw(st.integers(1, 4)),
-        n_blocks=n_blocks,
-        separate_kv=draw(st.booleans()),
-        grow_on_exhaustion=grow,
-        max_blocks=cap,
-    )
-
-
-def store_specs() -> st.SearchStrategy[StoreSpec]:
-    """Small store shapes, in float32 (exact sentinels) or float16 (a real KV dtype)."""
-    return st.builds(
-        StoreSpec,
-        n_layers=st.integers(1, 2),
-        n_kv_heads=st.integers(1, 2),
-        head_dim=st.integers(1, 2),
-        dtype=st.sampled_from(["float32", "float16"]),
-    )
-
-
-def _pick(data: st.DataObject, items: Sequence[T]) -> T:
-    """One of ``items`` (drawn as an index: cheaper than a new ``sampled_from`` per draw)."""
-    return items[data.draw(st.integers(0, len(items) - 1))]
-
-
-def _odd(data: st.DataObject) -> bool:
-    """True one time in five: use a bad argument this time."""
-    return data.draw(st.integers(0, 4)) == 0
-
-
-def _draw_op(data: st.DataObject, engine: AliasingReplay[ArrayT]) -> Op:
-    """One op for the engine's current state; handles come from those it has handed out.
-
-    Arguments are valid most of the time (so that blocks get allocated, written,
-    grown and retired) and wrong otherwise (stale handles, bad slots, layers,
-    streams), so that refusals are exercised too.
-    """
-    block_size = engine.pool.config.block_size
-    n_layers = engine.spec.n_layers
-    streams = ("k", "v") if engine.pool.config.separate_kv else ("kv", "k", "v")
-    known, live = engine.known_refs(), engine.live_refs()
-    kind = _pick(data, _OP_KINDS)
-    if kind in ("free", "mark_used", "write", "read") and not known:
-        kind = "allocate"
-    handles = live if live and not _odd(data) else known  # a stale handle now and then
-    owner = data.draw(st.integers(0, 3))
-    match kind:
-        case "allocate":
-            stream, n_tokens = _pick(data, streams), data.draw(st.integers(1, 2 * block_size))
-            if data.draw(st.integers(0, 9)) == 0:  # one bad argument, one time in ten
-                stream, n_tokens = _pick(data, (("x", n_tokens), (stream, 0)))
-            return Allocate(engine.next_call(), stream, n_tokens, owner)
-        case "free":
-            return Free(tuple(_pick(data, handles) for _ in range(data.draw(st.integers(0, 3)))))
-        case "free_all":
-            return FreeAll(owner)
-        case "shrink":
-            target_free = data.draw(st.integers(1, 3)) if _odd(data) else 0
-            return Shrink(_pick(data, streams[:2]), target_free)
-        case "mark_used":
-            return MarkUsed(_pick(data, handles), data.draw(st.integers(0, block_size)))
-        case "register_owner":
-            return RegisterOwner(owner)
-        case "release_owner":
-            return ReleaseOwner(owner)
-        case "write":
-            bad = _pick(data, ("layer", "start", "n_tokens")) if _odd(data) else ""
-            layer = n_layers if bad == "layer" else data.draw(st.integers(0, n_layers - 1))
-            start = (
-                _pick(data, (-1, block_size)) if bad == "start" else _pick(data, range(block_size))
-            )
-            room = block_size - max(start, 0)
-            n_tokens = room + 1 if bad == "n_tokens" else data.draw(st.integers(min(room, 1), room))
-            return Write(layer, _pick(data, handles), start, n_tokens)
-        case "read":
-            refs = tuple(_pick(data, handles) for _ in range(data.draw(st.integers(1, 3))))
-            bad = _pick(data, ("layer", "n_tokens")) if _odd(data) else ""
-            layer = n_layers if bad == "layer" else data.draw(st.integers(0, n_layers - 1))
-            available = len(refs) * block_size
-            n_tokens = available + 1 if bad == "n_tokens" else data.draw(st.integers(0, available))
-            return Read(layer, refs, n_tokens, hold=data.draw(st.integers(0, 3)))
-    return Sync()
-
-
-def drive_random_trace(
-    backend: StorageBackend[ArrayT], data: st.DataObject, max_ops: int = 30
-) -> Trace:
-    """Draw a pool, a store shape and up to ``max_ops`` ops; apply each as it is drawn.
-
-    On a failure the trace so far is attached to the Hypothesis report (and
-    saved under ``$VELOXQUANT_TRACE_DIR`` if set) before the error propagates.
-
-    Returns:
-        The trace applied, with outcomes.
-
-    Raises:
-        ReplayError: The first op after which a check failed.
-    """
-    engine = AliasingReplay(data.draw(pool_configs()), data.draw(store_specs()), backend)
-    try:
-        for _ in range(data.draw(st.integers(1, max_ops))):
-            engine.apply(_draw_op(data, engine))
-    except ReplayError:
-        _report(engine.trace(), backend.name)
-        raise
-    return engine.trace()
-
-
-def _report(trace: Trace, backend_name: str) -> None:
-    note(f"failing trace ({backend_name}); save it and run replay_file on it:\n{dumps(trace)}")
-    directory = os.environ.get(TRACE_DIR_VARIABLE)
-    if directory:
-        path = Path(directory) / f"failing-{backend_name}-{abs(hash(dumps(trace)))}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save(trace, path)
-        note(f"saved to {path}")
-
-
-def random_trace_test(
-    backend: StorageBackend[ArrayT], *, max_examples: int = 40, max_ops: int = 30
-) -> Callable[[], None]:
-    """A Hypothesis test (assign it to a ``test_...`` name) replaying random traces on ``backend``.
-
-    ``max_examples`` overrides the active profile's count, keeping this test
-    fast by default; raise it for a nightly run.
-    """
-
-    @settings(max_examples=max_examples, deadline=None)
-    @given(data=st.data())
-    def test_random_traces_replay_cleanly(data: st.DataObject) -> None:
-        drive_random_trace(backend, data, max_ops)
-
-    return test_random_traces_replay_cleanly

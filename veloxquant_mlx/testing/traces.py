@@ -1,99 +1,111 @@
-"""Operation traces of a pool and its backing store, as JSON-lines files.
+"""The one trace format: JSON lines of operation-table calls, with what each did.
 
-A *trace* is what the aliasing replay (:mod:`veloxquant_mlx.testing.aliasing`)
-applies, op by op, to a fresh pool and store: every pool operation
-(``allocate``, ``free``, ``free_all``, ``shrink``, ``mark_used``,
-``register_owner``, ``release_owner``; growth happens inside ``allocate``)
-and every store operation (``write``, ``read``, ``sync``). Hypothesis, the
-stress runner and users' bug reports all produce the same format, so a
-failure found anywhere replays exactly.
+A Hypothesis failure, an exhaustive counterexample, a stress history (its
+linearized trace and its reproducers) and an aliasing-replay input are all
+a :class:`Trace`: a pool configuration, a store shape, and lines, each one
+call of the operation table (``veloxquant_mlx_spec.operations``, or a store
+call of :mod:`~veloxquant_mlx.testing.store_operations`) with its label and,
+if recorded, its outcome and timing. Any of them replays with one command on
+the spec, on a pool or on a store (``veloxquant-mlx replay``;
+docs/TRACE_FORMAT.md has the grammar). The codec derives every line from
+the call's declaration: it has no per-call code.
 
 File format (one JSON object per line, blank lines ignored)::
 
-    {"trace": "veloxquant-mlx", "version": 1,
+    {"trace": "veloxquant-mlx", "version": 2,
      "pool": {"block_size": 4, "n_blocks": 8, "separate_kv": true,
               "grow_on_exhaustion": false, "max_blocks": null},
+     "history_len": 0,
      "store": {"n_layers": 2, "n_kv_heads": 2, "head_dim": 3, "dtype": "float32"}}
-    {"op": "allocate", "call": 0, "stream": "k", "n_tokens": 5, "owner": 1}
-    {"op": "write", "layer": 0, "handle": [0, 1], "start": 1, "n_tokens": 2}
-    {"op": "free", "handles": [[0, 0]], "expect": "ok"}
+    {"op": "allocate", "call": 0, "stream": "k", "n_tokens": 5, "owner": 1,
+     "format": "fp16", "expect": "ok", "returned": [0, 1]}
+    {"op": "write", "layer": 0, "block": [0, 1], "start": 1, "n_tokens": 2}
+    {"op": "free", "blocks": [[0, 0]], "expect": "ok"}
+    {"op": "free", "call": 17, "blocks": [[0, 0]], "expect": "InvalidFreeError",
+     "thread": 2, "invoke_ns": 1200, "return_ns": 1300}
 
-A header may add ``"partial": true``: the ops are the beginning of a longer
-history whose end was never recorded (a stress run that was interrupted, or
-whose checking gave up). Every op of a partial trace still replays and is
-checked, but a clean replay of it cannot say OK: its verdict is
-inconclusive. The store's ``n_layers``, ``n_kv_heads`` and ``head_dim`` are
-ints ``>= 1`` and its ``dtype`` a name the replay backend knows.
+- A line names its call (``"op"``) and its arguments by the names of
+  docs/API.md. A handle is ``[call, position]``: the ``position``-th block
+  returned by the line labelled ``call``; labels are any distinct ints, so
+  lines can be dropped or reordered without renaming, and a name stays valid
+  after its block is freed (it then names the stale handle). A reference that
+  is no name is ``{"foreign": owner}`` (another pool's live handle),
+  ``{"hand_made": true}`` or ``{"not_a_block": true}``; a list of handles is
+  a list, ``{"tuple": [...]}`` or ``{"not_a_list": true}``. A ``bytes`` value
+  is ``{"bytes": "<hex>"}``.
+- ``call`` is the line's label; a line that hands out handles must have one.
+- ``expect`` is ``"ok"`` or the class name of the error the call must raise;
+  with ``ok``, ``returned`` is what it must return (block ids for handles
+  handed out, names for handles listed, a value, stats fields, metric pairs).
+  No ``expect``: not checked.
+- ``thread``, ``invoke_ns`` and ``return_ns`` (``null``: never returned)
+  mark a timed line: a maximal run of them is one concurrent window, checked
+  for linearizability; untimed lines apply in order.
+- A header may add ``"partial": true``: the lines are the beginning of a
+  longer history whose end was never recorded. Its clean replay is
+  inconclusive, never OK.
 
-A handle is named ``[call, position]``: the ``position``-th block returned by
-the ``allocate`` op whose ``call`` label is ``call``. Labels are any distinct
-ints, so ops can be dropped or reordered without renaming. The name stays
-valid after the block is freed: it then denotes the stale handle, which is
-how stale frees and stale writes are written down.
+Traces of version 1 (``handles``/``handle``, ``read``, ``block_ids``,
+``retired``; no ``history_len``) load, upgraded; any other JSON (a v1
+stress reproducer, an ``exhaustive --json`` report) is refused with the
+format expected.
 
-Every op may carry ``expect``: ``"ok"``, or the class name of the error the
-call must raise (``"InvalidFreeError"``, ``"ValueError"``...); absent means
-"not checked". ``allocate`` may carry the ``block_ids`` it must return and
-``shrink`` the number it must have ``retired``. Written values are not in the
-trace: the replay writes its own sentinels. The op fields, by op:
-
-- ``allocate``: ``call, stream, n_tokens, owner[, format][, block_ids]``
-- ``free``: ``handles``; ``free_all``: ``owner``
-- ``shrink``: ``stream, target_free[, retired]``
-- ``mark_used``: ``handle, n_used``
-- ``register_owner`` / ``release_owner``: ``owner``
-- ``write``: ``layer, handle, start, n_tokens`` (sentinel tokens into those slots)
-- ``read``: ``layer, handles, n_tokens[, hold]`` (a gather, left unevaluated for
-  ``hold`` more ops before it is first checked)
-- ``sync``: no fields
-
-Complexity: encoding and decoding are O(size of the op). Thread safety: the
+Complexity: O(size of the line) to encode or decode. Thread safety: the
 functions are pure; a :class:`TraceRecorder` is not locked (feed it from one
 thread, in linearization order).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field, fields, replace
+import math
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import ClassVar, Final
+from typing import Any, Final
 
+import veloxquant_mlx.testing.store_operations  # noqa: F401 -- declares the store calls
 from veloxquant_mlx.commandline.files import atomic_write_text
-from veloxquant_mlx.memory.block_pool import Block, PoolConfig
+from veloxquant_mlx.memory.block_pool import PoolConfig
+from veloxquant_mlx.testing.sides import error_outcome, pool_outcome
+from veloxquant_mlx_spec.model import ForeignBlock, NotABlock, NotAList
+from veloxquant_mlx_spec.table import (
+    ANY_VALUE,
+    ArgKind,
+    AsTuple,
+    Declaration,
+    Handle,
+    HandleRef,
+    Outcome,
+    Raised,
+    Returned,
+    Returns,
+    declaration_named,
+    declaration_of,
+    declarations,
+)
 
 __all__ = [
-    "Allocate",
-    "Free",
-    "FreeAll",
-    "HandleRef",
-    "MarkUsed",
-    "Op",
-    "Read",
-    "RegisterOwner",
-    "ReleaseOwner",
-    "Shrink",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
     "StoreSpec",
-    "Sync",
     "Trace",
     "TraceFormatError",
+    "TraceLine",
     "TraceRecorder",
-    "Write",
-    "decode_op",
+    "decode_line",
     "dumps",
     "encode_header",
-    "encode_op",
+    "encode_line",
     "load",
     "loads",
     "save",
 ]
 
 FORMAT_NAME: Final = "veloxquant-mlx"
-FORMAT_VERSION: Final = 1
-
-#: ``(call, position)``: the ``position``-th block returned by allocate call ``call``.
-HandleRef = tuple[int, int]
+FORMAT_VERSION: Final = 2
+_V1_RENAMES: Final = {"handles": "blocks", "handle": "block"}
 
 
 class TraceFormatError(ValueError):
@@ -130,192 +142,305 @@ class StoreSpec:
 
 
 @dataclass(frozen=True, slots=True)
-class Allocate:
-    """``pool.allocate(stream, n_tokens, owner, format)``; handles named ``[call, i]``."""
+class TraceLine:
+    """One call: the operation, its label, what it did (or must do), and when, if timed.
 
-    kind: ClassVar[str] = "allocate"
-    call: int
-    stream: str
-    n_tokens: int
-    owner: int
-    format: str = "fp16"
-    block_ids: tuple[int, ...] | None = None
-    expect: str | None = None
+    ``outcome`` ``None``: not recorded (so not checked), or, on a timed line
+    with ``return_ns`` ``None``, a call that never returned (it may or may
+    not have taken effect).
+    """
 
+    op: object
+    call: int | None = None
+    outcome: Outcome | None = None
+    thread: int | None = None
+    invoke_ns: int | None = None
+    return_ns: int | None = None
 
-@dataclass(frozen=True, slots=True)
-class Free:
-    """``pool.free([handles...])``, in list order; stale or repeated handles allowed."""
+    @property
+    def timed(self) -> bool:
+        """Whether the line has an interval (it belongs to a concurrent window)."""
+        return self.invoke_ns is not None
 
-    kind: ClassVar[str] = "free"
-    handles: tuple[HandleRef, ...]
-    expect: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class FreeAll:
-    """``pool.free_all(owner)``."""
-
-    kind: ClassVar[str] = "free_all"
-    owner: int
-    expect: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Shrink:
-    """``pool.shrink(stream, target_free)``; ``retired`` is the count it must return."""
-
-    kind: ClassVar[str] = "shrink"
-    stream: str
-    target_free: int
-    retired: int | None = None
-    expect: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class MarkUsed:
-    """``pool.mark_used(handle, n_used)``."""
-
-    kind: ClassVar[str] = "mark_used"
-    handle: HandleRef
-    n_used: int
-    expect: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class RegisterOwner:
-    """``pool.register_owner(owner)``."""
-
-    kind: ClassVar[str] = "register_owner"
-    owner: int
-    expect: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class ReleaseOwner:
-    """``pool.release_owner(owner)``."""
-
-    kind: ClassVar[str] = "release_owner"
-    owner: int
-    expect: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Write:
-    """``store.write(layer, handle, start, tokens)`` with ``n_tokens`` sentinel tokens."""
-
-    kind: ClassVar[str] = "write"
-    layer: int
-    handle: HandleRef
-    start: int
-    n_tokens: int
-    expect: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Read:
-    """``store.gather(layer, handles, n_tokens)``, first checked ``hold`` ops later."""
-
-    kind: ClassVar[str] = "read"
-    layer: int
-    handles: tuple[HandleRef, ...]
-    n_tokens: int
-    hold: int = 0
-    expect: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Sync:
-    """``store.sync()``."""
-
-    kind: ClassVar[str] = "sync"
-    expect: str | None = None
-
-
-Op = (
-    Allocate
-    | Free
-    | FreeAll
-    | Shrink
-    | MarkUsed
-    | RegisterOwner
-    | ReleaseOwner
-    | Write
-    | Read
-    | Sync
-)
-
-_OP_CLASSES: Final[dict[str, type[Op]]] = {
-    cls.kind: cls
-    for cls in (
-        Allocate,
-        Free,
-        FreeAll,
-        Shrink,
-        MarkUsed,
-        RegisterOwner,
-        ReleaseOwner,
-        Write,
-        Read,
-        Sync,
-    )
-}
-_INT_FIELDS: Final = frozenset(
-    {"call", "n_tokens", "owner", "target_free", "n_used", "layer", "start", "hold", "retired"}
-)
-_STR_FIELDS: Final = frozenset({"stream", "format", "expect"})
+    @property
+    def pending(self) -> bool:
+        """Whether the call never returned (in this history)."""
+        return self.invoke_ns is not None and self.return_ns is None
 
 
 @dataclass(frozen=True, slots=True)
 class Trace:
-    """A pool configuration, a store shape, and the ops to apply, in order.
+    """A pool configuration, a store shape, and the lines to apply, in order.
 
     ``partial`` marks the beginning of a longer history (module docstring).
     """
 
     pool: PoolConfig
     store: StoreSpec = StoreSpec()
-    ops: tuple[Op, ...] = ()
+    lines: tuple[TraceLine, ...] = ()
+    history_len: int = 0
     partial: bool = False
 
-    def with_ops(self, ops: Iterable[Op]) -> Trace:
-        """This trace with its ops replaced."""
-        return replace(self, ops=tuple(ops))
+    def with_lines(self, lines: Iterable[TraceLine]) -> Trace:
+        """This trace with its lines replaced."""
+        return replace(self, lines=tuple(lines))
 
 
-# -- encoding -----------------------------------------------------------------------
+# -- values, references, outcomes -----------------------------------------------------------
 
 
-def encode_op(op: Op) -> str:
-    """One op as a JSON line (no newline); ``None`` fields are left out."""
-    record: dict[str, object] = {"op": op.kind}
-    for op_field in fields(op):
-        value = getattr(op, op_field.name)
-        if value is not None:
-            record[op_field.name] = value
+def _value_to_json(value: object) -> object:
+    if isinstance(value, bytes):
+        return {"bytes": value.hex()}
+    if isinstance(value, float) and not math.isfinite(value):
+        raise TraceFormatError(f"a value must be finite to be written, got {value!r}")
+    if isinstance(value, tuple):
+        return [_value_to_json(item) for item in value]
+    return value
+
+
+def _value_from_json(name: str, value: object) -> object:
+    if isinstance(value, dict):
+        if set(value) == {"bytes"} and isinstance(value["bytes"], str):
+            try:
+                return bytes.fromhex(value["bytes"])
+            except ValueError:
+                pass
+        raise TraceFormatError(f"field {name!r}: expected a JSON value or bytes, got {value!r}")
+    if isinstance(value, list):
+        return tuple(_value_from_json(name, item) for item in value)
+    return value
+
+
+def _ref_to_json(ref: object) -> object:
+    if isinstance(ref, Handle):
+        return [ref.call, ref.position]
+    if isinstance(ref, ForeignBlock):
+        return {"hand_made": True} if ref.owner is None else {"foreign": ref.owner}
+    if isinstance(ref, NotABlock):
+        return {"not_a_block": True}
+    raise TraceFormatError(f"{ref!r} is not a handle reference")
+
+
+def _int(name: str, value: object) -> int:
+    if type(value) is not int:
+        raise TraceFormatError(f"field {name!r} must be an int, got {value!r}")
+    return value
+
+
+def _ref_from_json(name: str, value: object) -> object:
+    if isinstance(value, list) and len(value) == 2:
+        return Handle(_int(name, value[0]), _int(name, value[1]))
+    if value in ({"hand_made": True}, {"foreign": None}):
+        return ForeignBlock(None)
+    if isinstance(value, dict) and set(value) == {"foreign"}:
+        return ForeignBlock(_int(name, value["foreign"]))
+    if value == {"not_a_block": True}:
+        return NotABlock()
+    raise TraceFormatError(
+        f'field {name!r} must be a handle [call, position], {{"foreign": owner}}, '
+        f'{{"hand_made": true}} or {{"not_a_block": true}}, got {value!r}'
+    )
+
+
+def _handle_ref(name: str, value: object) -> HandleRef:
+    ref = _ref_from_json(name, value)
+    assert isinstance(ref, Handle | ForeignBlock | NotABlock), "a reference, by construction"
+    return ref
+
+
+def _refs_to_json(value: object) -> object:
+    if isinstance(value, NotAList):
+        return {"not_a_list": True}
+    if isinstance(value, AsTuple):
+        return {"tuple": [_ref_to_json(ref) for ref in value.refs]}
+    assert isinstance(value, tuple), "a list of handles is a tuple of references"
+    return [_ref_to_json(ref) for ref in value]
+
+
+def _refs_from_json(name: str, value: object) -> object:
+    if value == {"not_a_list": True}:
+        return NotAList()
+    if isinstance(value, dict) and set(value) == {"tuple"} and isinstance(value["tuple"], list):
+        return AsTuple(tuple(_handle_ref(name, item) for item in value["tuple"]))
+    if isinstance(value, list):
+        return tuple(_ref_from_json(name, item) for item in value)
+    raise TraceFormatError(
+        f'field {name!r} must be a list of handles, {{"tuple": [...]}} or '
+        f'{{"not_a_list": true}}, got {value!r}'
+    )
+
+
+def _returned_to_json(value: object) -> object:
+    if isinstance(value, Handle):
+        return [value.call, value.position]
+    if isinstance(value, tuple):
+        return [_returned_to_json(item) for item in value]
+    return value
+
+
+def _returned_from_json(declaration: Declaration, value: object) -> object:
+    """A ``returned`` field, in the form ``Returns`` gives it (tuples, names)."""
+    returns = declaration.returns
+    if returns is Returns.HANDLES and isinstance(value, list):
+        return tuple(_ref_from_json("returned", item) for item in value)
+    if returns is Returns.METRICS and isinstance(value, list):
+        return tuple((str(pair[0]), float(pair[1])) for pair in value if isinstance(pair, list))
+    return _value_from_json("returned", value)
+
+
+def _outcome_to_json(declaration: Declaration, outcome: Outcome, record: dict[str, object]) -> None:
+    if isinstance(outcome, Raised):
+        record["expect"] = outcome.kind
+        if outcome.message:
+            record["message"] = outcome.message
+        return
+    record["expect"] = "ok"
+    if outcome.value is not ANY_VALUE and declaration.returns is not Returns.NOTHING:
+        record["returned"] = _returned_to_json(outcome.value)
+
+
+def _outcome_from_json(declaration: Declaration, record: dict[str, Any]) -> Outcome | None:
+    expect = record.pop("expect", None)
+    returned = record.pop("returned", ANY_VALUE)
+    message = record.pop("message", "")
+    if expect is None:
+        if returned is not ANY_VALUE:
+            raise TraceFormatError('field \'returned\' needs "expect": "ok"')
+        return None
+    if not isinstance(expect, str):
+        raise TraceFormatError(f"field 'expect' must be a string, got {expect!r}")
+    if expect != "ok":
+        if returned is not ANY_VALUE:
+            raise TraceFormatError(f"field 'returned' contradicts \"expect\": {expect!r}")
+        return Raised(expect, message if isinstance(message, str) else "")
+    if declaration.returns is Returns.NOTHING:
+        return Returned(None)
+    if returned is ANY_VALUE:
+        return Returned(ANY_VALUE)
+    return Returned(_returned_from_json(declaration, returned))
+
+
+# -- lines ----------------------------------------------------------------------------------
+
+_TIMING: Final = ("thread", "invoke_ns", "return_ns")
+
+
+def encode_line(line: TraceLine) -> str:
+    """One line as JSON (no newline); absent fields are left out."""
+    declaration = declaration_of(line.op)
+    record: dict[str, object] = {"op": declaration.name}
+    if line.call is not None:
+        record["call"] = line.call
+    arguments = declaration.arguments(line.op)
+    for parameter, value in zip(declaration.parameters, arguments, strict=True):
+        if parameter.kind is ArgKind.HANDLE:
+            record[parameter.name] = _ref_to_json(value)
+        elif parameter.kind is ArgKind.HANDLES:
+            record[parameter.name] = _refs_to_json(value)
+        else:
+            record[parameter.name] = _value_to_json(value)
+    if line.outcome is not None:
+        _outcome_to_json(declaration, line.outcome, record)
+    if line.timed:
+        record.update(thread=line.thread, invoke_ns=line.invoke_ns, return_ns=line.return_ns)
     return json.dumps(record, separators=(",", ":"))
 
 
+def _op_from_json(declaration: Declaration, record: dict[str, Any]) -> object:
+    arguments: list[object] = []
+    for parameter in declaration.parameters:
+        if parameter.name not in record:
+            if parameter.default is dataclasses.MISSING:
+                raise TraceFormatError(f"op {declaration.name!r} needs field {parameter.name!r}")
+            arguments.append(parameter.default)
+            continue
+        value = record.pop(parameter.name)
+        if parameter.kind is ArgKind.HANDLE:
+            arguments.append(_ref_from_json(parameter.name, value))
+        elif parameter.kind is ArgKind.HANDLES:
+            arguments.append(_refs_from_json(parameter.name, value))
+        else:
+            arguments.append(_value_from_json(parameter.name, value))
+    return declaration.op(*arguments)
+
+
+def _upgrade_v1(record: dict[str, Any]) -> None:
+    """A version 1 line in place: ``read`` is ``gather``, fields take the API's names."""
+    if record.get("op") == "read":
+        record["op"] = "gather"
+    for old, new in _V1_RENAMES.items():
+        if old in record:
+            record[new] = record.pop(old)
+    for recorded in ("block_ids", "retired"):
+        if recorded in record:
+            record["returned"] = record.pop(recorded)
+            record.setdefault("expect", "ok")
+
+
+def decode_line(text: str, *, version: int = FORMAT_VERSION) -> TraceLine:
+    """Parse one JSON line (of a trace of ``version``) into a :class:`TraceLine`.
+
+    Raises:
+        TraceFormatError: Not JSON, not an object, unknown op or field, a field of
+            the wrong type, or a required field missing.
+    """
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise TraceFormatError(f"not JSON: {error}") from None
+    if not isinstance(record, dict):
+        raise TraceFormatError(f"a line must be a JSON object, got {record!r}")
+    if version == 1:
+        _upgrade_v1(record)
+    name = record.pop("op", None)
+    declaration = declaration_named(name) if isinstance(name, str) else None
+    if declaration is None:
+        known = sorted(d.name for d in declarations(None))
+        raise TraceFormatError(f"'op' must be one of {known}, got {name!r}")
+    call = record.pop("call", None)
+    if call is not None:
+        _int("call", call)
+    elif declaration.may_issue_handles:
+        raise TraceFormatError(f"op {name!r} hands out handles: it needs a 'call' label")
+    op = _op_from_json(declaration, record)
+    outcome = _outcome_from_json(declaration, record)
+    timing = {key: record.pop(key) for key in _TIMING if key in record}
+    if record:
+        allowed = sorted(
+            {"op", "call", "expect", "returned", "message", *_TIMING}
+            | {p.name for p in declaration.parameters}
+        )
+        raise TraceFormatError(f"op {name!r} has no field(s) {sorted(record)}; it has {allowed}")
+    return TraceLine(op, call, outcome, **_timing(timing))
+
+
+def _timing(fields: dict[str, object]) -> dict[str, int | None]:
+    if not fields:
+        return {}
+    if set(fields) != set(_TIMING):
+        raise TraceFormatError(f"a timed line needs all of {list(_TIMING)}, got {sorted(fields)}")
+    return_ns = fields["return_ns"]
+    return {
+        "thread": _int("thread", fields["thread"]),
+        "invoke_ns": _int("invoke_ns", fields["invoke_ns"]),
+        "return_ns": None if return_ns is None else _int("return_ns", return_ns),
+    }
+
+
+# -- headers and files ------------------------------------------------------------------------
+
+_HEADER_KEYS: Final = frozenset({"trace", "version", "pool", "store", "history_len", "partial"})
+
+
 def encode_header(trace: Trace) -> str:
-    """The header line of ``trace`` (no newline): format, pool, store, and ``partial`` if set."""
-    pool = trace.pool
-    store = trace.store
+    """The header line of ``trace`` (no newline)."""
     header: dict[str, object] = {
         "trace": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "pool": {
-            "block_size": pool.block_size,
-            "n_blocks": pool.n_blocks,
-            "separate_kv": pool.separate_kv,
-            "grow_on_exhaustion": pool.grow_on_exhaustion,
-            "max_blocks": pool.max_blocks,
-        },
-        "store": {
-            "n_layers": store.n_layers,
-            "n_kv_heads": store.n_kv_heads,
-            "head_dim": store.head_dim,
-            "dtype": store.dtype,
-        },
+        "pool": {f.name: getattr(trace.pool, f.name) for f in dataclasses.fields(trace.pool)},
+        "history_len": trace.history_len,
+        "store": {f.name: getattr(trace.store, f.name) for f in dataclasses.fields(trace.store)},
     }
     if trace.partial:
         header["partial"] = True
@@ -323,9 +448,8 @@ def encode_header(trace: Trace) -> str:
 
 
 def dumps(trace: Trace) -> str:
-    """The whole trace as JSON-lines text: the header, then one line per op."""
-    lines = [encode_header(trace), *map(encode_op, trace.ops)]
-    return "\n".join(lines) + "\n"
+    """The whole trace as JSON-lines text: the header, then one line per call."""
+    return "\n".join([encode_header(trace), *map(encode_line, trace.lines)]) + "\n"
 
 
 def save(trace: Trace, path: str | Path) -> None:
@@ -333,101 +457,52 @@ def save(trace: Trace, path: str | Path) -> None:
     atomic_write_text(Path(path), dumps(trace))
 
 
-# -- decoding -----------------------------------------------------------------------
+def _not_a_trace(record: object, line: str) -> TraceFormatError:
+    expected = f'a header {{"trace": "{FORMAT_NAME}", "version": {FORMAT_VERSION}, ...}}'
+    if isinstance(record, dict) and record.get("reproducer") == "veloxquant-mlx-linearizability":
+        return TraceFormatError(
+            "a veloxquant-mlx-linearizability v1 reproducer: this version replays trace "
+            f"files (JSON lines, first line {expected}); rerun the stress run that wrote it"
+        )
+    if isinstance(record, list):
+        return TraceFormatError(f"a JSON array (an exhaustive --json report?), expected {expected}")
+    return TraceFormatError(f"expected {expected}, got {line[:120]!r}")
 
 
-def _require_int(name: str, value: object) -> int:
-    if type(value) is not int:
-        raise TraceFormatError(f"field {name!r} must be an int, got {value!r}")
-    return value
-
-
-def _decode_ref(name: str, value: object) -> HandleRef:
-    if not isinstance(value, list) or len(value) != 2:
-        raise TraceFormatError(f"field {name!r} must be a handle [call, position], got {value!r}")
-    return (_require_int(name, value[0]), _require_int(name, value[1]))
-
-
-def _decode_field(name: str, value: object) -> object:
-    """Check one field's JSON value against the kind that field has in every op."""
-    if name in _INT_FIELDS:
-        return _require_int(name, value)
-    if name in _STR_FIELDS:
-        if not isinstance(value, str):
-            raise TraceFormatError(f"field {name!r} must be a string, got {value!r}")
-        return value
-    if name == "handle":
-        return _decode_ref(name, value)
-    if name in ("handles", "block_ids"):
-        if not isinstance(value, list):
-            raise TraceFormatError(f"field {name!r} must be a list, got {value!r}")
-        if name == "handles":
-            return tuple(_decode_ref(name, item) for item in value)
-        return tuple(_require_int(name, item) for item in value)
-    raise TraceFormatError(f"unknown field {name!r}")
-
-
-def decode_op(line: str) -> Op:
-    """Parse one JSON line into its op.
-
-    Raises:
-        TraceFormatError: Not JSON, not an object, unknown op or field, a field of
-            the wrong type, or a required field missing.
-    """
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise TraceFormatError(f"not JSON: {error}") from None
-    if not isinstance(record, dict):
-        raise TraceFormatError(f"an op must be a JSON object, got {record!r}")
-    kind = record.pop("op", None)
-    cls = _OP_CLASSES.get(kind) if isinstance(kind, str) else None
-    if cls is None:
-        raise TraceFormatError(f"'op' must be one of {sorted(_OP_CLASSES)}, got {kind!r}")
-    allowed = {op_field.name for op_field in fields(cls)}
-    unknown = sorted(set(record) - allowed)
-    if unknown:
-        raise TraceFormatError(f"op {kind!r} has no field(s) {unknown}; it has {sorted(allowed)}")
-    values = {name: _decode_field(name, value) for name, value in record.items()}
-    try:
-        return cls(**values)  # type: ignore[arg-type]  # each value checked by _decode_field
-    except TypeError as error:
-        raise TraceFormatError(f"op {kind!r}: {error}") from None
-
-
-_HEADER_KEYS: Final = frozenset({"trace", "version", "pool", "store", "partial"})
-
-
-def _decode_header(line: str) -> tuple[PoolConfig, StoreSpec, bool]:
+def _decode_header(line: str) -> tuple[Trace, int]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
         raise TraceFormatError(f"header is not JSON: {error}") from None
     if not isinstance(record, dict) or record.get("trace") != FORMAT_NAME:
-        raise TraceFormatError(f'expected a header with "trace": {FORMAT_NAME!r}, got {line!r}')
-    if record.get("version") != FORMAT_VERSION:
+        raise _not_a_trace(record, line)
+    version = record.get("version")
+    if version not in (1, FORMAT_VERSION):
         raise TraceFormatError(
-            f"trace version {record.get('version')!r} is not supported; expected {FORMAT_VERSION}"
+            f"trace version {version!r} is not supported; expected {FORMAT_VERSION} (or 1)"
         )
     unknown = sorted(set(record) - _HEADER_KEYS)
     if unknown:
         raise TraceFormatError(
             f"header has unknown key(s) {unknown}; expected {sorted(_HEADER_KEYS)}"
         )
-    pool_fields, store_fields = record.get("pool"), record.get("store")
+    pool_fields, store_fields = record.get("pool"), record.get("store", {})
     if not isinstance(pool_fields, dict) or not isinstance(store_fields, dict):
-        raise TraceFormatError('header needs objects "pool" and "store"')
-    partial = record.get("partial", False)
+        raise TraceFormatError('header needs an object "pool" (and "store", if given)')
+    partial, history_len = record.get("partial", False), record.get("history_len", 0)
     if type(partial) is not bool:
         raise TraceFormatError(f'header "partial" must be true or false, got {partial!r}')
+    if type(history_len) is not int or history_len < 0:
+        raise TraceFormatError(f'header "history_len" must be an int >= 0, got {history_len!r}')
     try:
-        return PoolConfig(**pool_fields), StoreSpec(**store_fields), partial
+        pool, store = PoolConfig(**pool_fields), StoreSpec(**store_fields)
     except (TypeError, ValueError) as error:
         raise TraceFormatError(f"header: {error}") from None
+    return Trace(pool, store, (), history_len, partial), version
 
 
 def loads(text: str) -> Trace:
-    """Parse JSON-lines text written by :func:`dumps` (or by hand).
+    """Parse JSON-lines text written by :func:`dumps` (or by hand, or of version 1).
 
     Raises:
         TraceFormatError: Naming the 1-based line that is wrong and why.
@@ -437,16 +512,16 @@ def loads(text: str) -> Trace:
         raise TraceFormatError("empty trace: expected a header line")
     header_number, header_line = numbered[0]
     try:
-        pool, store, partial = _decode_header(header_line)
+        trace, version = _decode_header(header_line)
     except TraceFormatError as error:
         raise TraceFormatError(f"line {header_number}: {error}") from None
-    ops: list[Op] = []
+    lines: list[TraceLine] = []
     for number, line in numbered[1:]:
         try:
-            ops.append(decode_op(line))
+            lines.append(decode_line(line, version=version))
         except TraceFormatError as error:
             raise TraceFormatError(f"line {number}: {error}") from None
-    return Trace(pool, store, tuple(ops), partial)
+    return trace.with_lines(lines)
 
 
 def load(path: str | Path) -> Trace:
@@ -463,88 +538,68 @@ def load(path: str | Path) -> Trace:
     return loads(text)
 
 
-# -- recording a live history -------------------------------------------------------
-
-
-def outcome_name(error: BaseException | None) -> str:
-    """The ``expect`` value that records an outcome: ``"ok"`` or the error's class name."""
-    return "ok" if error is None else type(error).__name__
+# -- recording a live session --------------------------------------------------------------
 
 
 @dataclass
 class TraceRecorder:
-    """Builds a trace from calls made on a real pool (e.g. by a stress run).
+    """Builds a trace from calls made on a real pool (a session, a stress run).
 
-    Feed it each call with its outcome, in linearization order; it names every
-    handle an ``allocate`` returned (by object identity, so stale handles keep
-    their name) and writes the outcome into ``expect``, so that the replay
-    checks that a sequential run reproduces it.
+    Feed it each call with what it returned or raised, in linearization
+    order; it labels the calls 0, 1, 2..., names every handle a call handed
+    out (by object identity, so stale handles keep their name), and records
+    the outcome, so that a replay checks that a sequential run reproduces it.
 
-    Invariant: every handle named in a recorded op was returned by a recorded
-    ``allocate``; ``call`` labels are 0, 1, 2... in recording order.
+    Invariant: every handle named in a recorded line was handed out by a
+    recorded call.
     """
 
     pool: PoolConfig
     store: StoreSpec = StoreSpec()
-    ops: list[Op] = field(default_factory=list)
+    history_len: int = 0
+    lines: list[TraceLine] = field(default_factory=list)
     # id(handle) -> (its name, the handle): the handle is kept so its id is never reused.
-    _names: dict[int, tuple[HandleRef, Block]] = field(default_factory=dict, repr=False)
-    _next_call: int = 0
+    _names: dict[int, tuple[Handle, object]] = field(default_factory=dict, repr=False)
 
     def trace(self) -> Trace:
-        """The ops recorded so far, as a trace."""
-        return Trace(self.pool, self.store, tuple(self.ops))
+        """The lines recorded so far, as a trace."""
+        return Trace(self.pool, self.store, tuple(self.lines), self.history_len)
 
-    def name_of(self, block: Block) -> HandleRef:
+    def name_of(self, block: object) -> Handle:
         """The trace name of ``block``.
 
         Raises:
-            ValueError: ``block`` was not returned by a recorded ``allocate``.
+            ValueError: ``block`` was not handed out by a recorded call.
         """
         entry = self._names.get(id(block))
         if entry is None or entry[1] is not block:
-            raise ValueError(f"{block!r} was not returned by a recorded allocate")
+            raise ValueError(f"{block!r} was not handed out by a recorded call")
         return entry[0]
 
-    def allocate(
-        self,
-        stream: str,
-        n_tokens: int,
-        owner: int,
-        format: str = "fp16",
-        *,
-        result: Sequence[Block] | BaseException,
+    def record(
+        self, op: object, result: object = None, *, error: BaseException | None = None
     ) -> None:
-        """Record ``allocate``; ``result`` is the returned list or the raised error."""
-        call = self._next_call
-        self._next_call += 1
-        if isinstance(result, BaseException):
-            self.ops.append(
-                Allocate(call, stream, n_tokens, owner, format, expect=outcome_name(result))
-            )
-            return
-        for position, block in enumerate(result):
-            self._names[id(block)] = ((call, position), block)
-        block_ids = tuple(block.block_id for block in result)
-        self.ops.append(Allocate(call, stream, n_tokens, owner, format, block_ids, "ok"))
+        """Record ``op`` (its handles named with :meth:`name_of`) and what it did."""
+        call = len(self.lines)
+        if error is not None:
+            outcome: Outcome = Raised(error_outcome(error).kind)
+        else:
+            outcome = pool_outcome(op, result, self.name_of)
+            if declaration_of(op).may_issue_handles and isinstance(result, list):
+                for position, block in enumerate(result):
+                    self._names[id(block)] = (Handle(call, position), block)
+        self.lines.append(TraceLine(op, call, outcome))
 
-    def record(self, op: Op) -> None:
-        """Record an op built by hand (use :meth:`name_of` for its handles)."""
-        self.ops.append(op)
+    def call(self, make: Callable[[], object], op: object) -> object:
+        """Make a call (``make()``) and record it as ``op``; its result, or it re-raises."""
+        try:
+            result = make()
+        except Exception as error:
+            self.record(op, error=error)
+            raise
+        self.record(op, result)
+        return result
 
-    def free(self, blocks: Sequence[Block], *, error: BaseException | None = None) -> None:
-        """Record ``free(blocks)`` and its outcome (``error`` if it raised)."""
-        handles = tuple(self.name_of(block) for block in blocks)
-        self.ops.append(Free(handles, outcome_name(error)))
-
-    def write(
-        self,
-        layer: int,
-        block: Block,
-        start: int,
-        n_tokens: int,
-        *,
-        error: BaseException | None = None,
-    ) -> None:
-        """Record ``store.write`` of ``n_tokens`` tokens and its outcome."""
-        self.ops.append(Write(layer, self.name_of(block), start, n_tokens, outcome_name(error)))
+    def names(self, blocks: Sequence[object]) -> tuple[Handle, ...]:
+        """The names of ``blocks``, for a call to record that takes them."""
+        return tuple(map(self.name_of, blocks))
