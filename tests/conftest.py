@@ -1,7 +1,7 @@
 """Shared fixtures and helpers for the black-box block pool tests.
 
-The tests here are written from the API reference (``seed/block_pool_api.txt``)
-and ``CONTRACT.md``, not from the implementation. The one helper every
+The tests here are written from the API reference (``docs/API.md``) and the
+contract (``docs/CONTRACT.md``), not from the implementation. The one helper every
 bad-input test relies on is :func:`observe`: a full, side-effect-free picture
 of a pool (stats, free counts, owners' blocks, every handle's fields, history)
 that two points in time can be compared by.
@@ -122,8 +122,8 @@ def pool_unchanged(
 def assert_only_exhaustion_recorded(before: PoolObservation, after: PoolObservation) -> None:
     """Assert that between two observations one exhausted allocate happened.
 
-    CONTRACT: ``n_exhausted`` goes up by one, one history snapshot is added,
-    and nothing else changes.
+    docs/CONTRACT.md#c-all-or-nothing: ``n_exhausted`` goes up by one, one
+    history snapshot is added, and nothing else changes.
     """
     expected_stats = tuple(
         (name, value + 1 if name == "n_exhausted" else value) for name, value in before.stats

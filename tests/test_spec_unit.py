@@ -1,4 +1,4 @@
-"""Unit tests of the executable spec alone: hand-worked examples from CONTRACT.md.
+"""Unit tests of the executable spec alone: hand-worked examples from docs/CONTRACT.md.
 
 Each test pins one rule of the contract by predicting exact block ids,
 handle views and counters; none of them touches the implementation.

@@ -5,8 +5,8 @@ block ids are free (per stream), which owner (request) holds which, how full
 each is, and running statistics. It holds no array data: a backing store
 (``MLXBlockStorage``, or any port of the storage protocol) owns the buffers,
 indexed by block id. The behaviour is that of the API reference
-(``block_pool_api.txt``) with the gaps closed by the project's contract
-(``CONTRACT.md``); the executable spec in ``spec/`` states the same rules as
+(``docs/API.md``) with the gaps closed by the project's contract
+(``docs/CONTRACT.md``); the executable spec in ``spec/`` states the same rules as
 a pure state machine, and the conformance tests check this module against it.
 
 Complexity (``k`` = blocks in the call, ``f`` = free blocks of the stream,
