@@ -44,6 +44,7 @@ from veloxquant_mlx_spec.model import (
     NotAList,
     PoolState,
     SpecConfig,
+    is_int,
 )
 
 __all__ = [
@@ -66,6 +67,7 @@ __all__ = [
     "declarations",
     "h",
     "matches",
+    "named_values",
     "observation_ops",
     "operation",
     "query",
@@ -548,6 +550,27 @@ def _follow(target: object, attributes: Sequence[str]) -> object:
 
 
 # ---- what is compared after every step --------------------------------------------------
+
+
+#: Per call, the positions of its arguments observed at the values named so far (owners).
+_NAMED: dict[str, tuple[int, ...]] = {}
+
+
+def named_values(op: object) -> tuple[int, ...]:
+    """The ints ``op`` passes for parameters observed at the values named (its owners)."""
+    declaration = declaration_of(op)
+    positions = _NAMED.get(declaration.name)
+    if positions is None:
+        positions = _NAMED[declaration.name] = tuple(
+            i
+            for i, parameter in enumerate(declaration.parameters)
+            if parameter.name in declaration.domains
+            and declaration.domains[parameter.name].observed == "named"
+        )
+    if not positions:
+        return ()
+    arguments = declaration.arguments(op)
+    return tuple(value for i in positions if is_int(value := arguments[i]))
 
 
 def observation_ops(

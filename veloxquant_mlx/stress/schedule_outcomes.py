@@ -22,9 +22,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from veloxquant_mlx.stress.schedule_scenarios import Scenario
-from veloxquant_mlx.testing.sides import PoolSide, SpecSide, observe
-from veloxquant_mlx_spec.model import is_int
-from veloxquant_mlx_spec.table import Outcome, declaration_of, observation_ops
+from veloxquant_mlx.testing.sides import PoolSide, SpecSide, observe, query_plan
+from veloxquant_mlx_spec.table import Outcome, named_values, observation_ops
 
 __all__ = ["ScheduleOutcome", "allowed_outcomes", "final_state", "label", "program_orders"]
 
@@ -44,21 +43,15 @@ class ScheduleOutcome:
 
 def owners_named(scenario: Scenario) -> tuple[int, ...]:
     """The owners the scenario's calls name (their ``blocks_for`` is observed at the end)."""
-    owners: set[int] = set()
-    for op in [*scenario.setup, *(step for steps in scenario.threads for step in steps)]:
-        declaration = declaration_of(op)
-        for parameter, value in zip(declaration.parameters, declaration.arguments(op), strict=True):
-            domain = declaration.domains.get(parameter.name)
-            if domain is not None and domain.observed == "named" and is_int(value):
-                owners.add(value)
-    return tuple(sorted(owners))
+    steps = [*scenario.setup, *(step for steps in scenario.threads for step in steps)]
+    return tuple(sorted({value for op in steps for value in named_values(op)}))
 
 
 def final_state(scenario: Scenario, side: SpecSide | PoolSide[Any]) -> tuple[object, ...]:
     """What ``side`` shows at the end: every named handle, every observed query."""
     names = sorted(side.names if isinstance(side, SpecSide) else side.objects)
     queries = observation_ops(scenario.config, owners_named(scenario), names)
-    return tuple(observe(side, queries, names))
+    return tuple(observe(side, list(map(query_plan, queries)), names))
 
 
 def spec_outcome(scenario: Scenario, base: SpecSide, order: Sequence[int]) -> ScheduleOutcome:

@@ -39,16 +39,17 @@ from veloxquant_mlx.memory.block_pool import Block, PoolConfig
 from veloxquant_mlx.testing.sides import (
     HANDLE_FIELDS,
     PoolSide,
+    QueryPlan,
     SpecSide,
     UnknownHandleError,
     describe,
     error_outcome,
     observation_keys,
     observe,
-    pool_outcome,
+    query_plan,
 )
 from veloxquant_mlx_spec import invariants, model
-from veloxquant_mlx_spec.model import ForeignBlock, PoolState, is_int
+from veloxquant_mlx_spec.model import ForeignBlock, PoolState
 from veloxquant_mlx_spec.operations import BlockPool
 from veloxquant_mlx_spec.table import (
     Handle,
@@ -57,7 +58,9 @@ from veloxquant_mlx_spec.table import (
     declaration_of,
     declarations,
     matches,
+    named_values,
     observation_ops,
+    spec_outcome,
 )
 
 __all__ = [
@@ -81,10 +84,8 @@ REFERENCE_CALLS: Final = frozenset(d.name for d in declarations() if d.source !=
 
 #: The queries observed per (config, capabilities, owners, handles): the same keys recur across
 #: the many short lockstep runs of a search, so they are derived once (bounded, cleared when full).
-_OBSERVED: dict[tuple[object, ...], list[object]] = {}
+_OBSERVED: dict[tuple[object, ...], list[QueryPlan]] = {}
 _OBSERVED_KEPT: Final = 4096
-#: Per call, the positions of its arguments observed at the values named so far (owners).
-_NAMED: dict[str, tuple[int, ...]] = {}
 
 
 class Check(Enum):
@@ -203,23 +204,26 @@ class Lockstep:
         declaration = declaration_of(op)
         if declaration.name not in self.capabilities:
             self._fail(f"{declaration.name}() is not among this pool's capabilities")
-        self._note_owners(op)
+        self.owners_named.update(named_values(op))
+        spec, pool_side = self.spec, self.pool_side
         try:
             after, result = self._predict(op)
-            predicted = self.spec.outcome(op, after, result)
-            value, error = self.pool_side.invoke(op)
+            predicted = spec_outcome(declaration, after, result, spec.names.__getitem__)
+            value, error = pool_side.invoke(op)
         except UnknownHandleError as unknown:
             self._fail(f"malformed sequence: {unknown}")
         if error is not None:
             actual: Outcome = error_outcome(error)
         else:
-            actual = pool_outcome(op, value, self.pool_side.name_of)
-        self._compare_outcome(op, label, actual, predicted, expect)
+            actual = pool_side.encoder(declaration.returns)(value)
+        if actual != predicted or expect is not None:
+            self._compare_outcome(op, actual, predicted, expect)
         if declaration.may_issue_handles and not isinstance(actual, Raised):
             self._name_new_handles(op, label, value)
-        self._check_unowned(op, actual)
+        if declaration.sets_on_unowned is not None:
+            self._check_unowned(op, actual)
         try:
-            self.spec.commit(label, after)
+            spec.commit(label, after)
         except UnknownHandleError as reused:
             self._fail(f"malformed sequence: {reused}")
         for oracle in self.oracles:
@@ -235,25 +239,8 @@ class Lockstep:
         """The spec's side of ``op`` (a seam: the exhaustive checker replays recorded ones)."""
         return self.spec.predict(op)
 
-    def _note_owners(self, op: object) -> None:
-        declaration = declaration_of(op)
-        named = _NAMED.get(declaration.name)
-        if named is None:
-            named = _NAMED[declaration.name] = tuple(
-                i
-                for i, parameter in enumerate(declaration.parameters)
-                if parameter.name in declaration.domains
-                and declaration.domains[parameter.name].observed == "named"
-            )
-        if named:
-            arguments = declaration.arguments(op)
-            for index in named:
-                value = arguments[index]
-                if is_int(value):
-                    self.owners_named.add(value)
-
     def _compare_outcome(
-        self, op: object, label: int, actual: Outcome, predicted: Outcome, expect: Outcome | None
+        self, op: object, actual: Outcome, predicted: Outcome, expect: Outcome | None
     ) -> None:
         if actual != predicted:
             self._fail(f"{op!r} {describe(actual)}; the spec predicts it {describe(predicted)}")
@@ -288,16 +275,20 @@ class Lockstep:
             return list(self.spec.names)
         return self.spec.live_names()
 
-    def observed_queries(self, handles: Sequence[Handle]) -> list[object]:
+    def observed_queries(self, handles: Sequence[Handle]) -> list[QueryPlan]:
         """The queries compared after each call (the table's, within ``capabilities``)."""
         owners = tuple(sorted(self.owners_named))
-        config = self.state.config  # as its fields: hashed by the interpreter (see sides._plan)
+        config = (
+            self.state.config
+        )  # as its fields: hashed by the interpreter (see sides.query_plan)
         fields = (config.block_size, config.n_blocks, config.separate_kv, config.max_blocks)
         key = (*fields, config.grow_on_exhaustion, self.capabilities, owners, tuple(handles))
         queries = _OBSERVED.get(key)
         if queries is None:
             every = observation_ops(self.state.config, owners, handles)
-            queries = [op for op in every if declaration_of(op).name in self.capabilities]
+            queries = [
+                query_plan(op) for op in every if declaration_of(op).name in self.capabilities
+            ]
             if len(_OBSERVED) > _OBSERVED_KEPT:
                 _OBSERVED.clear()
             _OBSERVED[key] = queries

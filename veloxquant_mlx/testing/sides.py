@@ -25,12 +25,20 @@ at a time (a schedule's threads take turns).
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Generic, TypeVar
 
 from veloxquant_mlx_spec import model
-from veloxquant_mlx_spec.model import ForeignBlock, HandleArg, HandleId, NotABlock, PoolState
+from veloxquant_mlx_spec.model import (
+    Err,
+    ForeignBlock,
+    HandleArg,
+    HandleId,
+    NotABlock,
+    PoolState,
+)
 from veloxquant_mlx_spec.table import (
     UNKNOWN_CALL,
     Declaration,
@@ -42,7 +50,6 @@ from veloxquant_mlx_spec.table import (
     Returns,
     bind,
     declaration_of,
-    issued,
     spec_arguments,
     spec_call,
     spec_outcome,
@@ -52,6 +59,7 @@ from veloxquant_mlx_spec.table import (
 __all__ = [
     "HandleFields",
     "PoolSide",
+    "QueryPlan",
     "SpecSide",
     "UnknownHandleError",
     "error_outcome",
@@ -60,6 +68,7 @@ __all__ = [
     "parse_prometheus",
     "pool_encoder",
     "pool_outcome",
+    "query_plan",
 ]
 
 BlockT = TypeVar("BlockT")
@@ -67,6 +76,7 @@ BlockT = TypeVar("BlockT")
 #: What a handle shows: block_id, stream, format, n_used, owner, ever_allocated.
 HandleFields = tuple[object, ...]
 HANDLE_FIELDS: Final = ("block_id", "stream", "format", "n_used", "owner", "ever_allocated")
+_FIELDS: Final = operator.attrgetter(*HANDLE_FIELDS)
 
 
 class UnknownHandleError(LookupError):
@@ -131,13 +141,16 @@ class SpecSide:
 
     def commit(self, label: int, after: PoolState) -> list[Handle]:
         """Move to ``after``; name the handles the call labelled ``label`` issued; return them."""
-        new = [Handle(label, i) for i in range(len(issued(self.state, after)))]
+        count = len(after.handles) - len(self.state.handles)  # the serials issued come last
+        self.state = after
+        if not count:
+            return []
+        new = [Handle(label, i) for i in range(count)]
         for name in new:
             if name in self.serial_of or name in self.stale_names:
                 raise UnknownHandleError(f"call label {label} is used twice")
             self.serial_of[name] = len(self.names)
             self.names.append(name)
-        self.state = after
         return new
 
     def call(self, op: object, label: int) -> Outcome:
@@ -149,12 +162,27 @@ class SpecSide:
 
     def query(self, op: object) -> Outcome:
         """The outcome of a call that changes nothing (an observation)."""
-        plan = _plan(op)
+        return self.ask(query_plan(op))
+
+    def ask(self, plan: QueryPlan) -> Outcome:
+        """The outcome of the query ``plan`` was made for."""
         arguments = plan.arguments
         if arguments is None:
-            arguments = spec_arguments(plan.declaration, op, self.resolve)
+            arguments = spec_arguments(plan.declaration, plan.op, self.resolve)
         result = plan.read(self.state, *arguments)
+        if plan.plain and type(result) is not Err:
+            return Returned(result)
         return spec_outcome(plan.declaration, self.state, result, self.names.__getitem__)
+
+    def observe(self, plans: Sequence[QueryPlan], handles: Sequence[Handle]) -> list[object]:
+        """Each handle's fields, then each query's outcome (see :func:`observe`)."""
+        views, serial_of = self.state.handles, self.serial_of
+        shown: list[object] = []
+        for name in handles:
+            view = views[serial_of[name]]
+            shown.append((view.block_id, view.stream, view.format, view.n_used, view.owner, True))
+        shown += map(self.ask, plans)
+        return shown
 
     def live_names(self) -> list[Handle]:
         """Names of the handles checked out now, in checkout order."""
@@ -267,7 +295,7 @@ class PoolSide(Generic[BlockT]):
         self._foreign_pool: Any = None
         self._foreign: dict[int, object] = {}
         self.last_hand_made: object = None  # the block built by hand for the latest call
-        self._encode: dict[str, Callable[[object], Outcome]] = {}  # by what a call returns
+        self._encode: dict[Returns, Callable[[object], Outcome]] = {}  # by what a call returns
 
     def resolve(self, ref: HandleRef) -> object:
         """The object a reference stands for.
@@ -329,82 +357,95 @@ class PoolSide(Generic[BlockT]):
 
     def query(self, op: object) -> Outcome:
         """The outcome of a call that changes nothing (an observation)."""
-        plan = _plan(op)
-        returns = plan.declaration.returns
-        encode = self._encode.get(returns.value)
-        if encode is None:
-            encode = self._encode[returns.value] = pool_encoder(returns, self.name_of)
+        return self.ask(query_plan(op))
+
+    def ask(self, plan: QueryPlan) -> Outcome:
+        """The outcome of the query ``plan`` was made for."""
         try:
             if plan.arguments is None or plan.through:
-                value = bind(self.pool, op, self.resolve)()
+                value = bind(self.pool, plan.op, self.resolve)()
             elif plan.declaration.is_property:
                 value = getattr(self.pool, plan.last)
             else:
                 value = getattr(self.pool, plan.last)(*plan.arguments)
         except Exception as error:  # every error is an outcome, compared with the spec's
             return error_outcome(error)
-        return encode(value)
+        return Returned(value) if plan.plain else self.encoder(plan.declaration.returns)(value)
+
+    def encoder(self, returns: Returns) -> Callable[[object], Outcome]:
+        """How this pool's return values of a call that ``returns`` this are compared."""
+        encode = self._encode.get(returns)
+        if encode is None:
+            encode = self._encode[returns] = pool_encoder(returns, self.name_of)
+        return encode
+
+    def observe(self, plans: Sequence[QueryPlan], handles: Sequence[Handle]) -> list[object]:
+        """Each handle's fields, then each query's outcome (see :func:`observe`)."""
+        objects = self.objects
+        shown: list[object] = [_FIELDS(objects[name]) for name in handles]
+        shown += map(self.ask, plans)
+        return shown
 
     def fields(self, name: Handle) -> HandleFields:
         """What the handle ``name`` shows now."""
-        block = self.objects[name]
-        return tuple(getattr(block, field, None) for field in HANDLE_FIELDS)
+        return _FIELDS(self.objects[name])
 
 
 # ---- observations --------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
-class _Plan:
+class QueryPlan:
     """How a query is asked of either side, worked out once per query value."""
 
+    op: object
     declaration: Declaration
     read: Callable[..., object]  # the spec's read: (state, *arguments) -> result
     arguments: tuple[object, ...] | None  # None: they name handles, resolved per side
     through: tuple[str, ...]  # attributes to follow on the pool before the call
     last: str
+    plain: bool  # it returns a plain value (Returns.VALUE): compared as it is
 
 
-_PLANS: dict[tuple[object, ...], _Plan] = {}
+_PLANS: dict[tuple[object, ...], QueryPlan] = {}
+_PLANS_KEPT: Final = 4096
 
 
-def _plan(op: object) -> _Plan:
+def query_plan(op: object) -> QueryPlan:
     """The plan of query ``op``; observations ask the same few queries over and over.
 
     Keyed by the op's class and arguments (names and plain values), which the
     interpreter hashes itself: CrossHair cannot run a dataclass's own ``__hash__``.
     """
-    key = (type(op), *declaration_of(op).arguments(op))
+    declaration = declaration_of(op)
+    key = (type(op), *declaration.arguments(op))
     plan = _PLANS.get(key)
     if plan is None:
-        declaration = declaration_of(op)
         transition = declaration.transition
         read = getattr(transition, "__wrapped__", None)
         if read is None:  # a call that changes state, asked for its outcome only
             read = lambda state, *arguments: transition(state, *arguments)[1]  # noqa: E731
         arguments = declaration.arguments(op) if declaration.values_only else None
         *through, last = declaration.path
-        plan = _PLANS[key] = _Plan(declaration, read, arguments, tuple(through), last)
         if len(_PLANS) > _PLANS_KEPT:
             _PLANS.clear()
+        plain = declaration.returns is Returns.VALUE
+        plan = _PLANS[key] = QueryPlan(
+            op, declaration, read, arguments, tuple(through), last, plain
+        )
     return plan
 
 
-_PLANS_KEPT: Final = 4096
-
-
 def observe(
-    side: SpecSide | PoolSide[Any], queries: Sequence[object], handles: Sequence[Handle]
+    side: SpecSide | PoolSide[Any], plans: Sequence[QueryPlan], handles: Sequence[Handle]
 ) -> list[object]:
     """What ``side`` shows: each handle's fields, then each query's outcome.
 
     :func:`observation_keys` labels them, in the same order.
     """
-    shown: list[object] = [side.fields(name) for name in handles]
-    shown.extend(side.query(op) for op in queries)
-    return shown
+    return side.observe(plans, handles)
 
 
-def observation_keys(queries: Sequence[object], handles: Sequence[Handle]) -> list[str]:
+def observation_keys(plans: Sequence[QueryPlan], handles: Sequence[Handle]) -> list[str]:
     """The labels of :func:`observe`'s values: ``h(0, 1)``, ``NFree(stream='k')``..."""
-    return [*map(repr, handles), *map(repr, queries)]
+    return [*map(repr, handles), *(repr(plan.op) for plan in plans)]
