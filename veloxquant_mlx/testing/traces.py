@@ -6,47 +6,17 @@ a :class:`Trace`: a pool configuration, a store shape, and lines, each one
 call of the operation table (``veloxquant_mlx_spec.operations``, or a store
 call of :mod:`~veloxquant_mlx.testing.store_operations`) with its label and,
 if recorded, its outcome and timing. Any of them replays with one command on
-the spec, on a pool or on a store (``veloxquant-mlx replay``;
-docs/TRACE_FORMAT.md has the grammar). The codec derives every line from
+the spec, on a pool or on a store (``veloxquant-mlx replay``). The codec derives every line from
 the call's declaration: it has no per-call code.
 
-File format (one JSON object per line, blank lines ignored)::
-
-    {"trace": "veloxquant-mlx", "version": 2,
-     "pool": {"block_size": 4, "n_blocks": 8, "separate_kv": true,
-              "grow_on_exhaustion": false, "max_blocks": null},
-     "history_len": 0,
-     "store": {"n_layers": 2, "n_kv_heads": 2, "head_dim": 3, "dtype": "float32"}}
-    {"op": "allocate", "call": 0, "stream": "k", "n_tokens": 5, "owner": 1,
-     "format": "fp16", "expect": "ok", "returned": [0, 1]}
-    {"op": "write", "layer": 0, "block": [0, 1], "start": 1, "n_tokens": 2}
-    {"op": "free", "blocks": [[0, 0]], "expect": "ok"}
-    {"op": "free", "call": 17, "blocks": [[0, 0]], "expect": "InvalidFreeError",
-     "thread": 2, "invoke_ns": 1200, "return_ns": 1300}
-
-- A line names its call (``"op"``) and its arguments by the names of
-  docs/API.md. A handle is ``[call, position]``: the ``position``-th block
-  returned by the line labelled ``call``; labels are any distinct ints, so
-  lines can be dropped or reordered without renaming, and a name stays valid
-  after its block is freed (it then names the stale handle). A reference that
-  is no name is ``{"foreign": owner}`` (another pool's live handle),
-  ``{"hand_made": true}`` or ``{"not_a_block": true}``; a list of handles is
-  a list, ``{"tuple": [...]}`` or ``{"not_a_list": true}``. A ``bytes`` value
-  is ``{"bytes": "<hex>"}``.
-- ``call`` is the line's label; a line that hands out handles must have one.
-- ``expect`` is ``"ok"`` or the class name of the error the call must raise;
-  with ``ok``, ``returned`` is what it must return (block ids for handles
-  handed out, names for handles listed, a value, stats fields, metric pairs).
-  No ``expect``: not checked.
-- ``thread``, ``invoke_ns`` and ``return_ns`` (``null``: never returned)
-  mark a timed line: a maximal run of them is one concurrent window, checked
-  for linearizability; untimed lines apply in order.
-- A header may add ``"partial": true``: the lines are the beginning of a
-  longer history whose end was never recorded. Its clean replay is
-  inconclusive, never OK.
-
-Traces of version 1 (``handles``/``handle``, ``read``, ``block_ids``,
-``retired``; no ``history_len``) load, upgraded; any other JSON (a v1
+The grammar is docs/TRACE_FORMAT.md: a header line (``"trace":
+"veloxquant-mlx", "version": 2``, the pool's config, ``history_len``, the
+store's shape, ``"partial"``), then one JSON object per call: ``op``, its
+parameters by name (a handle is ``[call, position]``; ``{"foreign": owner}``,
+``{"hand_made": true}``, ``{"not_a_block": true}``, ``{"tuple": [...]}``,
+``{"not_a_list": true}`` and ``{"bytes": hex}`` encode the rest), ``call``,
+``expect``/``returned``/``message``, and ``thread``/``invoke_ns``/``return_ns``
+on a timed line. Version 1 traces load, upgraded; any other JSON (a v1
 stress reproducer, an ``exhaustive --json`` report) is refused with the
 format expected.
 
