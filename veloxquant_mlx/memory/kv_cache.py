@@ -62,11 +62,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import TYPE_CHECKING, Final, NoReturn, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Final, Literal, NoReturn, Protocol, runtime_checkable
 
 import mlx.core as mx
 
+from veloxquant_mlx.memory.attention_hook import install_paged_attention
 from veloxquant_mlx.memory.block_pool import Block
+from veloxquant_mlx.memory.block_table import DeviceBlockTable
 from veloxquant_mlx.memory.mlx_lm_protocol import (
     MaskT,
     causal_mask,
@@ -76,6 +78,7 @@ from veloxquant_mlx.memory.mlx_lm_protocol import (
 )
 from veloxquant_mlx.memory.mlx_storage import dtype_name
 from veloxquant_mlx.memory.model_kv_layout import attention_layers
+from veloxquant_mlx.memory.paged_attention import cuda_unavailable_reason
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.memory.storage import BlockStorage
 
@@ -83,17 +86,27 @@ if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache
 
 __all__ = [
+    "AttentionMode",
     "GathersHeadMajor",
     "MLXStorage",
     "PoolBackedKVCache",
     "PoolBackedPromptCache",
     "PooledKVCache",
+    "ServesBlockTables",
     "causal_mask",
     "make_pool_backed_cache",
+    "resolve_attention",
 ]
 
 #: Block format tags for the usual storage dtypes; others use the dtype's name.
 _FORMAT_OF_DTYPE: Final = {mx.float16: "fp16", mx.bfloat16: "bf16", mx.float32: "fp32"}
+
+#: How a cache's attention reads its keys and values: ``"gather"`` (``update_and_fetch``
+#: returns gathered copies, mlx-lm's attention reads them), ``"fused"`` (decode attention
+#: reads them in place through the block table; prefill still gathers), ``"auto"``
+#: (:func:`resolve_attention` picks).
+AttentionMode = Literal["auto", "fused", "gather"]
+_MODES: Final = ("auto", "fused", "gather")
 
 
 class MLXStorage(BlockStorage[mx.array], Protocol):
@@ -121,6 +134,58 @@ class GathersHeadMajor(Protocol):
         ...
 
 
+@runtime_checkable
+class ServesBlockTables(Protocol):
+    """A store with the decode path through a :class:`DeviceBlockTable` (optional).
+
+    The cache then checks its blocks once per table change instead of once per
+    block per call, and can attend in place. ``MLXBlockStorage`` has it.
+    """
+
+    def write_through_table(
+        self, layer: int, table: DeviceBlockTable, start: int, keys: mx.array, values: mx.array
+    ) -> None:
+        """Store ``(1, heads, n, head_dim)`` keys and values at positions ``start ..``."""
+        ...
+
+    def fetch_through_table(
+        self, layer: int, table: DeviceBlockTable, n_tokens: int
+    ) -> tuple[mx.array, mx.array]:
+        """Keys and values of positions ``0 .. n_tokens - 1``, ``(1, heads, n, head_dim)``."""
+        ...
+
+    def attend_through_table(
+        self, layer: int, table: DeviceBlockTable, n_tokens: int, queries: mx.array, scale: float
+    ) -> mx.array:
+        """Decode attention of ``queries`` over positions ``0 .. n_tokens - 1``, in place."""
+        ...
+
+
+def resolve_attention(storage: object, attention: AttentionMode = "auto") -> str:
+    """The attention mode a cache over ``storage`` uses: ``"fused"`` or ``"gather"``.
+
+    ``"auto"`` is ``"fused"`` where the fused CUDA kernel can run (MLX's CUDA
+    back-end, the GPU as default device) and the store serves block tables;
+    ``"gather"`` otherwise, and always on the CPU. ``"fused"`` on another
+    back-end reads through the table with the gathered reference (for tests).
+
+    Raises:
+        ValueError: ``attention`` is not one of ``"auto"``, ``"fused"``, ``"gather"``,
+            or ``"fused"`` for a store without the table path.
+    """
+    if attention not in _MODES:
+        raise ValueError(f"attention must be one of {_MODES}, got {attention!r}")
+    serves_tables = isinstance(storage, ServesBlockTables)
+    if attention == "fused" and not serves_tables:
+        raise ValueError(
+            f"attention='fused' needs a store with the block-table path (MLXBlockStorage), "
+            f"got {type(storage).__name__}"
+        )
+    if attention == "auto":
+        return "fused" if serves_tables and cuda_unavailable_reason() is None else "gather"
+    return attention
+
+
 class PoolBackedKVCache:
     """One layer's view of a request's paged keys and values (mlx-lm cache protocol).
 
@@ -130,12 +195,31 @@ class PoolBackedKVCache:
     no array of its own.
     """
 
-    def __init__(self, storage: MLXStorage, book: PooledKVCache, layer: int) -> None:
+    def __init__(
+        self,
+        storage: MLXStorage,
+        book: PooledKVCache,
+        layer: int,
+        *,
+        table: DeviceBlockTable | None = None,
+        attention: AttentionMode = "gather",
+    ) -> None:
         """Bind ``layer`` of ``storage`` to the block table ``book``.
 
+        Args:
+            storage: The shared store.
+            book: The request's block table.
+            layer: Which layer of both this cache serves.
+            table: The device copy of ``book`` that every layer of the request shares
+                (made here if ``None``); used when the store serves block tables.
+            attention: As :func:`resolve_attention`; ``"fused"`` answers
+                :meth:`attend_in_place` (once :mod:`~veloxquant_mlx.memory.attention_hook`
+                routes the model's attention here).
+
         Raises:
-            ValueError: ``book`` draws from another pool than ``storage`` follows, or
-                ``layer`` is outside both the storage's and the book's layers.
+            ValueError: ``book`` draws from another pool than ``storage`` follows,
+                ``layer`` is outside both the storage's and the book's layers, ``table``
+                follows another book, or ``attention`` is not a mode the store serves.
         """
         if book.pool is not storage.pool:
             raise ValueError("book and storage must share one pool; got two different pools")
@@ -154,6 +238,20 @@ class PoolBackedKVCache:
         self._heads, self._head_dim = storage.slot_shape
         # The store's attention-layout gather if it has one: it saves a copy per step.
         self._gather_heads = storage.gather_heads if isinstance(storage, GathersHeadMajor) else None
+        self._dtype: Final = storage.dtype
+        if table is not None and table.book is not book:
+            raise ValueError("table must follow the same book as the cache")
+        # The store again, if it has the decode path through a block table; else None,
+        # and each call hands the store the blocks (O(blocks) liveness checks).
+        self._table_store: Final = storage if isinstance(storage, ServesBlockTables) else None
+        # The book's ids on the device, checked live in O(1) per call (table path only).
+        self._table: Final = (
+            (table if table is not None else DeviceBlockTable(book))
+            if self._table_store is not None
+            else None
+        )
+        # Whether attend_in_place() answers (fused mode) or defers to the gathered path.
+        self._fused: Final = resolve_attention(storage, attention) == "fused"
 
     # -- mlx-lm protocol: the hot path -------------------------------------------------
 
@@ -199,6 +297,29 @@ class PoolBackedKVCache:
         if window_size is None and not (return_array and N > 1):
             return None if N == 1 else "causal"
         return causal_mask(N, self.offset, window_size)
+
+    def attend_in_place(self, queries: mx.array, scale: float) -> mx.array | None:
+        """Decode attention over every held position, read in place (fused mode).
+
+        Called by the dispatcher of :mod:`~veloxquant_mlx.memory.attention_hook`
+        after ``update_and_fetch``, for one query position with no mask.
+
+        Returns:
+            ``(1, n_q_heads, 1, head_dim)``; ``None`` when this cache is in gather mode
+            or the call is not a one-position decode of the store's dtype (the model's
+            attention then reads what ``update_and_fetch`` returned).
+        """
+        store, table, shape = self._table_store, self._table, queries.shape
+        if not self._fused or store is None or table is None:
+            return None
+        if shape[0] != 1 or shape[2] != 1 or queries.dtype != self._dtype:
+            return None
+        return store.attend_through_table(self._layer, table, self.offset, queries, scale)
+
+    @property
+    def attention(self) -> str:
+        """``"fused"`` or ``"gather"``: how this cache's attention reads its positions."""
+        return "fused" if self._fused else "gather"
 
     # -- mlx-lm protocol: state and sizes ----------------------------------------------
 
@@ -328,6 +449,9 @@ class PoolBackedKVCache:
 
     def _write(self, start: int, keys: mx.array, values: mx.array) -> None:
         """Write positions ``start ..`` of ``keys`` and ``values`` block by block."""
+        if self._table_store is not None and self._table is not None:
+            self._table_store.write_through_table(self._layer, self._table, start, keys, values)
+            return
         block_size, layer, write = self._block_size, self._layer, self._storage.write
         key_blocks, value_blocks = self._book.key_blocks, self._book.value_blocks
         # (n, heads, head_dim): the storage's slot layout.
@@ -350,6 +474,8 @@ class PoolBackedKVCache:
     def _fetch(self) -> tuple[mx.array, mx.array]:
         """Gather this layer's positions into ``(1, heads, offset, head_dim)`` arrays."""
         n_tokens = self.offset
+        if self._table_store is not None and self._table is not None:
+            return self._table_store.fetch_through_table(self._layer, self._table, n_tokens)
         n_blocks = -(-n_tokens // self._block_size)
         return (
             self._gather(self._book.key_blocks, n_blocks, n_tokens),
@@ -376,9 +502,16 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
     Dropped without ``release()``, its blocks still come back (module docstring).
     """
 
-    def __init__(self, storage: MLXStorage, book: PooledKVCache) -> None:
-        """One :class:`PoolBackedKVCache` per layer of ``book``, all over ``storage``."""
-        super().__init__(PoolBackedKVCache(storage, book, layer) for layer in range(book.n_layers))
+    def __init__(
+        self, storage: MLXStorage, book: PooledKVCache, *, attention: AttentionMode = "gather"
+    ) -> None:
+        """One :class:`PoolBackedKVCache` per layer of ``book``, all over ``storage``, all
+        sharing one :class:`DeviceBlockTable` and the ``attention`` mode."""
+        table = DeviceBlockTable(book)
+        super().__init__(
+            PoolBackedKVCache(storage, book, layer, table=table, attention=attention)
+            for layer in range(book.n_layers)
+        )
         # The one block table every cache of the list appends to; release() frees it.
         self._book: Final = book
 
@@ -442,6 +575,7 @@ def make_pool_backed_cache(
     *,
     owner: int | None = None,
     format: str | None = None,
+    attention: AttentionMode = "auto",
 ) -> PoolBackedPromptCache:
     """Build ``model``'s caches for one request, paged in ``storage``'s pool.
 
@@ -455,10 +589,14 @@ def make_pool_backed_cache(
         owner: Request id for the blocks; ``None`` picks an unused one.
         format: Format tag on the blocks; by default from the storage dtype
             (``"fp16"``, ``"bf16"``, ``"fp32"``).
+        attention: How attention reads the positions (:func:`resolve_attention`). In
+            fused mode the model's decode attention is routed to the caches
+            (:func:`~veloxquant_mlx.memory.attention_hook.install_paged_attention`).
 
     Raises:
-        ValueError: The model has more layers than the storage, or a layer needs
-            a cache other than ``KVCache`` (sliding window, state space, ...).
+        ValueError: The model has more layers than the storage, a layer needs
+            a cache other than ``KVCache`` (sliding window, state space, ...), or
+            ``attention`` is not a mode the storage serves.
         OwnerAlreadyActiveError: ``owner`` is in use.
     """
     n_layers = attention_layers(model)
@@ -467,9 +605,12 @@ def make_pool_backed_cache(
             f"the model has {n_layers} layers but the storage only {storage.n_layers}; "
             "expected a storage with a slab per layer"
         )
+    mode = resolve_attention(storage, attention)
     tag = format if format is not None else _FORMAT_OF_DTYPE.get(storage.dtype, str(storage.dtype))
     book = PooledKVCache(storage.pool, owner, n_layers=n_layers, format=tag)
-    return PoolBackedPromptCache(storage, book)
+    if mode == "fused":
+        install_paged_attention(model)
+    return PoolBackedPromptCache(storage, book, attention="fused" if mode == "fused" else "gather")
 
 
 register_for_loading(PoolBackedKVCache)

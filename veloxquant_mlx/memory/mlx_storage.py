@@ -77,7 +77,14 @@ from veloxquant_mlx.memory._storage_checks import (
     require_token_shape,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_table import DeviceBlockTable, schedule
 from veloxquant_mlx.memory.deferred_release import deferred_releases_for
+from veloxquant_mlx.memory.paged_attention import (
+    PagedKV,
+    gather_kv_heads,
+    kv_slab_rows,
+    paged_decode_attention,
+)
 
 __all__ = ["MLXBlockStorage"]
 
@@ -274,6 +281,125 @@ class MLXBlockStorage:
         by_head = picked.reshape(heads, len(block_list) * self._block_size, head_dim)
         return by_head[:, :n_tokens]
 
+    # -- the decode path: through a request's DeviceBlockTable ------------------------
+
+    def write_through_table(
+        self, layer: int, table: DeviceBlockTable, start: int, keys: mx.array, values: mx.array
+    ) -> None:
+        """Store keys and values of positions ``start ..`` of ``table``'s request.
+
+        ``keys`` and ``values`` are ``(1, n_kv_heads, n, head_dim)``, as a model hands
+        them to its cache. Safety comes from ``table.require_live()`` (O(1) while
+        nothing changed), not from asking the pool about each block. No sync: the
+        slab is left lazy with ``lazy_writes``, else scheduled with ``mx.async_eval``
+        (any thread may use the store after it returns).
+
+        Raises:
+            TypeError, ValueError: Tokens of another dtype or shape than the store's,
+                positions outside the table's blocks, a layer out of range, or a
+                table of another pool. Nothing changes.
+            StaleBlockTableError: A block of the table was freed behind its back.
+            RuntimeError: A ``lazy_writes`` store called from another thread.
+        """
+        n_tokens = self._require_head_tokens(keys, values)
+        with self._lock:
+            self._open_table_locked(layer, table)
+            held = len(table.key_blocks) * self._block_size
+            if type(start) is not int or start < 0 or start + n_tokens > held:
+                raise ValueError(
+                    f"positions {start!r}..{start}+{n_tokens} fall outside the table's "
+                    f"{held} slots; expected 0 <= start and start + n <= {held}"
+                )
+            if n_tokens == 0:
+                return
+            slab = self._slabs[layer]
+            # (1, heads, n, dim) -> (heads, 1 block, n, dim): the slab's axes.
+            key_heads, value_heads = keys.swapaxes(0, 1), values.swapaxes(0, 1)
+            done = 0
+            while done < n_tokens:
+                index, slot = divmod(start + done, self._block_size)
+                upto = min(done + self._block_size - slot, n_tokens)
+                for blocks, heads in (
+                    (table.key_blocks, key_heads),
+                    (table.value_blocks, value_heads),
+                ):
+                    update = heads if upto - done == n_tokens else heads[:, :, done:upto]
+                    where = mx.array([blocks[index].block_id, slot], dtype=mx.int32)
+                    slab = mx.slice_update(slab, update, where, (1, 2))
+                done = upto
+            self._slabs[layer] = slab
+            if not self._lazy_writes:
+                schedule(slab)
+
+    def fetch_through_table(
+        self, layer: int, table: DeviceBlockTable, n_tokens: int
+    ) -> tuple[mx.array, mx.array]:
+        """Keys and values of positions ``0 .. n_tokens - 1`` of ``table``'s request.
+
+        Returns lazy arrays, each ``(1, n_kv_heads, n_tokens, head_dim)`` (the layout
+        attention reads), from one ``mx.take`` whose row indices every layer of a step
+        shares (``table.memo``); never changed by later writes.
+
+        Raises:
+            ValueError: ``n_tokens`` beyond the table's slots, a layer out of range, or
+                a table of another pool.
+            StaleBlockTableError: A block of the table was freed behind its back.
+            RuntimeError: A ``lazy_writes`` store called from another thread.
+        """
+        with self._lock:
+            self._open_table_locked(layer, table)
+            require_n_tokens(n_tokens, len(table.key_blocks) * self._block_size)
+            if n_tokens == 0:
+                heads, head_dim = self._slot_shape
+                empty = mx.zeros((1, heads, 0, head_dim), dtype=self._dtype)
+                return empty, empty
+            n_blocks = -(-n_tokens // self._block_size)
+            capacity = self._capacity
+            rows = table.memo(
+                (id(self), capacity, n_blocks), lambda: self._kv_rows(table, n_blocks, capacity)
+            )
+            slab = self._slabs[layer]
+        return gather_kv_heads(slab, rows, n_tokens)
+
+    def attend_through_table(
+        self, layer: int, table: DeviceBlockTable, n_tokens: int, queries: mx.array, scale: float
+    ) -> mx.array:
+        """Decode attention of ``queries`` over positions ``0 .. n_tokens - 1``, read in
+        place (:func:`~veloxquant_mlx.memory.paged_attention.paged_decode_attention`:
+        the fused CUDA kernel where it runs, the gathered reference elsewhere).
+
+        Args:
+            queries: ``(1, n_q_heads, 1, head_dim)`` of the store's dtype.
+
+        Raises:
+            ValueError: ``n_tokens`` not in ``1 ..`` the table's slots, queries of
+                another shape, a layer out of range, or a table of another pool.
+            TypeError: Queries of another dtype than the store's.
+            StaleBlockTableError: A block of the table was freed behind its back.
+            RuntimeError: A ``lazy_writes`` store called from another thread.
+        """
+        heads, head_dim = self._slot_shape
+        shape = tuple(queries.shape)
+        if (
+            len(shape) != 4
+            or shape[0] != 1
+            or shape[2] != 1
+            or shape[3] != head_dim
+            or (shape[1] % heads)
+        ):
+            raise ValueError(
+                f"queries must have shape (1, k * {heads}, 1, {head_dim}), got {shape}"
+            )
+        require_token_dtype(queries.dtype, self._dtype, dtype_name)
+        with self._lock:
+            self._open_table_locked(layer, table)
+            require_n_tokens(n_tokens, len(table.key_blocks) * self._block_size)
+            if n_tokens == 0:
+                raise ValueError("n_tokens must be >= 1: attention needs a position to attend to")
+            slab = self._slabs[layer]
+        paged = PagedKV(slab, table.key_ids, table.value_ids)
+        return paged_decode_attention(queries, paged, n_tokens, scale=scale)
+
     # -- protocol: sizing --------------------------------------------------------------
 
     def capacity(self) -> int:
@@ -304,6 +430,45 @@ class MLXBlockStorage:
         target = next_capacity(self._capacity, self._pool.id_bound())
         if target != self._capacity:
             self._resize_locked(target)
+
+    def _open_table_locked(self, layer: int, table: DeviceBlockTable) -> None:
+        """What every table method does first, under the lock: O(1) while nothing moved."""
+        require_layer(layer, len(self._slabs))
+        if table.pool is not self._pool:
+            raise ValueError("the table's blocks come from another pool than this store's")
+        self._sync_locked()
+        table.require_live()
+
+    def _kv_rows(self, table: DeviceBlockTable, n_blocks: int, capacity: int) -> mx.array:
+        """The slab rows of the table's first ``n_blocks`` (every layer of a step shares
+        them through ``table.memo``); scheduled unless lazy_writes, as a write is."""
+        rows = kv_slab_rows(table.key_ids, table.value_ids, n_blocks, self._slot_shape[0], capacity)
+        if not self._lazy_writes:
+            schedule(rows)
+        return rows
+
+    def _require_head_tokens(self, keys: mx.array, values: mx.array) -> int:
+        """``n`` if keys and values are ``(1, n_kv_heads, n, head_dim)`` of the store's dtype."""
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise TypeError(
+                f"keys and values must be mlx.core.array, got {type(keys).__name__} and "
+                f"{type(values).__name__}"
+            )
+        require_token_dtype(keys.dtype, self._dtype, dtype_name)
+        require_token_dtype(values.dtype, self._dtype, dtype_name)
+        heads, head_dim = self._slot_shape
+        shape = tuple(keys.shape)
+        if (
+            len(shape) != 4
+            or shape != tuple(values.shape)
+            or shape[:2] != (1, heads)
+            or (shape[3] != head_dim)
+        ):
+            raise ValueError(
+                f"keys and values must both have shape (1, {heads}, n, {head_dim}), got "
+                f"{shape} and {tuple(values.shape)}"
+            )
+        return shape[2]
 
     def _require_owning_thread(self) -> None:
         """Bind a lazy_writes store to its first caller; refuse every other thread."""
