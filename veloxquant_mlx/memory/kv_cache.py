@@ -60,15 +60,21 @@ thread at a time; the pool and the storage are shared and lock themselves.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Final, Literal, NoReturn, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import mlx.core as mx
 
-from veloxquant_mlx.memory.attention_hook import install_paged_attention
 from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.block_table import DeviceBlockTable
+from veloxquant_mlx.memory.cache_storage import (
+    AttentionMode,
+    GathersHeadMajor,
+    MLXStorage,
+    ServesBlockTables,
+    resolve_attention,
+)
 from veloxquant_mlx.memory.mlx_lm_protocol import (
     MaskT,
     causal_mask,
@@ -77,13 +83,12 @@ from veloxquant_mlx.memory.mlx_lm_protocol import (
     split_state,
 )
 from veloxquant_mlx.memory.mlx_storage import dtype_name
-from veloxquant_mlx.memory.model_kv_layout import attention_layers
-from veloxquant_mlx.memory.paged_attention import cuda_unavailable_reason
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
-from veloxquant_mlx.memory.storage import BlockStorage
 
 if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache
+
+    from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache, make_pool_backed_cache
 
 __all__ = [
     "AttentionMode",
@@ -98,92 +103,9 @@ __all__ = [
     "resolve_attention",
 ]
 
-#: Block format tags for the usual storage dtypes; others use the dtype's name.
-_FORMAT_OF_DTYPE: Final = {mx.float16: "fp16", mx.bfloat16: "bf16", mx.float32: "fp32"}
-
-#: How a cache's attention reads its keys and values: ``"gather"`` (``update_and_fetch``
-#: returns gathered copies, mlx-lm's attention reads them), ``"fused"`` (decode attention
-#: reads them in place through the block table; prefill still gathers), ``"auto"``
-#: (:func:`resolve_attention` picks).
-AttentionMode = Literal["auto", "fused", "gather"]
-_MODES: Final = ("auto", "fused", "gather")
-
-
-class MLXStorage(BlockStorage[mx.array], Protocol):
-    """A block store of ``mx.array`` slabs that names its element type."""
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        """Element type of the stored slots."""
-        ...
-
-
-@runtime_checkable
-class GathersHeadMajor(Protocol):
-    """A store that can gather straight into the layout attention reads (optional).
-
-    ``BlockStorage.gather`` returns ``(n_tokens, heads, head_dim)``, which the
-    cache must transpose and copy into ``(heads, n_tokens, head_dim)`` every
-    step; a store that keeps its slabs head-major can return that layout from
-    a single ``take``, and the cache then uses it instead.
-    """
-
-    def gather_heads(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
-        """The first ``n_tokens`` slots of ``blocks`` in ``layer`` as ``(heads, n_tokens,
-        head_dim)``; never changed by later writes."""
-        ...
-
-
-@runtime_checkable
-class ServesBlockTables(Protocol):
-    """A store with the decode path through a :class:`DeviceBlockTable` (optional).
-
-    The cache then checks its blocks once per table change instead of once per
-    block per call, and can attend in place. ``MLXBlockStorage`` has it.
-    """
-
-    def write_through_table(
-        self, layer: int, table: DeviceBlockTable, start: int, keys: mx.array, values: mx.array
-    ) -> None:
-        """Store ``(1, heads, n, head_dim)`` keys and values at positions ``start ..``."""
-        ...
-
-    def fetch_through_table(
-        self, layer: int, table: DeviceBlockTable, n_tokens: int
-    ) -> tuple[mx.array, mx.array]:
-        """Keys and values of positions ``0 .. n_tokens - 1``, ``(1, heads, n, head_dim)``."""
-        ...
-
-    def attend_through_table(
-        self, layer: int, table: DeviceBlockTable, n_tokens: int, queries: mx.array, scale: float
-    ) -> mx.array:
-        """Decode attention of ``queries`` over positions ``0 .. n_tokens - 1``, in place."""
-        ...
-
-
-def resolve_attention(storage: object, attention: AttentionMode = "auto") -> str:
-    """The attention mode a cache over ``storage`` uses: ``"fused"`` or ``"gather"``.
-
-    ``"auto"`` is ``"fused"`` where the fused CUDA kernel can run (MLX's CUDA
-    back-end, the GPU as default device) and the store serves block tables;
-    ``"gather"`` otherwise, and always on the CPU. ``"fused"`` on another
-    back-end reads through the table with the gathered reference (for tests).
-
-    Raises:
-        ValueError: ``attention`` is not one of ``"auto"``, ``"fused"``, ``"gather"``,
-            or ``"fused"`` for a store without the table path.
-    """
-    if attention not in _MODES:
-        raise ValueError(f"attention must be one of {_MODES}, got {attention!r}")
-    serves_tables = isinstance(storage, ServesBlockTables)
-    if attention == "fused" and not serves_tables:
-        raise ValueError(
-            f"attention='fused' needs a store with the block-table path (MLXBlockStorage), "
-            f"got {type(storage).__name__}"
-        )
-    if attention == "auto":
-        return "fused" if serves_tables and cuda_unavailable_reason() is None else "gather"
-    return attention
+#: Names this module has always offered that now live in prompt_cache (which imports
+#: this module, so they are looked up on first use rather than imported here).
+_IN_PROMPT_CACHE: Final = ("PoolBackedPromptCache", "make_pool_backed_cache")
 
 
 class PoolBackedKVCache:
@@ -274,6 +196,14 @@ class PoolBackedKVCache:
             BlockPoolExhaustedError: The pool has too few free blocks; nothing changed.
         """
         n_tokens = self._require_update(keys, values)
+        store, table = self._table_store, self._table
+        if store is not None and table is not None:
+            start = self._book.append(n_tokens, layer=self._layer) if n_tokens else self.offset
+            try:
+                return store.update_through_table(self._layer, table, start, keys, values)
+            except BaseException:
+                self._book.trim(n_tokens, layer=self._layer)
+                raise
         if n_tokens:
             start = self._book.append(n_tokens, layer=self._layer)
             try:
@@ -449,9 +379,6 @@ class PoolBackedKVCache:
 
     def _write(self, start: int, keys: mx.array, values: mx.array) -> None:
         """Write positions ``start ..`` of ``keys`` and ``values`` block by block."""
-        if self._table_store is not None and self._table is not None:
-            self._table_store.write_through_table(self._layer, self._table, start, keys, values)
-            return
         block_size, layer, write = self._block_size, self._layer, self._storage.write
         key_blocks, value_blocks = self._book.key_blocks, self._book.value_blocks
         # (n, heads, head_dim): the storage's slot layout.
@@ -494,123 +421,10 @@ class PoolBackedKVCache:
         return mx.contiguous(tokens.transpose(1, 0, 2))[None]
 
 
-class PoolBackedPromptCache(list[PoolBackedKVCache]):
-    """A model's per-layer caches for one request, which returns its blocks on release.
-
-    A plain list to mlx-lm (``generate_step(prompt_cache=...)``,
-    ``trim_prompt_cache``, ``save_prompt_cache``); also a context manager.
-    Dropped without ``release()``, its blocks still come back (module docstring).
-    """
-
-    def __init__(
-        self, storage: MLXStorage, book: PooledKVCache, *, attention: AttentionMode = "gather"
-    ) -> None:
-        """One :class:`PoolBackedKVCache` per layer of ``book``, all over ``storage``, all
-        sharing one :class:`DeviceBlockTable` and the ``attention`` mode."""
-        table = DeviceBlockTable(book)
-        super().__init__(
-            PoolBackedKVCache(storage, book, layer, table=table, attention=attention)
-            for layer in range(book.n_layers)
-        )
-        # The one block table every cache of the list appends to; release() frees it.
-        self._book: Final = book
-
-    @property
-    def book(self) -> PooledKVCache:
-        """The request's block table."""
-        return self._book
-
-    def release(self) -> None:
-        """Return every block of the request to the pool. Idempotent."""
-        self._book.release()
-
-    def copy_from(self, caches: Sequence[object]) -> None:
-        """Fill this empty list with the positions of ``caches``, one mlx-lm cache per layer.
-
-        For instance the ``KVCache`` list that ``load_prompt_cache`` returns for a
-        saved cache: decoding then goes on exactly as from ``caches``. Every layer's
-        state is checked before any block is taken.
-
-        Raises:
-            ValueError: This list already holds positions, ``caches`` has another number
-                of layers, or a state's shape is not the storage's; nothing changes.
-            TypeError: A state is not ``(keys, values[, offset])`` of the storage's dtype;
-                nothing changes.
-            BlockPoolExhaustedError: Too few free blocks; the list is left empty.
-        """
-        if not self._book.empty():
-            raise ValueError(
-                f"copy_from fills an empty cache list; this one holds {self._book.offset} positions"
-            )
-        if len(caches) != len(self):
-            raise ValueError(f"expected one cache per layer ({len(self)}), got {len(caches)}")
-        states = [split_state(getattr(cache, "state", None)) for cache in caches]
-        slices = [(keys[..., :end, :], values[..., :end, :]) for keys, values, end in states]
-        for layer, (keys, values) in zip(self, slices, strict=True):
-            if keys.size:
-                layer._require_update(keys, values)
-        try:
-            for layer, (keys, values) in zip(self, slices, strict=True):
-                if keys.size:
-                    layer.update_and_fetch(keys, values)
-        except BaseException:
-            self._book.trim(self._book.offset)
-            raise
-
-    def __enter__(self) -> PoolBackedPromptCache:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.release()
-
-
-def make_pool_backed_cache(
-    model: object,
-    storage: MLXStorage,
-    *,
-    owner: int | None = None,
-    format: str | None = None,
-    attention: AttentionMode = "auto",
-) -> PoolBackedPromptCache:
-    """Build ``model``'s caches for one request, paged in ``storage``'s pool.
-
-    Like mlx-lm's ``make_prompt_cache``: one cache per layer of
-    ``model.layers``; a model with ``make_cache()`` is accepted when every
-    cache it makes is a plain ``KVCache`` (its full-attention layers).
-
-    Args:
-        model: An mlx-lm model.
-        storage: The shared store; its pool lends the blocks.
-        owner: Request id for the blocks; ``None`` picks an unused one.
-        format: Format tag on the blocks; by default from the storage dtype
-            (``"fp16"``, ``"bf16"``, ``"fp32"``).
-        attention: How attention reads the positions (:func:`resolve_attention`). In
-            fused mode the model's decode attention is routed to the caches
-            (:func:`~veloxquant_mlx.memory.attention_hook.install_paged_attention`).
-
-    Raises:
-        ValueError: The model has more layers than the storage, a layer needs
-            a cache other than ``KVCache`` (sliding window, state space, ...), or
-            ``attention`` is not a mode the storage serves.
-        OwnerAlreadyActiveError: ``owner`` is in use.
-    """
-    n_layers = attention_layers(model)
-    if n_layers > storage.n_layers:
-        raise ValueError(
-            f"the model has {n_layers} layers but the storage only {storage.n_layers}; "
-            "expected a storage with a slab per layer"
-        )
-    mode = resolve_attention(storage, attention)
-    tag = format if format is not None else _FORMAT_OF_DTYPE.get(storage.dtype, str(storage.dtype))
-    book = PooledKVCache(storage.pool, owner, n_layers=n_layers, format=tag)
-    if mode == "fused":
-        install_paged_attention(model)
-    return PoolBackedPromptCache(storage, book, attention="fused" if mode == "fused" else "gather")
-
-
 register_for_loading(PoolBackedKVCache)
+
+
+def __getattr__(name: str) -> object:
+    if name in _IN_PROMPT_CACHE:
+        return getattr(importlib.import_module("veloxquant_mlx.memory.prompt_cache"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
