@@ -283,16 +283,17 @@ class MLXBlockStorage:
 
     # -- the decode path: through a request's DeviceBlockTable ------------------------
 
-    def write_through_table(
+    def update_through_table(
         self, layer: int, table: DeviceBlockTable, start: int, keys: mx.array, values: mx.array
-    ) -> None:
-        """Store keys and values of positions ``start ..`` of ``table``'s request.
+    ) -> tuple[mx.array, mx.array]:
+        """Store keys and values at positions ``start ..`` of ``table``'s request, then
+        return every position ``0 .. start + n - 1`` as :meth:`fetch_through_table` does.
 
         ``keys`` and ``values`` are ``(1, n_kv_heads, n, head_dim)``, as a model hands
-        them to its cache. Safety comes from ``table.require_live()`` (O(1) while
-        nothing changed), not from asking the pool about each block. No sync: the
-        slab is left lazy with ``lazy_writes``, else scheduled with ``mx.async_eval``
-        (any thread may use the store after it returns).
+        them to its cache: the decode step of one layer, in one call. Safety comes from
+        ``table.require_live()`` (O(1) while nothing changed), not from asking the
+        pool about each block. No sync: the slab is left lazy with ``lazy_writes``,
+        else scheduled with ``mx.async_eval`` (any thread may use the store after).
 
         Raises:
             TypeError, ValueError: Tokens of another dtype or shape than the store's,
@@ -310,26 +311,9 @@ class MLXBlockStorage:
                     f"positions {start!r}..{start}+{n_tokens} fall outside the table's "
                     f"{held} slots; expected 0 <= start and start + n <= {held}"
                 )
-            if n_tokens == 0:
-                return
-            slab = self._slabs[layer]
-            # (1, heads, n, dim) -> (heads, 1 block, n, dim): the slab's axes.
-            key_heads, value_heads = keys.swapaxes(0, 1), values.swapaxes(0, 1)
-            done = 0
-            while done < n_tokens:
-                index, slot = divmod(start + done, self._block_size)
-                upto = min(done + self._block_size - slot, n_tokens)
-                for blocks, heads in (
-                    (table.key_blocks, key_heads),
-                    (table.value_blocks, value_heads),
-                ):
-                    update = heads if upto - done == n_tokens else heads[:, :, done:upto]
-                    where = mx.array([blocks[index].block_id, slot], dtype=mx.int32)
-                    slab = mx.slice_update(slab, update, where, (1, 2))
-                done = upto
-            self._slabs[layer] = slab
-            if not self._lazy_writes:
-                schedule(slab)
+            if n_tokens:
+                self._write_locked(layer, table, start, keys, values)
+            return self._fetch_locked(layer, table, start + n_tokens)
 
     def fetch_through_table(
         self, layer: int, table: DeviceBlockTable, n_tokens: int
@@ -349,17 +333,7 @@ class MLXBlockStorage:
         with self._lock:
             self._open_table_locked(layer, table)
             require_n_tokens(n_tokens, len(table.key_blocks) * self._block_size)
-            if n_tokens == 0:
-                heads, head_dim = self._slot_shape
-                empty = mx.zeros((1, heads, 0, head_dim), dtype=self._dtype)
-                return empty, empty
-            n_blocks = -(-n_tokens // self._block_size)
-            capacity = self._capacity
-            rows = table.memo(
-                (id(self), capacity, n_blocks), lambda: self._kv_rows(table, n_blocks, capacity)
-            )
-            slab = self._slabs[layer]
-        return gather_kv_heads(slab, rows, n_tokens)
+            return self._fetch_locked(layer, table, n_tokens)
 
     def attend_through_table(
         self, layer: int, table: DeviceBlockTable, n_tokens: int, queries: mx.array, scale: float
@@ -430,6 +404,49 @@ class MLXBlockStorage:
         target = next_capacity(self._capacity, self._pool.id_bound())
         if target != self._capacity:
             self._resize_locked(target)
+
+    def _write_locked(
+        self, layer: int, table: DeviceBlockTable, start: int, keys: mx.array, values: mx.array
+    ) -> None:
+        """Write positions ``start ..`` (checked) into the table's blocks, block by block.
+
+        Static slices, as ``KVCache`` writes: no index array per write. The slab
+        object is updated in place (``__setitem__``), which rebinds it to a new
+        value; arrays computed from the old value keep it.
+        """
+        slab = self._slabs[layer]
+        # (1, heads, n, dim) -> (heads, 1 block, n, dim): the slab's axes.
+        key_heads, value_heads = keys.swapaxes(0, 1), values.swapaxes(0, 1)
+        n_tokens, done = keys.shape[2], 0
+        while done < n_tokens:
+            index, slot = divmod(start + done, self._block_size)
+            upto = min(done + self._block_size - slot, n_tokens)
+            key_id = table.key_blocks[index].block_id
+            value_id = table.value_blocks[index].block_id
+            whole = upto - done == n_tokens
+            slab[:, key_id : key_id + 1, slot : slot + upto - done] = (
+                key_heads if whole else key_heads[:, :, done:upto]
+            )
+            slab[:, value_id : value_id + 1, slot : slot + upto - done] = (
+                value_heads if whole else value_heads[:, :, done:upto]
+            )
+            done = upto
+        if not self._lazy_writes:
+            schedule(slab)
+
+    def _fetch_locked(
+        self, layer: int, table: DeviceBlockTable, n_tokens: int
+    ) -> tuple[mx.array, mx.array]:
+        if n_tokens == 0:
+            heads, head_dim = self._slot_shape
+            empty = mx.zeros((1, heads, 0, head_dim), dtype=self._dtype)
+            return empty, empty
+        n_blocks = -(-n_tokens // self._block_size)
+        capacity = self._capacity
+        rows = table.memo(
+            (id(self), capacity, n_blocks), lambda: self._kv_rows(table, n_blocks, capacity)
+        )
+        return gather_kv_heads(self._slabs[layer], rows, n_tokens)
 
     def _open_table_locked(self, layer: int, table: DeviceBlockTable) -> None:
         """What every table method does first, under the lock: O(1) while nothing moved."""

@@ -86,7 +86,7 @@ def cuda_unavailable_reason() -> str | None:
 
     It needs MLX's CUDA back-end and the GPU as the default device.
     """
-    if not mx.cuda.is_available():
+    if not _cuda_present():
         return "MLX's CUDA back-end is not available here (mx.cuda.is_available() is False)"
     if mx.default_device() != mx.gpu:
         return f"the default device is {mx.default_device()}, not the GPU"
@@ -142,7 +142,7 @@ def cuda_paged_decode_attention(
     n_kv_heads, capacity, block_size, head_dim = slab.shape
     group = n_q_heads // n_kv_heads
     shape = launch_shape(n_tokens, n_kv_heads, head_dim, slab.dtype.size, group)
-    meta = mx.array([n_tokens, capacity, shape.part_size], dtype=mx.int32)
+    meta = _meta_array(n_tokens, capacity, shape.part_size)
     threads = shape.warps * 32
     first_pass: dict[str, Any] = {
         "inputs": [queries, slab, paged.key_ids, paged.value_ids, meta, _scale_array(scale)],
@@ -228,9 +228,19 @@ def _kernels() -> tuple[_Kernel, _Kernel, _Kernel]:
     return single, split, combine
 
 
+@functools.cache
+def _cuda_present() -> bool:
+    """Whether MLX's CUDA back-end is there: fixed for the process, so asked once."""
+    return bool(mx.cuda.is_available())
+
+
+@functools.lru_cache(maxsize=16)
+def _meta_array(n_tokens: int, capacity: int, part_size: int) -> mx.array:
+    """``[n_tokens, capacity, part_size]``: one array per step, shared by its layers."""
+    return mx.array([n_tokens, capacity, part_size], dtype=mx.int32)
+
+
 @functools.lru_cache(maxsize=64)
 def _scale_array(scale: float) -> mx.array:
     """``[scale]`` as a float32 array: one per model, not one per call."""
-    array = mx.array([scale], dtype=mx.float32)
-    mx.eval(array)
-    return array
+    return mx.array([scale], dtype=mx.float32)
