@@ -28,7 +28,11 @@ from veloxquant_mlx.memory.attention_hook import (
     uninstall_paged_attention,
 )
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache, resolve_attention
+from veloxquant_mlx.memory.kv_cache import (
+    PoolBackedKVCache,
+    make_pool_backed_cache,
+    resolve_attention,
+)
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.paged_attention import (
     PagedKV,
@@ -41,6 +45,8 @@ from veloxquant_mlx.memory.paged_attention import (
 BLOCK_SIZE = 16
 NO_CUDA = cuda_unavailable_reason()
 TOLERANCE = {mx.float32: 1e-4, mx.float16: 4e-3, mx.bfloat16: 3e-2}
+#: Largest log-probability difference between a fused decode and KVCache's (float32).
+FUSED_LOGPROB_TOLERANCE = 2e-3
 
 
 def _paged(
@@ -223,9 +229,21 @@ def _store_for(model: object, n_blocks: int = 256) -> MLXBlockStorage:
     return MLXBlockStorage(pool, 2, 2, 16, mx.float32, lazy_writes=True)
 
 
-def test_fused_mode_decodes_like_kv_cache_and_only_routes_its_own_caches() -> None:
-    model = tiny_model("llama", 3, n_layers=2, n_kv_heads=2, head_dim=16)
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_fused_mode_decodes_like_kv_cache_and_only_routes_its_own_caches(
+    architecture: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    model = tiny_model(architecture, 3, n_layers=2, n_kv_heads=2, head_dim=16)
     store = _store_for(model)
+    answered: list[bool] = []
+    attend = PoolBackedKVCache.attend_in_place
+
+    def counting(self: PoolBackedKVCache, queries: mx.array, scale: float) -> mx.array | None:
+        result = attend(self, queries, scale)
+        answered.append(result is not None)
+        return result
+
+    monkeypatch.setattr(PoolBackedKVCache, "attend_in_place", counting)
     try:
         with make_pool_backed_cache(model, store, attention="fused") as fused:
             assert [cache.attention for cache in fused] == ["fused", "fused"]
@@ -234,11 +252,14 @@ def test_fused_mode_decodes_like_kv_cache_and_only_routes_its_own_caches() -> No
         their_tokens, their_logprobs = greedy(model, prompt(5), make_prompt_cache(model), 24)
     finally:
         uninstall_paged_attention(model)
+    # Every decode step of both layers was answered in place (the prefill is not asked).
+    assert len(answered) >= 2 * 23 and all(answered)
     assert our_tokens == their_tokens
-    assert all(
-        mx.allclose(ours, theirs, atol=1e-4)
-        for ours, theirs in zip(our_logprobs, their_logprobs, strict=True)
-    )
+    # The kernel sums in another order than MLX's attention: equal within float32
+    # noise amplified by the tiny model's scaled weights (exact with the reference).
+    tolerance = FUSED_LOGPROB_TOLERANCE if NO_CUDA is None else 1e-5
+    worst = float(mx.max(mx.abs(mx.stack(our_logprobs) - mx.stack(their_logprobs))))
+    assert worst < tolerance, f"log-probabilities differ by up to {worst}"
     assert store.pool.stats.blocks_in_use() == 0
 
 
