@@ -28,6 +28,7 @@ from veloxquant_mlx.memory.attention_hook import (
     uninstall_paged_attention,
 )
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.cache_storage import AUTO_PREFERS_FUSED
 from veloxquant_mlx.memory.kv_cache import (
     PoolBackedKVCache,
     make_pool_backed_cache,
@@ -273,9 +274,10 @@ def test_the_hook_is_idempotent_and_comes_out_cleanly() -> None:
     assert module.scaled_dot_product_attention is base.scaled_dot_product_attention
 
 
-def test_auto_gathers_where_the_kernel_cannot_run() -> None:
+def test_auto_gathers_unless_the_kernel_runs_and_is_preferred() -> None:
     store = _store_for(None)
-    expected = "gather" if NO_CUDA is not None else "fused"
+    expected = "fused" if AUTO_PREFERS_FUSED and NO_CUDA is None else "gather"
     assert resolve_attention(store, "auto") == expected
+    assert resolve_attention(store, "fused") == "fused"
     with pytest.raises(ValueError, match="attention must be one of"):
         resolve_attention(store, "paged")  # type: ignore[arg-type]

@@ -37,9 +37,11 @@ __all__ = [
     "resolve_attention",
 ]
 
-#: Whether ``attention="auto"`` takes the fused kernel where it can run: set from
-#: the side-by-side decode figures on the H200 (README, "KV cache on a GPU").
-AUTO_PREFERS_FUSED: Final = True
+#: Whether ``attention="auto"`` takes the fused kernel where it can run. False: on
+#: the H200 the kernel is 2-5x faster than gather + attention per call, but a decode
+#: step through it was slower end to end (0.62-0.76x ``KVCache`` against 0.80-0.98x
+#: gathered; README, "KV cache on a GPU"), because launching it costs more host time.
+AUTO_PREFERS_FUSED: Final = False
 
 #: How a cache's attention reads its keys and values: ``"gather"`` (``update_and_fetch``
 #: returns gathered copies, mlx-lm's attention reads them), ``"fused"`` (decode attention

@@ -160,19 +160,22 @@ def make_serving_storage(
     memory_bytes: int,
     *,
     block_size: int = 16,
-    lazy_writes: bool = False,
+    lazy_writes: bool = True,
 ) -> MLXBlockStorage:
     """A fixed pool that fits ``memory_bytes`` and its store, sized for ``model``.
 
     The serving default: resident memory is the pool, allocated here and never
     grown, ``floor(memory_bytes / block bytes)`` blocks (even, split evenly between
-    the key and value streams). ``storage.pool`` is the pool.
+    the key and value streams). ``storage.pool`` is the pool. Writes are lazy by
+    default, for one decode thread (mlx-lm's generators, a server's decode loop):
+    no evaluation per write; a call from a second thread is refused by name.
 
     Args:
         model: An mlx-lm model whose layers all use a plain ``KVCache``.
         memory_bytes: The KV budget; the store holds at most this many bytes.
         block_size: Token slots per block.
-        lazy_writes: As for ``MLXBlockStorage`` (the store then serves one thread).
+        lazy_writes: As for ``MLXBlockStorage``; ``False`` lets any thread decode
+            through the store, at the price of scheduling every write.
 
     Raises:
         TypeError: ``memory_bytes`` or ``block_size`` is not an int.
