@@ -11,13 +11,14 @@ every layer of every concurrent request. No per-request buffer exists, so
 a request holds whole blocks only: at most ``block_size - 1`` idle slots
 per stream per layer, against up to 255 for ``KVCache``'s 256-token steps.
 
-``make_pool_backed_cache(model, storage)`` builds a model's list of caches
-the way ``make_prompt_cache`` does; the list releases every block on
-``release()`` or when used as a context manager, also when generation is
-aborted by an exception. A list that is simply dropped, as mlx-lm code
-does, cannot leak either: its block table's finaliser queues the release
-and the pool gets the blocks back at the next store call
-(:mod:`~veloxquant_mlx.memory.deferred_release` says exactly when).
+``make_pool_backed_cache(model, storage)`` (in
+:mod:`~veloxquant_mlx.memory.prompt_cache`, re-exported here) builds a
+model's list of caches the way ``make_prompt_cache`` does; the list
+releases every block on ``release()`` or when used as a context manager,
+also when generation is aborted by an exception. A list that is simply
+dropped, as mlx-lm code does, cannot leak either: its block table's
+finaliser queues the release and the pool gets the blocks back at the next
+store call (:mod:`~veloxquant_mlx.memory.deferred_release` says exactly when).
 
 Drop-in, exactly: a store sized from the model
 (:func:`~veloxquant_mlx.memory.model_kv_layout.make_pool_backed_storage`)
@@ -31,21 +32,39 @@ positions): quantized keys would leave the pool. A cache saved with
 layers, which :meth:`PoolBackedPromptCache.copy_from` pages again;
 :mod:`~veloxquant_mlx.memory.mlx_lm_protocol` explains both.
 
-Complexity (``T`` = positions of the layer, ``n`` = new ones, ``b`` =
-``block_size``): ``update_and_fetch`` O(n) to write plus O(T) to gather
-(one ``mx.take`` per stream and a copy into the ``(1, heads, T, head_dim)``
-layout attention reads; a store with ``gather_heads`` saves the copy).
-``KVCache`` returns a slice of its buffer instead, so its fetch is free;
-the gather is the price of paging without a paged-attention kernel.
-``trim`` O(layers + blocks freed); ``state`` O(T); ``make_mask`` O(1),
-O(n * T) for an array mask; ``offset``, ``size``, ``nbytes`` O(1).
+The decode step over a store with the block-table path
+(:class:`~veloxquant_mlx.memory.cache_storage.ServesBlockTables`,
+``MLXBlockStorage``): the layers of a request share one
+:class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable`, the block ids
+as ``mx.array`` s checked live once per change of the table (and again
+after any free in the pool), so a step costs O(layers) host work whatever
+the context, and a stale or foreign block is still never read or written.
+Attention then reads the positions either through a gathered copy
+(``attention="gather"``, the default: exact, bit for bit ``KVCache``'s
+output) or in place with the fused CUDA kernel (``"fused"``: logits within
+float tolerance; faster per call, slower per step on the models measured so
+far, see :data:`~veloxquant_mlx.memory.cache_storage.AUTO_PREFERS_FUSED`).
+
+Complexity (``T`` = positions of the layer, ``n`` = new ones, ``k`` =
+blocks of the request): ``update_and_fetch`` O(n) host work to write plus
+O(1) to build the gather (one ``mx.take`` of rows every layer of a step
+shares), O(T) device work for it; O(k) once after the table changed by a
+free. ``KVCache`` returns a slice of its buffer instead, so its fetch is free
+on the device; the gather is the price of paging without the kernel.
+``attend_in_place`` O(1) host, O(T) device, no copy. ``trim`` O(layers +
+blocks freed); ``state`` O(T); ``make_mask`` O(1), O(n * T) for an array
+mask; ``offset``, ``size``, ``nbytes`` O(1).
 
 Running it well: a single-threaded decode loop wants
 ``MLXBlockStorage(..., lazy_writes=True)`` (no evaluation inside the
-forward pass; the store then serves only the first thread that calls it).
-On MLX's CPU backend the buffer cache is capped at 32 MB by default, below
-a long context's per-step gathers: raise it (``mx.set_cache_limit``) or
-steps page-fault fresh memory.
+forward pass; the store then serves only the first thread that calls it);
+without it every write is scheduled with ``mx.async_eval`` (no sync, but
+host work per write). Schedule (``mx.async_eval``) or evaluate each
+request's step before building the next request's: a write to a layer whose
+slab another request's pending gather still reads copies the slab. On MLX's
+CPU backend the buffer cache is capped at 32 MB by default, below a long
+context's per-step gathers: raise it (``mx.set_cache_limit``) or steps
+page-fault fresh memory.
 
 Limits: batch size 1 (one request per cache; run concurrent requests with
 one cache list each over the shared pool and storage); keys and values of

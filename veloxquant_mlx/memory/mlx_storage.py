@@ -14,6 +14,15 @@ Because the row stride is the capacity, a resize re-lays every slab out
 The store follows its pool through :meth:`MLXBlockStorage.sync`, which every
 public method calls first (the rule is spelled out in the class docstring).
 
+Two ways in. The storage protocol's ``write`` / ``gather`` / ``gather_heads``
+take ``Block`` handles and check each against the pool (a whole gather with
+one ``all_live``). The decode path of a pool-backed cache
+(``update_through_table``, ``fetch_through_table``, ``attend_through_table``)
+takes a request's :class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable`
+instead, whose liveness check is O(1) while neither the request's blocks nor
+the pool's free count moved: a decode step then costs O(1) host work per
+layer, not O(blocks). Its writes are static slices, as ``KVCache``'s are.
+
 MLX semantics this relies on (checked by the storage conformance suite and
 the aliasing replay): arrays are values. ``slice_update`` returns a new slab
 and never changes an array computed earlier, even one still unevaluated;
@@ -25,7 +34,9 @@ does) before writing again and writes cost O(slots written).
 
 Since MLX 0.31.2 streams are per thread: a lazy graph built on one thread
 cannot be evaluated on another. So by default every ``write`` evaluates the
-slab it produced before it returns, and any thread may then use the store.
+slab it produced before it returns, and the decode path's writes schedule
+it (``mx.async_eval``: no sync point, but host work per write); any thread
+may then use the store.
 ``lazy_writes=True`` leaves writes lazy (no sync point per write, which a
 GPU decode loop may want) at the cost of thread affinity: such a store
 belongs to the first thread that calls one of its methods, and a call from
@@ -41,7 +52,11 @@ Nothing here converts to NumPy or calls ``.item()``: ``write`` and the gathers
 only build MLX graphs (and evaluate them as just said), so the module runs
 unchanged on Metal or CUDA.
 
-Complexity: ``write`` O(slots written) (amortised, see above);
+Complexity: ``update_through_table`` O(slots written) plus O(1) host work
+to build the gather (O(blocks) device work), ``fetch_through_table`` the
+latter, ``attend_through_table`` O(1) host, O(tokens) device; all three
+O(blocks) once after the request's table changed by a free;
+``write`` O(slots written) (amortised, see above);
 ``gather_heads`` O(tokens gathered) plus one pool call (``all_live``) that
 checks the O(blocks) handles under one lock; ``gather`` the same plus a
 lazy transpose; ``sync`` O(1) unless it resizes, then O(capacity) per
