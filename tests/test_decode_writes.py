@@ -9,11 +9,11 @@ no evaluation at all and still belongs to its first thread.
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import mlx.core as mx
 import pytest
+from threads import in_thread
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache
@@ -65,21 +65,6 @@ def test_a_decode_step_makes_no_sync_per_write(eval_calls: list[int], lazy_write
     cache.release()
 
 
-def _in_thread(call: Callable[[], object]) -> BaseException | None:
-    raised: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            call()
-        except BaseException as error:  # handed to the main thread
-            raised.append(error)
-
-    thread = threading.Thread(target=body, name="second")
-    thread.start()
-    thread.join()
-    return raised[0] if raised else None
-
-
 def test_without_lazy_writes_another_thread_decodes_on_the_same_store() -> None:
     cache = _cache(lazy_writes=False)
     first, second = _tokens(3, 0), _tokens(1, 1)
@@ -93,7 +78,7 @@ def test_without_lazy_writes_another_thread_decodes_on_the_same_store() -> None:
             keys, _ = layer.update_and_fetch(second, second)
             fetched.append(keys.reshape(-1).tolist())  # type: ignore[arg-type]
 
-    assert _in_thread(decode_one_token) is None
+    assert in_thread("second", decode_one_token) is None
     expected = mx.concatenate([first, second], axis=2).reshape(-1).tolist()
     assert fetched == [expected] * N_LAYERS
     cache.release()
@@ -108,7 +93,7 @@ def test_with_lazy_writes_another_thread_is_refused_by_name_and_nothing_changes(
     blocks_before = cache.book.key_blocks
     second = _tokens(1, 1)
     mx.eval(second)
-    error = _in_thread(lambda: cache[0].update_and_fetch(second, second))
+    error = in_thread("second", lambda: cache[0].update_and_fetch(second, second))
     assert isinstance(error, RuntimeError)
     assert "lazy_writes" in str(error) and "'second'" in str(error)
     assert cache[0].offset == 3 and cache.book.key_blocks == blocks_before
