@@ -70,10 +70,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
-    print(
-        f"exploring every schedule of every drop point, at most {args.max_runs:,} runs", flush=True
-    )
     with InterruptRequest(PROG) as interrupt:
+        print(f"every schedule of every drop point, at most {args.max_runs:,} runs", flush=True)
         result = explore_finaliser(max_runs=args.max_runs, interrupt=interrupt.requested)
     if result.verdict is Verdict.INTERRUPTED:
         return report_interrupt(PROG, f"after {result.runs:,} runs")
