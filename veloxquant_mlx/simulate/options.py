@@ -4,7 +4,7 @@
 value types that reject bad input at parse time (the message names the value
 and what was expected). :func:`validate` then checks the rules that span
 several options, and refuses a pool or a workload whose estimated memory
-(:func:`memory_estimate`) exceeds what is available, and returns a message
+(:func:`memory_estimate`) exceeds the machine's memory, and returns a message
 for ``parser.error``. The value types are those of
 :mod:`veloxquant_mlx.commandline.values`, shared by every command. The
 ``*_from`` helpers build the library's configuration objects from the parsed

@@ -2,7 +2,7 @@
 
 :func:`add_arguments` declares the options, :func:`validate` checks those
 that span several options (and refuses a pool or a search too big for the
-memory available), :func:`run` runs the stress test (or, with ``--replay
+machine's memory), :func:`run` runs the stress test (or, with ``--replay
 FILE``, replays a linearized trace or re-checks a reproducer). A profile
 (``--profile smoke|nightly``) gives every default; any option given
 overrides it. ``--out`` must be a new folder, or one without an earlier
