@@ -315,7 +315,12 @@ def test_atomic_writes_never_set_the_process_umask(
 ) -> None:
     """Reading the umask means setting it: a race with every other thread of the process."""
     calls: list[int] = []
-    monkeypatch.setattr(os, "umask", lambda mask: calls.append(mask) or 0o022)
+
+    def umask(mask: int) -> int:
+        calls.append(mask)
+        return 0o022
+
+    monkeypatch.setattr(os, "umask", umask)
     importlib.reload(files_module)
     files_module.atomic_write_text(tmp_path / "report.json", "{}")
     assert calls == []

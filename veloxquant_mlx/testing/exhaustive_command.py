@@ -90,8 +90,7 @@ def _parser() -> OneLineParser:
         "--time-budget",
         type=finite_float(0, low_inclusive=False),
         metavar="SECONDS",
-        help="stop (inconclusive) after this long, all scopes together (default: the "
-        "profile's)",
+        help="stop (inconclusive) after this long, all scopes together (default: the profile's)",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     return parser
