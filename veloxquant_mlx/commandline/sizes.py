@@ -6,9 +6,9 @@ print the estimate of a long run; the figures behind the estimates live
 here, once, each measured on CPython 3.11 (x86-64 Linux):
 
 - :data:`PROCESS_BYTES`: the interpreter with NumPy and MLX loaded; a
-  smoke or nightly stress run peaks at 64-68 MB resident in all
-  (``/usr/bin/time -f %M``), so this covers everything a run holds besides
-  what its input scales;
+  smoke or nightly stress run peaks at 61-68 MB resident in all
+  (``benchmarks/bench_command_memory.py``), so this covers everything a run
+  holds besides what its input scales;
 - a pool's books: :data:`POOL_BYTES_PER_BLOCK` per block id (``tracemalloc``:
   about 41 bytes per idle block, 130 more per checked-out one);
 - a store's slabs: per layer, a capacity of up to twice the ids in use (the
@@ -17,7 +17,8 @@ here, once, each measured on CPython 3.11 (x86-64 Linux):
   window (``tracemalloc``: about 373);
 - a linearizability search: :func:`search_bytes` per configuration it holds
   (``tracemalloc``, searches cut by their budget on windows of 733 and 766
-  calls: 3.2 to 3.8 KB with 80 block ids, 7.7 KB with 400).
+  calls: 3.2 to 3.8 KB with 80 block ids, 7.7 KB with 400; a search that
+  ends sooner holds less per configuration, 1.4 KB on a 399-call window).
 
 The estimates are upper bounds a little above those figures: they exist to
 refuse ``n_blocks=10**12`` in one line instead of being killed for memory,
@@ -42,7 +43,7 @@ __all__ = [
 ]
 
 #: Resident bytes of a command's process before its input counts: Python, NumPy, MLX.
-PROCESS_BYTES: Final = 96 * 2**20
+PROCESS_BYTES: Final = 72 * 2**20
 #: Heap bytes of a pool's books per block id, every block checked out (rounded up).
 POOL_BYTES_PER_BLOCK: Final = 200
 #: Heap bytes of one simulated request (measured: about 195 with tracemalloc).
