@@ -11,7 +11,7 @@ One SIGINT handler serves every command
 
 - the first SIGINT sets a flag, :attr:`InterruptRequest.requested`. Code
   that runs threads, or hands a baton between them (a stress run, the
-  schedule explorers), works inside :class:`InterruptRequest`: it polls the
+  schedule and finaliser explorers), works inside :class:`InterruptRequest`: it polls the
   flag between units of work, stops its threads, joins them and writes its
   files, marked partial, and the command then prints its one line and
   returns 130. No exception is raised in the main thread there, so none can
@@ -30,8 +30,9 @@ One SIGINT handler serves every command
 Commands started as programs (``python -m ...``, the ``veloxquant-mlx``
 script) enter through :func:`~veloxquant_mlx.commandline.sigint.run_program`,
 which installs the handler before their heavy imports, so a Ctrl-C while
-NumPy or MLX loads, or a repeat that arrives as the process exits, is
-handled like any other.
+NumPy or MLX loads is handled like any other, and ignores SIGINT once the
+command has returned, so a repeat that arrives as the process exits cannot
+kill it by signal.
 
 Complexity: O(1). Thread safety: the handler's state is written by the
 signal handler and by :func:`run_command` on the main thread only;
