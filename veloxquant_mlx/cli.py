@@ -7,7 +7,7 @@ writing those three functions in its own package and adding one entry here;
 :func:`main` needs no change.
 
 Usage errors (unknown options, bad values, conflicting options, input too
-big for the memory available) print one line naming the value and the
+big for the machine's memory) print one line naming the value and the
 expectation on stderr and exit with status 2; so does bad input a
 subcommand finds later (:class:`~veloxquant_mlx.commandline.bad_input.BadInputError`,
 e.g. an ``--out`` folder that cannot be written). Ctrl-C prints one line and

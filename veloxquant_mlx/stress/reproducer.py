@@ -165,9 +165,7 @@ def load_reproducer(path: Path) -> Reproducer:
     return Reproducer(pool, history_len, starts, window, str(document.get("message", "")))
 
 
-def recheck(
-    reproducer: Reproducer, *, budget: int | None = DEFAULT_BUDGET
-) -> tuple[Verdict, str]:
+def recheck(reproducer: Reproducer, *, budget: int | None = DEFAULT_BUDGET) -> tuple[Verdict, str]:
     """Check the reproducer's window again: its verdict and what was found.
 
     A violation (with the explanation) while no order fits the spec; OK once

@@ -10,7 +10,9 @@ schedule within it ran and matched the spec. ``--max-schedules`` is a
 budget: a scenario that reaches it is inconclusive.
 
 Exit status (:mod:`veloxquant_mlx.commandline.verdicts`): 0 OK, 1 a
-violation, 2 bad input, 3 inconclusive, 130 Ctrl-C.
+violation, 2 bad input, 3 inconclusive, 130 Ctrl-C. Ctrl-C is polled
+between schedules (:class:`~veloxquant_mlx.commandline.interrupts.InterruptRequest`),
+never raised inside one, whose threads hand a baton over semaphores.
 
 Complexity: as :func:`~veloxquant_mlx.stress.schedules.explore`, per
 scenario. Thread safety: one command per process.
@@ -18,13 +20,14 @@ scenario. Thread safety: one command per process.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Final
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
-from veloxquant_mlx.commandline.interrupts import run_command
+from veloxquant_mlx.commandline.interrupts import InterruptRequest, report_interrupt, run_command
+from veloxquant_mlx.commandline.values import int_at_least
 from veloxquant_mlx.commandline.verdicts import combined
-from veloxquant_mlx.simulate.options import int_at_least
 from veloxquant_mlx.stress.schedules import SCENARIOS, Exploration, Granularity, explore
 
 __all__ = ["PROG", "main"]
@@ -67,12 +70,15 @@ def _row(result: Exploration, threads: int) -> str:
     )
 
 
-def _explore_all(granularity: Granularity, bound: int | None, max_schedules: int) -> int:
+def _explore_all(
+    granularity: Granularity, bound: int | None, max_schedules: int, interrupt: threading.Event
+) -> int:
     scope = "every schedule" if bound is None else f"every schedule with <= {bound} preemptions"
-    print(f"granularity={granularity} max_preemptions={bound} ({scope})")
+    print(f"granularity={granularity} max_preemptions={bound} ({scope})", flush=True)
     print(
         f"{'scenario':<36} {'threads':>7} {'orders':>6} {'outcomes':>8} {'seen':>4} "
-        f"{'schedules':>9} exhaustive  seconds  verdict"
+        f"{'schedules':>9} exhaustive  seconds  verdict",
+        flush=True,
     )
     results = []
     for scenario in SCENARIOS:
@@ -81,6 +87,7 @@ def _explore_all(granularity: Granularity, bound: int | None, max_schedules: int
             granularity=granularity,
             max_preemptions=bound,
             max_schedules=max_schedules,
+            interrupt=interrupt,
         )
         results.append(result)
         print(_row(result, len(scenario.threads)), flush=True)
@@ -88,6 +95,12 @@ def _explore_all(granularity: Granularity, bound: int | None, max_schedules: int
             print(violation)
         if result.gap is not None and not result.violations:
             print(f"  NOT CHECKED: {result.gap}")
+        if result.interrupted:
+            schedules = sum(r.schedules for r in results)
+            return report_interrupt(
+                PROG,
+                f"in scenario {len(results)} of {len(SCENARIOS)}, after {schedules:,} schedules",
+            )
     return combined(result.verdict for result in results).exit_status
 
 
@@ -98,4 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _run(argv: Sequence[str] | None) -> int:
     args = _parser().parse_args(argv)
-    return _explore_all(args.granularity, args.max_preemptions, args.max_schedules)
+    with InterruptRequest(PROG) as interrupt:
+        return _explore_all(
+            args.granularity, args.max_preemptions, args.max_schedules, interrupt.requested
+        )

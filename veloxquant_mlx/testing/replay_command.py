@@ -3,8 +3,8 @@
 Every trace named is read and checked before any is replayed: the file must
 exist and be a trace (:mod:`~veloxquant_mlx.testing.traces`), its store's
 dtype one the backend stores, and what replaying it allocates (the pool's
-books, the store's slabs, the replay's shadow copy) must fit in the memory
-available. Anything else is bad input: one line naming the file and the
+books, the store's slabs, the replay's shadow copy) must fit in the
+machine's memory. Anything else is bad input: one line naming the file and the
 value, exit status 2, and nothing replayed. Then each trace is replayed
 through :class:`~veloxquant_mlx.testing.aliasing.AliasingReplay`, one line
 each, stopping at the first failure.
@@ -89,7 +89,7 @@ def load_checked(path: Path, backend: StorageBackend[Any]) -> Trace:
     Raises:
         BadInputError: The file cannot be read or is not a trace, its store's
             dtype is not one ``backend`` stores, or replaying it would need
-            more memory than is available. The message names the file.
+            more memory than the machine has. The message names the file.
     """
     try:
         size = path.stat().st_size
