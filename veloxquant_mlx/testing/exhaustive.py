@@ -66,6 +66,13 @@ A letters (about 60) and depth D; memory O(S). Thread safety: none; each
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one line too
+    from veloxquant_mlx.commandline.sigint import run_program
+
+    run_program(
+        "python -m veloxquant_mlx.testing.exhaustive", "veloxquant_mlx.testing.exhaustive_command"
+    )
+
 import json
 import time
 from collections.abc import Callable, Hashable, Sequence
@@ -639,7 +646,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     from veloxquant_mlx.testing.exhaustive_command import main as command_main  # noqa: PLC0415
 
     return command_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
