@@ -10,6 +10,7 @@ it, at the right line, with the right diagnosis.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -222,6 +223,31 @@ def test_a_file_in_another_format_is_refused_naming_the_format_expected(
     with pytest.raises(TraceFormatError, match=complaint) as raised:
         loads(text + "\n")
     assert '"version": 2' in str(raised.value) or "expected 2" in str(raised.value)
+
+
+V1_REPRODUCER = {
+    "reproducer": "veloxquant-mlx-linearizability",
+    "version": 1,
+    "pool": {"block_size": 4, "n_blocks": 8},
+    "history_len": 0,
+    "starts": [],
+    "window": [],
+    "message": "",
+}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps(V1_REPRODUCER, indent=1),  # as version 1 wrote it
+        json.dumps(V1_REPRODUCER, separators=(",", ":")),  # compact, on one line
+        json.dumps(dict(reversed(V1_REPRODUCER.items())), indent=4),  # its key elsewhere
+    ],
+    ids=["indented", "compact", "key-last"],
+)
+def test_a_v1_reproducer_is_named_whatever_its_layout(text: str) -> None:
+    with pytest.raises(TraceFormatError, match="v1 reproducer: this version replays trace"):
+        loads(text + "\n")
 
 
 def test_a_recorded_outcome_that_a_sequential_replay_contradicts_fails() -> None:

@@ -45,7 +45,7 @@ from veloxquant_mlx.commandline.verdicts import (
     percent_text,
     verdict_of,
 )
-from veloxquant_mlx.stress.report import is_run_file
+from veloxquant_mlx.stress.report import RUN_FILE_NAMES, is_run_file
 
 GAP = Gap("3 calls", "the budget ran out")
 
@@ -368,3 +368,20 @@ def test_a_new_out_folder_is_created_with_its_parents(tmp_path: Path) -> None:
     prepare_out_dir(folder, force=False, is_run_file=is_run_file)
     assert folder.is_dir()
     assert list(folder.iterdir()) == []
+
+
+def test_every_file_a_stress_run_writes_is_one_an_earlier_run_left() -> None:
+    from veloxquant_mlx.stress import replay, report, reproducer
+
+    written = {
+        replay.TRACE_NAME,
+        replay.PARTIAL_TRACE_NAME,
+        reproducer.REPRODUCER_NAME,
+        report.REPORT_NAME,
+        report.SUMMARY_NAME,
+        report.STACKS_NAME,
+    }
+    assert written == RUN_FILE_NAMES
+    assert all(is_run_file(name) for name in written)
+    assert is_run_file("violation-linearizability.json")  # version 1's reproducer
+    assert not any(map(is_run_file, ["notes.txt", "violation-notes.json", "report.json.bak"]))

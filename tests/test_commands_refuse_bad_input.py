@@ -83,6 +83,10 @@ def refused(
         (header_with(n_layers=10**400), "needs about 2**"),
         (header_with() + '{"op": "bogus"}\n', "line 2: 'op' must be one of"),
         ('{"trace": "other"}\n', 'expected a header {"trace": "veloxquant-mlx", "version": 2'),
+        (header_with() + '{"op": "n_free", "stream": ' + "9" * 5000 + "}\n", "line 2: not JSON"),
+        ('{"trace": "veloxquant-mlx", "x": ' + "1" * 5000 + "}\n", "header is not JSON"),
+        (header_with() + "[" * 200_000 + "]" * 200_000 + "\n", "line 2: not JSON: nested too"),
+        ("[" * 200_000 + "\n", "header is not JSON: nested too deeply"),
     ],
     ids=[
         "missing",
@@ -94,6 +98,10 @@ def refused(
         "n_layers-beyond-floats",
         "bad-op",
         "not-a-trace",
+        "int-of-5000-digits",
+        "int-of-5000-digits-in-the-header",
+        "arrays-nested-200000-deep",
+        "header-nested-200000-deep",
     ],
 )
 def test_the_aliasing_cli_refuses_a_bad_trace_in_one_line(

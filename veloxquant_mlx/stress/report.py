@@ -42,9 +42,14 @@ from veloxquant_mlx.commandline.verdicts import Gap, Verdict, percent_text, verd
 from veloxquant_mlx.memory.block_pool import PoolConfig
 
 __all__ = [
+    "PARTIAL_TRACE_NAME",
     "REPORT_NAME",
+    "REPRODUCER_NAME",
+    "RUN_FILE_NAMES",
     "SCHEMA_VERSION",
+    "STACKS_NAME",
     "SUMMARY_NAME",
+    "TRACE_NAME",
     "Finding",
     "StressReport",
     "Timing",
@@ -54,17 +59,28 @@ __all__ = [
 ]
 
 SCHEMA_VERSION: Final = 2
+# The files a run writes into its folder, declared here once: the writers use these names
+# and --out/--force derive what an earlier run left from them.
 REPORT_NAME: Final = "report.json"
 SUMMARY_NAME: Final = "summary.txt"
-#: What a run may write into its folder besides the two above (the traces, in .replay).
-_OTHER_RUN_FILES: Final = ("linearized.jsonl", "linearized.partial.jsonl", "stacks.txt")
+#: The linearized trace of a run whose every call was checked and replayed.
+TRACE_NAME: Final = "linearized.jsonl"
+#: The trace while it is written, and what an interrupted or inconclusive run leaves.
+PARTIAL_TRACE_NAME: Final = "linearized.partial.jsonl"
+#: A linearizability violation's reproducer (a trace).
+REPRODUCER_NAME: Final = "violation-linearizability.jsonl"
+#: Every thread's stack, dumped by the watchdog when the run hangs.
+STACKS_NAME: Final = "stacks.txt"
+RUN_FILE_NAMES: Final = frozenset(
+    (REPORT_NAME, SUMMARY_NAME, TRACE_NAME, PARTIAL_TRACE_NAME, REPRODUCER_NAME, STACKS_NAME)
+)
+#: What earlier versions wrote and no longer do: the version 1 reproducer.
+_FORMER_RUN_FILE_NAMES: Final = frozenset({"violation-linearizability.json"})
 
 
 def is_run_file(name: str) -> bool:
     """Whether a stress run writes a file of this name (an earlier run's report, trace...)."""
-    return name in (REPORT_NAME, SUMMARY_NAME, *_OTHER_RUN_FILES) or (
-        name.startswith("violation-") and name.endswith((".json", ".jsonl"))
-    )
+    return name in RUN_FILE_NAMES or name in _FORMER_RUN_FILE_NAMES
 
 
 @dataclass(frozen=True)

@@ -70,13 +70,15 @@ from veloxquant_mlx.stress.recording import record_call
 from veloxquant_mlx.stress.replay import LinearizedReplay, backend_named
 from veloxquant_mlx.stress.report import (
     REPORT_NAME,
+    REPRODUCER_NAME,
+    STACKS_NAME,
     SUMMARY_NAME,
     Finding,
     StressReport,
     Timing,
     summary_text,
 )
-from veloxquant_mlx.stress.reproducer import REPRODUCER_NAME, write_reproducer
+from veloxquant_mlx.stress.reproducer import write_reproducer
 from veloxquant_mlx.stress.workload import (
     FOREIGN_OWNER,
     SHARED_OWNERS,
@@ -415,7 +417,7 @@ def _run_threads(run: _Run) -> float:
         progress_interval=config.progress_interval if run.progress is not None else 0,
         stall_timeout=config.stall_timeout,
         on_stall=on_stall,
-        stacks_path=None if config.out_dir is None else config.out_dir / "stacks.txt",
+        stacks_path=None if config.out_dir is None else config.out_dir / STACKS_NAME,
         stream=run.progress,
     )
     stop_invariants = threading.Event()

@@ -355,10 +355,7 @@ def decode_line(text: str, *, version: int = FORMAT_VERSION) -> TraceLine:
         TraceFormatError: Not JSON, not an object, unknown op or field, a field of
             the wrong type, or a required field missing.
     """
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise TraceFormatError(f"not JSON: {error}") from None
+    record = _parse_json(text, "not JSON")
     if not isinstance(record, dict):
         raise TraceFormatError(f"a line must be a JSON object, got {record!r}")
     if version == 1:
@@ -427,6 +424,21 @@ def save(trace: Trace, path: str | Path) -> None:
     atomic_write_text(Path(path), dumps(trace))
 
 
+def _parse_json(text: str, what: str) -> object:
+    """``json.loads(text)``; whatever it refuses is a :class:`TraceFormatError` saying ``what``.
+
+    Besides malformed JSON, that is an integer of more digits than Python
+    converts (``ValueError``) and arrays nested deeper than the parser
+    recurses (``RecursionError``): bad input, never a traceback.
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise TraceFormatError(f"{what}: nested too deeply to read") from None
+    except ValueError as error:  # JSONDecodeError, or an int of over 4,300 digits
+        raise TraceFormatError(f"{what}: {error}") from None
+
+
 def _not_a_trace(record: object, line: str) -> TraceFormatError:
     expected = f'a header {{"trace": "{FORMAT_NAME}", "version": {FORMAT_VERSION}, ...}}'
     if isinstance(record, dict) and record.get("reproducer") == "veloxquant-mlx-linearizability":
@@ -440,10 +452,7 @@ def _not_a_trace(record: object, line: str) -> TraceFormatError:
 
 
 def _decode_header(line: str) -> tuple[Trace, int]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise TraceFormatError(f"header is not JSON: {error}") from None
+    record = _parse_json(line, "header is not JSON")
     if not isinstance(record, dict) or record.get("trace") != FORMAT_NAME:
         raise _not_a_trace(record, line)
     version = record.get("version")
@@ -484,7 +493,7 @@ def loads(text: str) -> Trace:
     try:
         trace, version = _decode_header(header_line)
     except TraceFormatError as error:
-        raise TraceFormatError(f"line {header_number}: {error}") from None
+        raise _one_document(text) or TraceFormatError(f"line {header_number}: {error}") from None
     lines: list[TraceLine] = []
     for number, line in numbered[1:]:
         try:
@@ -492,6 +501,23 @@ def loads(text: str) -> Trace:
         except TraceFormatError as error:
             raise TraceFormatError(f"line {number}: {error}") from None
     return trace.with_lines(lines)
+
+
+def _one_document(text: str) -> TraceFormatError | None:
+    """Why ``text``, read as one JSON document, is another kind of file; ``None`` if it is not.
+
+    A version 1 reproducer or an ``exhaustive --json`` report is one document,
+    indented over many lines or compact on one: whichever, it is named.
+    """
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(record, dict) and record.get("trace") == FORMAT_NAME:
+        return None  # a trace's own header: its error is the line's
+    if isinstance(record, list) or (isinstance(record, dict) and "reproducer" in record):
+        return _not_a_trace(record, text)
+    return None
 
 
 def load(path: str | Path) -> Trace:
