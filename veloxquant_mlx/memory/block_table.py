@@ -39,12 +39,15 @@ store's own liveness check: the check runs at the start of each call.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from typing import Final, TypeVar, cast
+from typing import TYPE_CHECKING, Final, TypeVar, cast
 
 import mlx.core as mx
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 __all__ = ["DeviceBlockTable", "StaleBlockTableError", "schedule"]
 
@@ -100,7 +103,7 @@ class DeviceBlockTable:
         return self._book
 
     @property
-    def pool(self) -> BlockPoolAllocator:
+    def pool(self) -> CheckedBlockPool[Block]:
         """The pool every block comes from."""
         return self._pool
 

@@ -51,9 +51,12 @@ from __future__ import annotations
 import queue
 import threading
 import weakref
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 __all__ = ["DeferredReleases", "deferred_releases_for", "reclaim_dropped_caches"]
 
@@ -67,7 +70,7 @@ class DeferredReleases:
     leaves the queue exactly once, through :meth:`drain`, which frees it.
     """
 
-    def __init__(self, pool: BlockPoolAllocator) -> None:
+    def __init__(self, pool: CheckedBlockPool[Block]) -> None:
         # Weak: the registry maps the pool to this object, which must not keep it alive.
         self._pool: Final = weakref.ref(pool)
         # Owner ids queued by finalisers; SimpleQueue because its put() is reentrant.
@@ -102,13 +105,13 @@ class DeferredReleases:
 
 
 #: One queue per live pool; the pool's death removes its entry.
-_QUEUES: Final[weakref.WeakKeyDictionary[BlockPoolAllocator, DeferredReleases]] = (
+_QUEUES: Final[weakref.WeakKeyDictionary[CheckedBlockPool[Block], DeferredReleases]] = (
     weakref.WeakKeyDictionary()
 )
 _QUEUES_LOCK: Final = threading.Lock()
 
 
-def deferred_releases_for(pool: BlockPoolAllocator) -> DeferredReleases:
+def deferred_releases_for(pool: CheckedBlockPool[Block]) -> DeferredReleases:
     """The queue of dropped owners of ``pool``, shared by every book and store on it.
 
     Called when a book or a store is built, never from a finaliser (it takes a lock).
@@ -120,7 +123,7 @@ def deferred_releases_for(pool: BlockPoolAllocator) -> DeferredReleases:
         return releases
 
 
-def reclaim_dropped_caches(pool: BlockPoolAllocator) -> int:
+def reclaim_dropped_caches(pool: CheckedBlockPool[Block]) -> int:
     """Return to ``pool`` the blocks of every cache dropped without ``release()`` so far.
 
     Stores and books on the pool do this on their own next call (module

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import mlx.core as mx
 
@@ -100,6 +100,9 @@ from veloxquant_mlx.memory.paged_attention import (
     kv_slab_rows,
     paged_decode_attention,
 )
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 __all__ = ["MLXBlockStorage"]
 
@@ -135,7 +138,7 @@ class MLXBlockStorage:
 
     def __init__(
         self,
-        pool: BlockPoolAllocator,
+        pool: CheckedBlockPool[Block],
         n_layers: int,
         n_kv_heads: int,
         head_dim: int,
@@ -196,7 +199,7 @@ class MLXBlockStorage:
     # -- protocol: shape ---------------------------------------------------------------
 
     @property
-    def pool(self) -> BlockPoolAllocator:
+    def pool(self) -> CheckedBlockPool[Block]:
         """The pool whose block ids this store covers."""
         return self._pool
 

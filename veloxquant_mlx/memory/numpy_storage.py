@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +56,9 @@ from veloxquant_mlx.memory._storage_checks import (
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.deferred_release import deferred_releases_for
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 __all__ = ["NumpyBlockStorage"]
 
@@ -80,7 +83,7 @@ class NumpyBlockStorage:
 
     def __init__(
         self,
-        pool: BlockPoolAllocator,
+        pool: CheckedBlockPool[Block],
         n_layers: int,
         n_kv_heads: int,
         head_dim: int,
@@ -120,7 +123,7 @@ class NumpyBlockStorage:
     # -- protocol: shape ---------------------------------------------------------------
 
     @property
-    def pool(self) -> BlockPoolAllocator:
+    def pool(self) -> CheckedBlockPool[Block]:
         """The pool whose block ids this store covers."""
         return self._pool
 

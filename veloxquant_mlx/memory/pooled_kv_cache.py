@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import itertools
 from types import TracebackType
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from veloxquant_mlx.memory._arguments import require_format, require_int
 from veloxquant_mlx.memory.block_pool import (
@@ -54,6 +54,9 @@ from veloxquant_mlx.memory.block_pool import (
     OwnerAlreadyActiveError,
 )
 from veloxquant_mlx.memory.deferred_release import deferred_releases_for
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 __all__ = ["PooledKVCache"]
 
@@ -90,7 +93,7 @@ class PooledKVCache:
 
     def __init__(
         self,
-        pool: BlockPoolAllocator,
+        pool: CheckedBlockPool[Block],
         owner: int | None = None,
         *,
         n_layers: int = 1,
@@ -138,7 +141,7 @@ class PooledKVCache:
     # -- read-only views -------------------------------------------------------------
 
     @property
-    def pool(self) -> BlockPoolAllocator:
+    def pool(self) -> CheckedBlockPool[Block]:
         """The pool the blocks come from."""
         return self._pool
 
@@ -395,7 +398,7 @@ class PooledKVCache:
             self._pool.register_owner(self._owner)
 
 
-def _claim_owner(pool: BlockPoolAllocator, owner: int | None) -> int:
+def _claim_owner(pool: CheckedBlockPool[Block], owner: int | None) -> int:
     """Register ``owner`` in ``pool``, or the first unused automatic id if ``None``."""
     if owner is not None:
         require_int("owner", owner)

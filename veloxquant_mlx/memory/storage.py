@@ -53,9 +53,12 @@ updates). Complexity: ``write`` O(slots written); ``gather`` and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import Block
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 ArrayT = TypeVar("ArrayT")
 
@@ -65,7 +68,7 @@ class BlockStorage(Protocol[ArrayT]):
     """A backing store for one pool: slabs of token slots indexed by block id."""
 
     @property
-    def pool(self) -> BlockPoolAllocator:
+    def pool(self) -> CheckedBlockPool[Block]:
         """The pool whose block ids this store covers."""
         ...
 

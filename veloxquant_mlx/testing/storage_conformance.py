@@ -61,6 +61,7 @@ from veloxquant_mlx.testing.store_traces import (
     random_trace_test,
 )
 from veloxquant_mlx.testing.traces import StoreSpec
+from veloxquant_mlx_spec.operations import BlockPool
 
 __all__ = [
     "CANNED_TRACES",
@@ -490,6 +491,6 @@ class ThreadSafeStorageConformance(StorageConformance[ArrayT]):
             np.testing.assert_array_equal(self.read(store, 0, [block]), values)
 
 
-def _live_blocks(pool: BlockPoolAllocator) -> list[Block]:
+def _live_blocks(pool: BlockPool[Block]) -> list[Block]:
     """Every live handle of ``pool`` for owners 0..63 (the owners these tests use)."""
     return [block for owner in range(64) for block in pool.blocks_for(owner)]
