@@ -94,6 +94,7 @@ from veloxquant_mlx.memory.cache_storage import (
     ServesBlockTables,
     resolve_attention,
 )
+from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 from veloxquant_mlx.memory.mlx_lm_protocol import (
     MaskT,
     causal_mask,
@@ -193,6 +194,8 @@ class PoolBackedKVCache:
         )
         # Whether attend_in_place() answers (fused mode) or defers to the gathered path.
         self._fused: Final = resolve_attention(storage, attention) == "fused"
+        # The pool's dropped books: every update releases them first (O(1) if none).
+        self._releases: Final = deferred_releases_for(book.pool)
 
     # -- mlx-lm protocol: the hot path -------------------------------------------------
 
@@ -215,6 +218,7 @@ class PoolBackedKVCache:
             BlockPoolExhaustedError: The pool has too few free blocks; nothing changed.
         """
         n_tokens = self._require_update(keys, values)
+        self._releases.drain()  # blocks of caches dropped without release() come back
         store, table = self._table_store, self._table
         if store is not None and table is not None:
             start = self._book.append(n_tokens, layer=self._layer) if n_tokens else self.offset

@@ -93,7 +93,6 @@ from veloxquant_mlx.memory._storage_checks import (
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.block_table import DeviceBlockTable, schedule
-from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 from veloxquant_mlx.memory.paged_attention import (
     PagedKV,
     gather_kv_heads,
@@ -179,8 +178,6 @@ class MLXBlockStorage:
         self._slot_shape: Final = (n_kv_heads, head_dim)
         self._dtype: Final = dtype
         self._lock: Final = threading.Lock()
-        # Owners of caches dropped on this pool, freed by every sync (deferred_release).
-        self._releases: Final = deferred_releases_for(pool)
         # Whether write() may leave its slab unevaluated (then the store is thread-affine).
         self._lazy_writes: Final = lazy_writes
         # With lazy_writes, the thread that called first: the only one allowed after.
@@ -412,10 +409,9 @@ class MLXBlockStorage:
 
     def _sync_locked(self) -> None:
         """What every public method does first under the lock: refuse a foreign thread
-        (lazy_writes), return dropped caches' blocks, follow the pool's id range."""
+        (lazy_writes), follow the pool's id range."""
         if self._lazy_writes:
             self._require_owning_thread()
-        self._releases.drain()  # blocks of caches dropped without release() go back first
         target = next_capacity(self._capacity, self._pool.id_bound())
         if target != self._capacity:
             self._resize_locked(target)
