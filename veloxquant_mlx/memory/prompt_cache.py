@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Final
+from typing import Final, NoReturn
 
 import mlx.core as mx
 
@@ -99,6 +99,14 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
         except BaseException:
             self._book.trim(self._book.offset)
             raise
+
+    def __deepcopy__(self, memo: object) -> NoReturn:
+        # mlx-lm's LRUPromptCache deep-copies prompt caches; say what to do instead of
+        # failing deep inside the store (a lock cannot be copied) or the book.
+        raise TypeError(
+            "a pool-backed cache list cannot be deep-copied: its blocks belong to one "
+            "request; build another with make_pool_backed_cache and copy_from(this list)"
+        )
 
     def __enter__(self) -> PoolBackedPromptCache:
         return self
