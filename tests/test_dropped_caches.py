@@ -334,3 +334,18 @@ def test_a_cache_list_cannot_be_deep_copied() -> None:
     with pytest.raises(TypeError, match="make_pool_backed_cache and copy_from"):
         copy.deepcopy(cache)
     cache.release()
+
+
+def test_a_dropped_cache_list_needs_no_garbage_collection_to_come_back() -> None:
+    model = tiny_model("llama", seed=1)
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=64))
+    storage = make_pool_backed_storage(model, pool)
+    gc.disable()  # only reference counting: no cycle may hold the book
+    try:
+        cache = make_pool_backed_cache(model, storage)
+        greedy(model, prompt(seed=2), cache, steps=3)  # the decode path: tables, slot rows
+        del cache
+        assert reclaim_dropped_caches(pool) == 1
+    finally:
+        gc.enable()
+    assert pool.stats.blocks_in_use() == 0

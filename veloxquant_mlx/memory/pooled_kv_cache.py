@@ -131,6 +131,9 @@ class PooledKVCache:
         # Bumped whenever the block tuples change (blocks added, freed, released), so a
         # device copy of the table (block_table.DeviceBlockTable) rebuilds only then.
         self._table_version = 0
+        # Bumped whenever n_tokens or the blocks change: once per decode step (the first
+        # layer's append), so the table can check liveness once per step, not per layer.
+        self._extent_version = 0
         # Positions covered by the table: the furthest layer offset.
         self._n_tokens = 0
         # Per layer, positions appended and not trimmed.
@@ -202,6 +205,12 @@ class PooledKVCache:
         table. O(1)."""
         return self._table_version
 
+    @property
+    def extent_version(self) -> int:
+        """A counter that changes whenever :attr:`offset` or the blocks change (a decode
+        step's first append, a trim, a release); equal values mean neither changed. O(1)."""
+        return self._extent_version
+
     def layer_offset(self, layer: int) -> int:
         """Positions ``layer`` has appended and not trimmed."""
         return self._offsets[layer]
@@ -243,15 +252,22 @@ class PooledKVCache:
                 is out of range.
             BlockPoolExhaustedError: The pool has too few free blocks.
         """
-        self._require_open()
-        if type(n_tokens) is not int or n_tokens < 0:
+        offsets = self._offsets
+        if (
+            self._released
+            or type(n_tokens) is not int
+            or n_tokens < 0
+            or type(layer) is not int
+            or not 0 <= layer < len(offsets)
+        ):  # one test on the decode path; the reasons are sorted out here only
+            self._require_open()
             require_int("n_tokens", n_tokens, minimum=0)
-        self._require_layer(layer)
-        start = self._offsets[layer]
+            self._require_layer(layer)
+        start = offsets[layer]
         end = start + n_tokens
         if end > self._n_tokens:
             self._grow_to(end)
-        self._offsets[layer] = end
+        offsets[layer] = end
         return start
 
     def trim(self, n: int, *, layer: int | None = None) -> int:
@@ -389,6 +405,7 @@ class PooledKVCache:
             pool.mark_used(self._key_blocks[-1], last_fill)
             pool.mark_used(self._value_blocks[-1], last_fill)
         self._n_tokens = n_tokens
+        self._extent_version += 1
 
     def _shrink_to(self, n_tokens: int) -> None:
         """Keep ``n_tokens`` positions: mark the new last blocks, free the ones past them."""
@@ -400,6 +417,7 @@ class PooledKVCache:
         if tail:
             self._table_version += 1
         self._n_tokens = n_tokens
+        self._extent_version += 1
         if n_kept:
             last_fill = n_tokens - (n_kept - 1) * block_size
             self._pool.mark_used(self._key_blocks[-1], last_fill)
@@ -431,6 +449,7 @@ class PooledKVCache:
         self._released = True
         self._key_blocks = self._value_blocks = ()
         self._table_version += 1
+        self._extent_version += 1
         self._n_tokens = 0
         self._offsets[:] = [0] * len(self._offsets)
 
