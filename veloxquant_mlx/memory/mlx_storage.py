@@ -6,7 +6,8 @@ block_size + s`` of every head is slot ``s`` of block ``b``, the layout of a
 ``KVCache`` buffer with rows in block order. So a decode write is a slice
 update of one row, as ``KVCache``'s is, and any positions of any blocks come
 out in the ``(1, heads, tokens, head_dim)`` layout attention reads from one
-``take_along_axis`` of their rows, with no transposing copy. Seen as
+``mx.take`` of their blocks (of the slab seen as ``(n_kv_heads * capacity,
+block_size, head_dim)``), with no transposing copy. Seen as
 ``(n_kv_heads, capacity, block_size, head_dim)`` (a free reshape) it is the
 layout the fused paged-attention kernel reads. Because the head stride is
 the capacity, a resize re-lays every slab out (it copies anyway).
@@ -19,13 +20,14 @@ takes a request's :class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable`
 instead, whose liveness check is O(1) while neither the request's blocks nor
 the pool's free count moved, and the request's slot rows
 (:class:`~veloxquant_mlx.memory.slot_rows.SlotRows`, rebuilt only when its
-table changes): one layer's decode step is then two slice updates (the new
-key and value rows) and one gather of every held row, split into keys and
-values, O(1) host work whatever the context.
+table or the capacity changes): one layer's decode step is then two slice
+updates (the new key and value rows) and one gather of every held block, cut
+to the positions held and split into keys and values, O(1) host work
+whatever the context.
 
 MLX semantics this relies on (checked by the storage conformance suite and
-the aliasing replay): arrays are values. An update (``slice_update``,
-``put_along_axis``) returns a new slab and never changes an array computed earlier,
+the aliasing replay): arrays are values. An update (``slice_update``)
+returns a new slab and never changes an array computed earlier,
 even one still unevaluated; MLX donates the old slab's buffer to the update
 only when nothing else refers to it, so a gather that is still pending (or a
 view of the slab) keeps its own data. The price: while a gather is left
@@ -99,7 +101,7 @@ from veloxquant_mlx.memory._storage_checks import (
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.block_table import DeviceBlockTable, schedule
 from veloxquant_mlx.memory.paged_attention import PagedKV, paged_decode_attention
-from veloxquant_mlx.memory.slot_rows import SlotRows
+from veloxquant_mlx.memory.slot_rows import SlotRows, StepRows
 
 __all__ = ["MLXBlockStorage", "dtype_name"]
 
@@ -308,8 +310,8 @@ class MLXBlockStorage:
 
         ``keys`` and ``values`` are ``(1, n_kv_heads, n, head_dim)``, as a model hands
         them to its cache: the decode step of one layer, in one call, as two slice
-        updates (a scatter for several positions) and one gather of the request's
-        slot rows. Safety comes from
+        updates (two per block for several positions) and one gather of the
+        request's blocks. Safety comes from
         ``table.require_live_this_step()`` (O(1), and one pool call per decode step),
         not from asking the pool about each block. No sync: the slab is left lazy
         with ``lazy_writes``, else scheduled with ``mx.async_eval`` (any thread may
@@ -349,21 +351,22 @@ class MLXBlockStorage:
                 )
             step = rows.for_step(start, n_new)
             slab = self._slabs[layer]
-            if n_new == 1:  # the decode step: two rows, as KVCache writes them
-                slab = mx.slice_update(slab, keys, step.key_write, _ROWS)
-                slab = mx.slice_update(slab, values, step.value_write, _ROWS)
-            elif n_new:
-                slab = mx.put_along_axis(slab, step.key_write, keys, axis=2)
-                slab = mx.put_along_axis(slab, step.value_write, values, axis=2)
+            for run in step.writes:  # one run of rows per block; one for a decode step
+                if run.length == n_new:
+                    key_rows, value_rows = keys, values
+                else:
+                    upto = run.first + run.length
+                    key_rows = keys[:, :, run.first : upto]
+                    value_rows = values[:, :, run.first : upto]
+                slab = mx.slice_update(slab, key_rows, run.key_row, _ROWS)
+                slab = mx.slice_update(slab, value_rows, run.value_row, _ROWS)
             if n_new:
                 # The list lets go of the old slab: MLX donates its buffer to the update
                 # unless a pending gather still reads it.
                 self._slabs[layer] = slab
                 if not self._lazy_writes:
                     schedule(slab)
-            both = mx.take_along_axis(slab, step.read, axis=2)  # (2, heads, tokens, head_dim)
-        keys_out, values_out = mx.split(both, 2)
-        return keys_out, values_out
+            return self._read(slab, step)
 
     def fetch_through_table(
         self, layer: int, table: DeviceBlockTable, n_tokens: int
@@ -383,10 +386,7 @@ class MLXBlockStorage:
         with self._lock:
             rows = self._slot_rows_locked(layer, table, this_step=False)
             require_n_tokens(n_tokens, rows.n_slots)
-            step = rows.for_step(n_tokens, 0)
-            both = mx.take_along_axis(self._slabs[layer], step.read, axis=2)
-        keys, values = mx.split(both, 2)
-        return keys, values
+            return self._read(self._slabs[layer], rows.for_step(n_tokens, 0))
 
     def attend_through_table(
         self, layer: int, table: DeviceBlockTable, n_tokens: int, queries: mx.array, scale: float
@@ -486,7 +486,9 @@ class MLXBlockStorage:
         else:
             table.require_live()
         rows = table.memo(self)
-        if type(rows) is not SlotRows:  # the table is new to this store, or its ids changed
+        if type(rows) is not SlotRows or rows.capacity != self._capacity:
+            # The table is new to this store, its ids changed, or another request's call
+            # resized the slabs.
             rows = table.remember(self, self._new_slot_rows(table))
         return rows
 
@@ -494,7 +496,25 @@ class MLXBlockStorage:
         if table.pool is not self._pool:
             raise ValueError("the table's blocks come from another pool than this store's")
         self._sync_locked()  # the table's ids changed: cover them, follow a shrink
-        return SlotRows(table, block_size=self._block_size, schedule_rows=not self._lazy_writes)
+        return SlotRows(
+            table,
+            n_kv_heads=self._heads,
+            capacity=self._capacity,
+            block_size=self._block_size,
+            schedule_rows=not self._lazy_writes,
+        )
+
+    def _read(self, slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
+        """Keys and values of the step's positions, ``(1, heads, n_read, head_dim)`` each:
+        one take of their blocks, cut to the positions held."""
+        heads, head_dim = self._slot_shape
+        by_block = slab.reshape(heads * self._capacity, self._block_size, head_dim)
+        picked = mx.take(by_block, step.read_blocks, axis=0)  # (2, heads, blocks, bs, dim)
+        both = picked.reshape(2, heads, -1, head_dim)
+        if both.shape[2] != step.n_read:  # the last block is partly held: cut (a split is
+            both = mx.split(both, [step.n_read], axis=2)[0]  # cheaper to build than a slice)
+        keys, values = mx.split(both, 2)
+        return keys, values
 
     def _require_head_tokens(self, keys: mx.array, values: mx.array) -> int:
         """``n`` if keys and values are ``(1, n_kv_heads, n, head_dim)`` of the store's dtype."""
