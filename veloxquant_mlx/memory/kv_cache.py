@@ -85,8 +85,8 @@ thread at a time; the pool and the storage are shared and lock themselves.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Final, NoReturn
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final
 
 import mlx.core as mx
 
@@ -100,11 +100,10 @@ from veloxquant_mlx.memory.cache_storage import (
 )
 from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 from veloxquant_mlx.memory.mlx_lm_protocol import (
-    MaskT,
+    KVCacheConventions,
     causal_mask,
     kv_bits_of_generation,
     kv_bits_refusal,
-    kv_cache_from_state,
     register_for_loading,
     split_state,
 )
@@ -113,8 +112,6 @@ from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.memory.protocol_io import gather_positions, write_positions
 
 if TYPE_CHECKING:
-    from mlx_lm.models.cache import KVCache
-
     from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache, make_pool_backed_cache
 
 __all__ = [
@@ -135,8 +132,10 @@ __all__ = [
 _IN_PROMPT_CACHE: Final = ("PoolBackedPromptCache", "make_pool_backed_cache")
 
 
-class PoolBackedKVCache:
-    """One layer's view of a request's paged keys and values (mlx-lm cache protocol).
+class PoolBackedKVCache(KVCacheConventions):
+    """One layer's view of a request's paged keys and values (mlx-lm cache protocol;
+    masks, ``meta_state``, ``size`` and the ``kv_bits`` refusal come from
+    :class:`~veloxquant_mlx.memory.mlx_lm_protocol.KVCacheConventions`).
 
     Invariants: ``offset`` is the book's offset for this layer; positions
     ``0 .. offset - 1`` of this layer live in slots of the book's key and
@@ -186,7 +185,7 @@ class PoolBackedKVCache:
         self._layer: Final = layer
         # Shape of one token slot and the dtype: what every update must match.
         self._heads, self._head_dim = storage.slot_shape
-        self._dtype: Final = storage.dtype
+        self._dtype = storage.dtype
         # The store again, if it has the decode path through a block table; else None,
         # and each call hands the store the blocks (O(blocks) liveness checks).
         self._table_store: Final = storage if isinstance(storage, ServesBlockTables) else None
@@ -253,21 +252,6 @@ class PoolBackedKVCache:
             book.trim(n_tokens, layer=layer)
             raise
 
-    def make_mask(
-        self,
-        N: int,  # noqa: N803 (mlx-lm's keyword)
-        return_array: bool = False,
-        window_size: int | None = None,
-    ) -> MaskT:
-        """The attention mask for ``N`` new queries, exactly as mlx-lm's ``KVCache`` makes it.
-
-        ``None`` for one query, ``"causal"`` for several, a boolean ``(N, offset + N)``
-        array when ``return_array`` or a ``window_size`` asks for one.
-        """
-        if window_size is None and not (return_array and N > 1):
-            return None if N == 1 else "causal"
-        return causal_mask(N, self.offset, window_size)
-
     def attend_in_place(self, queries: mx.array, scale: float) -> mx.array | None:
         """Decode attention over every held position, read in place (fused mode).
 
@@ -323,25 +307,6 @@ class PoolBackedKVCache:
         if offset:
             self.update_and_fetch(keys, values)
 
-    @property
-    def meta_state(self) -> tuple[str]:
-        """The scalar part of the state, as strings: ``(str(offset),)``."""
-        return (str(self.offset),)
-
-    @meta_state.setter
-    def meta_state(self, meta_state: Sequence[str]) -> None:
-        """Set the offset from ``(str(offset),)``: positions past it are dropped.
-
-        Raises:
-            ValueError: Not one decimal string, or an offset above the one held.
-        """
-        if len(meta_state) != 1 or not str(meta_state[0]).isdecimal():
-            raise ValueError(f"meta_state must be (str(offset),), got {meta_state!r}")
-        offset = int(meta_state[0])
-        if offset > self.offset:
-            raise ValueError(f"meta_state offset must be <= {self.offset} (held), got {offset}")
-        self.trim(self.offset - offset)
-
     def is_trimmable(self) -> bool:
         """Whether ``trim`` may be called: until the request is released."""
         return self._book.is_trimmable()
@@ -354,14 +319,6 @@ class PoolBackedKVCache:
         """
         return self._book.trim(n, layer=self._layer)
 
-    def size(self) -> int:
-        """Positions held by this layer (mlx-lm's ``size()``)."""
-        return self.offset
-
-    def empty(self) -> bool:
-        """Whether this layer holds no position."""
-        return self.offset == 0
-
     @property
     def nbytes(self) -> int:
         """Bytes of this layer's rows of the request's blocks (whole blocks, keys and values)."""
@@ -372,32 +329,6 @@ class PoolBackedKVCache:
     def book(self) -> PooledKVCache:
         """The request's block table, shared by all its layers."""
         return self._book
-
-    # -- mlx-lm protocol: quantization and loading -------------------------------------
-
-    @property
-    def to_quantized(self) -> Callable[..., NoReturn]:
-        """Refused as soon as it is looked up: mlx-lm's ``generate_step(..., kv_bits=...)``
-        probes ``hasattr(cache, "to_quantized")`` at every step and calls it once the
-        cache holds ``quantized_kv_start`` positions; a pool-backed cache keeps its keys
-        and values in the store, so it says so at the first probe, never silently
-        staying unquantized. (``hasattr`` passes on any error but ``AttributeError``.)
-
-        Raises:
-            ValueError: Always, naming ``kv_bits`` and the store's dtype; nothing changes.
-        """
-        raise kv_bits_refusal(kv_bits_of_generation(), dtype_name(self._dtype))
-
-    @classmethod
-    def from_state(cls, state: Sequence[object], meta_state: object = None) -> KVCache:
-        """An mlx-lm ``KVCache`` holding ``state``: what ``load_prompt_cache`` builds for a
-        file that names this class (a store is not saved; see
-        :meth:`PoolBackedPromptCache.load` to page it again).
-
-        Raises:
-            TypeError, ValueError: ``state`` is not ``(keys, values[, offset])``.
-        """
-        return kv_cache_from_state(state)
 
     # -- internals ---------------------------------------------------------------------
 

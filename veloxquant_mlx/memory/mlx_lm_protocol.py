@@ -32,6 +32,11 @@ outside the cache itself:
   any block is taken), and the cache's ``to_quantized`` raises as soon as
   mlx-lm looks it up (the first step) for any other caller.
 
+:class:`KVCacheConventions` gathers the part of the cache protocol that
+follows from ``offset`` and ``trim`` alone (masks, ``meta_state``, ``size``,
+``empty``, ``from_state``, the ``to_quantized`` refusal), so the cache
+class holds only its paged data path.
+
 mlx-lm is optional: only ``kv_cache_from_state``, ``save_kv_caches`` and
 ``register_for_loading`` import it, lazily. Complexity: ``causal_mask``
 O(n_queries * (offset + n_queries)); ``split_state`` O(1);
@@ -44,15 +49,18 @@ except that ``register_for_loading`` adds a name to mlx-lm's module once
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import mlx.core as mx
+
+from veloxquant_mlx.memory.mlx_storage import dtype_name
 
 if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache
 
 __all__ = [
+    "KVCacheConventions",
     "MaskT",
     "causal_mask",
     "kv_bits_of_generation",
@@ -182,3 +190,89 @@ def kv_bits_refusal(bits: object, dtype_name: str) -> ValueError:
         f"pool's store as {dtype_name}; generate without kv_bits, or use mlx-lm's "
         "make_prompt_cache for a quantized cache"
     )
+
+
+class KVCacheConventions:
+    """mlx-lm's cache protocol, the part that follows from ``offset`` and ``trim``.
+
+    A subclass provides ``offset`` (positions held), ``trim(n)`` and ``_dtype``
+    (the dtype its keys are kept in); everything here is derived from those, as
+    mlx-lm's ``KVCache`` derives it.
+    """
+
+    _dtype: mx.Dtype
+
+    @property
+    def offset(self) -> int:
+        """Positions held; the rotary offset of the next token."""
+        raise NotImplementedError
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions; return how many were dropped."""
+        raise NotImplementedError
+
+    def make_mask(
+        self,
+        N: int,  # noqa: N803 (mlx-lm's keyword)
+        return_array: bool = False,
+        window_size: int | None = None,
+    ) -> MaskT:
+        """The attention mask for ``N`` new queries, exactly as mlx-lm's ``KVCache`` makes it.
+
+        ``None`` for one query, ``"causal"`` for several, a boolean ``(N, offset + N)``
+        array when ``return_array`` or a ``window_size`` asks for one.
+        """
+        if window_size is None and not (return_array and N > 1):
+            return None if N == 1 else "causal"
+        return causal_mask(N, self.offset, window_size)
+
+    @property
+    def meta_state(self) -> tuple[str]:
+        """The scalar part of the state, as strings: ``(str(offset),)``."""
+        return (str(self.offset),)
+
+    @meta_state.setter
+    def meta_state(self, meta_state: Sequence[str]) -> None:
+        """Set the offset from ``(str(offset),)``: positions past it are dropped.
+
+        Raises:
+            ValueError: Not one decimal string, or an offset above the one held.
+        """
+        if len(meta_state) != 1 or not str(meta_state[0]).isdecimal():
+            raise ValueError(f"meta_state must be (str(offset),), got {meta_state!r}")
+        offset = int(meta_state[0])
+        if offset > self.offset:
+            raise ValueError(f"meta_state offset must be <= {self.offset} (held), got {offset}")
+        self.trim(self.offset - offset)
+
+    def size(self) -> int:
+        """Positions held (mlx-lm's ``size()``)."""
+        return self.offset
+
+    def empty(self) -> bool:
+        """Whether no position is held."""
+        return self.offset == 0
+
+    @property
+    def to_quantized(self) -> Callable[..., NoReturn]:
+        """Refused as soon as it is looked up: mlx-lm's ``generate_step(..., kv_bits=...)``
+        probes ``hasattr(cache, "to_quantized")`` at every step and calls it once the
+        cache holds ``quantized_kv_start`` positions; a pool-backed cache keeps its keys
+        and values in the store, so it says so at the first probe, never silently
+        staying unquantized. (``hasattr`` passes on any error but ``AttributeError``.)
+
+        Raises:
+            ValueError: Always, naming ``kv_bits`` and the store's dtype; nothing changes.
+        """
+        raise kv_bits_refusal(kv_bits_of_generation(), dtype_name(self._dtype))
+
+    @classmethod
+    def from_state(cls, state: Sequence[object], meta_state: object = None) -> KVCache:
+        """An mlx-lm ``KVCache`` holding ``state``: what ``load_prompt_cache`` builds for a
+        file that names this class (a store is not saved with it, so the file loads as
+        plain ``KVCache`` layers; ``PoolBackedPromptCache.load`` pages it again).
+
+        Raises:
+            TypeError, ValueError: ``state`` is not ``(keys, values[, offset])``.
+        """
+        return kv_cache_from_state(state)
