@@ -165,6 +165,11 @@ def make_pool_backed_cache(
     ``model.layers``; a model with ``make_cache()`` is accepted when every
     cache it makes is a plain ``KVCache`` (its full-attention layers).
 
+    The caches cannot be quantized: ``generate_step(..., kv_bits=...)`` with
+    them raises ``ValueError`` at the prompt's first chunk, before any block
+    is taken, whatever ``quantized_kv_start`` says (quantized keys would
+    leave the pool); so does any later ``to_quantized`` look-up.
+
     Args:
         model: An mlx-lm model.
         storage: The shared store; its pool lends the blocks.
