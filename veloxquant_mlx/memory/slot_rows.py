@@ -49,12 +49,17 @@ __all__ = ["RowRun", "SlotRows", "StepRows"]
 @dataclass(frozen=True)
 class RowRun:
     """Positions ``first .. first + length - 1`` of a write, and the slab row of each
-    stream where they start (one block holds them all): a ``(1,)`` start index each."""
+    stream where they start (one block holds them all).
+
+    Host integers, so the write is a static slice update: on MLX's CUDA back-end a
+    slice update at an ``mx.array`` start index (``DynamicSliceUpdate``) copied the
+    whole slab at every write, a cost that grew with the pool.
+    """
 
     first: int
     length: int
-    key_row: mx.array
-    value_row: mx.array
+    key_row: int
+    value_row: int
 
 
 @dataclass(frozen=True)
@@ -153,5 +158,5 @@ class SlotRows:
         return tuple(runs)
 
 
-def _start_row(block: Block, slot: int, block_size: int) -> mx.array:
-    return mx.array([block.block_id * block_size + slot], dtype=mx.int32)
+def _start_row(block: Block, slot: int, block_size: int) -> int:
+    return block.block_id * block_size + slot
