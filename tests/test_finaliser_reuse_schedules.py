@@ -25,16 +25,13 @@ ignores an in-flight release) are caught.
 
 from __future__ import annotations
 
-import inspect
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from types import FrameType
-from typing import TYPE_CHECKING, Any, Final
+from typing import Any, Final
 
 import pytest
 
-from veloxquant_mlx.memory import block_pool
 from veloxquant_mlx.memory.block_pool import (
     BlockPoolAllocator,
     InvariantViolationError,
@@ -49,39 +46,11 @@ from veloxquant_mlx.memory.deferred_release import (
 )
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.stress.controlled_scheduler import ControlledLock, ControlledRun, next_choices
-
-if TYPE_CHECKING:
-    from _typeshed import TraceFunction
+from veloxquant_mlx.stress.finaliser_schedules import FinaliserDropper
 
 VICTIM: Final = 1
-POOL_FILE: Final = inspect.getsourcefile(block_pool)
 PREEMPTION_BOUND: Final = 2
 SCENARIOS: Final = ("freed_behind_its_back", "claimed_after_the_drop")
-
-
-class Dropper:
-    """Drops the victim's last reference at the ``drop_at``-th locked line of the pool."""
-
-    def __init__(self, victim: PooledKVCache, lock: ControlledLock, drop_at: int) -> None:
-        self.holder = [victim]  # the victim's only strong reference
-        self.lock = lock
-        self.drop_at = drop_at
-        self.locked_lines = 0  # one controlled thread runs at a time: no race
-        self.fired = False
-
-    def tracer(self, thread: int) -> TraceFunction:
-        def on_line(frame: FrameType, event: str, arg: Any) -> TraceFunction | None:
-            if event == "line" and self.lock.holder == thread and self.holder:
-                self.locked_lines += 1
-                if self.locked_lines == self.drop_at:
-                    self.fired = True
-                    self.holder.clear()  # the finaliser runs here, inside the pool's lock
-            return on_line
-
-        def on_call(frame: FrameType, event: str, arg: Any) -> TraceFunction | None:
-            return on_line if frame.f_code.co_filename == POOL_FILE else None
-
-        return on_call
 
 
 class ReuseRun:
@@ -95,7 +64,7 @@ class ReuseRun:
             self.pool.free_all(VICTIM)
         self.control = ControlledRun(2, choices, frozenset())
         self.pool_lock = ControlledLock(self.control)
-        self.dropper = Dropper(victim, self.pool_lock, drop_at)
+        self.dropper = FinaliserDropper(victim, self.pool_lock, drop_at)
         self.reuser: PooledKVCache | None = None
         self.refused_after_the_drop = False
         self.unraisable: list[str] = []
@@ -187,7 +156,7 @@ def explore(scenario: str, *, max_runs: int = 20_000) -> Exploration:
             run = ReuseRun(scenario, drop_at, choices)
             problem = run.run()
             runs += 1
-            if run.dropper.fired:
+            if run.dropper.fired_by is not None:
                 reached, drop_points = True, drop_at
             if problem is not None:
                 taken = [decision.chosen for decision in run.control.decisions]

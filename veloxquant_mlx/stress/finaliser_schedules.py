@@ -51,7 +51,7 @@ from veloxquant_mlx.stress.controlled_scheduler import ControlledLock, Controlle
 if TYPE_CHECKING:
     from _typeshed import TraceFunction
 
-__all__ = ["BookFactory", "FinaliserExploration", "explore_finaliser", "main"]
+__all__ = ["BookFactory", "FinaliserDropper", "FinaliserExploration", "explore_finaliser", "main"]
 
 #: Builds the victim book: ``(pool, owner) -> book``; a planted bug passes a subclass.
 BookFactory = Callable[[BlockPoolAllocator, int], PooledKVCache]
@@ -84,8 +84,11 @@ class FinaliserExploration:
     seconds: float
 
 
-class _Dropper:
-    """Drops the victim's last reference at the ``drop_at``-th locked line of the pool module."""
+class FinaliserDropper:
+    """Drops the victim's last reference at the ``drop_at``-th locked line of the pool module
+    (``fired_by``: the controlled thread it fired on, if it did).
+
+    Shared with the owner-reuse exploration in the tests."""
 
     def __init__(self, victim: PooledKVCache, lock: ControlledLock, drop_at: int) -> None:
         self.holder = [victim]  # the victim's only strong reference
@@ -120,7 +123,7 @@ class _Run:
         victim.append(3)
         self.control = ControlledRun(2, choices, frozenset())
         self.lock = ControlledLock(self.control)
-        self.dropper = _Dropper(victim, self.lock, drop_at)
+        self.dropper = FinaliserDropper(victim, self.lock, drop_at)
         self.unraisable: list[str] = []
 
     def run(self) -> str | None:
