@@ -44,7 +44,7 @@ class StatsHistory:
     def record(self, stats: AllocationStats) -> None:
         """Add a copy of ``stats`` as the newest entry, dropping the oldest if full."""
         ring = self._ring
-        if len(ring) < self._capacity:
+        if len(ring) < self._capacity:  # filling up (a capacity of 0 is never recorded to)
             ring.append(stats.snapshot())
             return
         ring[self._oldest]._copy_from(stats)

@@ -602,9 +602,10 @@ class BlockPoolAllocator:
                 block_ids = free_list[: -n_needed - 1 : -1]  # the top n_needed, top first
                 del free_list[-n_needed:]
             else:
-                grown_ids = self._grow_or_raise(n_needed - len(free_list), stream, n_tokens)
-                block_ids = free_list[::-1] + grown_ids  # every free id, top first
-                free_list.clear()
+                block_ids = self._grow_or_raise(n_needed - len(free_list), stream, n_tokens)
+                if free_list:  # every free id, top first, then the grown ones
+                    block_ids[:0] = free_list[::-1]
+                    free_list.clear()
             return self._check_out(block_ids, free_list_name, owner, format, n_tokens)
         finally:
             self._lock.release()
@@ -613,9 +614,8 @@ class BlockPoolAllocator:
         """Create ``n_missing`` new block ids (ascending), or record exhaustion and raise."""
         config = self._config
         total_after = self._stats.n_blocks + n_missing
-        if not config.grow_on_exhaustion or (
-            config.max_blocks is not None and total_after > config.max_blocks
-        ):
+        cap = config.max_blocks  # read at each call: a planted-bug test moves it
+        if not config.grow_on_exhaustion or (cap is not None and total_after > cap):
             self._stats.n_exhausted += 1
             self._record_history()
             raise BlockPoolExhaustedError(
@@ -643,10 +643,16 @@ class BlockPoolAllocator:
             new_ids.append(block_id)
         fresh_start = self._next_new_id
         fresh_end = fresh_start + count - len(new_ids)
-        new_ids.extend(range(fresh_start, fresh_end))
-        self._ever_allocated.extend(bytes(fresh_end - fresh_start))
+        if fresh_end - fresh_start == 1:  # growth block by block, worth its own path
+            new_ids.append(fresh_start)
+            self._ever_allocated.append(0)
+        else:
+            new_ids.extend(range(fresh_start, fresh_end))
+            self._ever_allocated.extend(bytes(fresh_end - fresh_start))
         self._next_new_id = fresh_end
-        self._id_bound = max(self._id_bound, new_ids[-1] + 1)  # ascending: the last is the top
+        top: int = new_ids[-1]  # ascending: the last is the highest
+        if top >= self._id_bound:
+            self._id_bound = top + 1
         self._stats.n_blocks += count
         self._stats.n_grown += count
         return new_ids
