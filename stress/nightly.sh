@@ -10,10 +10,14 @@
 #   PYTHON       the GIL interpreter (default: .venv/bin/python)
 #   FT_PYTHON    a free-threaded interpreter (default: ~/.cache/ft-python/bin/python3,
 #                as built by shared/tools/build-freethreaded-python); skipped if absent
-#   DURATION     seconds per run (default: the profile's 600)
+#   DURATION     seconds of calls per run (default: the profile's 600); each run then
+#                has at most its checking budget (nightly: 120 s) to finish checking
 #   STRESS_ARGS  extra options for every run (e.g. "--threads 16")
 #
-# Exit status: 0 if every run passed, 1 if any found a violation (or failed to run).
+# Every run ends with a verdict (report.json "verdict"); only OK passes. INCONCLUSIVE
+# (not every call was checked) is a failure here, as is a violation or a run that did
+# not start. Exit status: 0 if every run was OK; 1 if any found a violation or failed
+# to run; otherwise 3 if any was inconclusive; 130 on Ctrl-C (the runs left stop there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -22,7 +26,23 @@ mkdir -p "$out"
 PYTHON=${PYTHON:-.venv/bin/python}
 DURATION=${DURATION:-}
 read -r -a extra <<<"${STRESS_ARGS:-}"
-status=0
+violations=0 inconclusive=0
+
+# summarize: SUMMARY.txt on top of the folder, from every run's summary.
+summarize() {
+  local verdict=OK
+  ((inconclusive)) && verdict="FAILED (inconclusive: not every call was checked)"
+  ((violations)) && verdict="FAILED"
+  {
+    echo "nightly stress $(date -Iseconds): $verdict"
+    for summary in "$out"/*/summary.txt; do
+      [[ -e $summary ]] || continue
+      echo
+      echo "## $(basename "$(dirname "$summary")")"
+      cat "$summary"
+    done
+  } >"$out/SUMMARY.txt"
+}
 
 # run NAME INTERPRETER [OPTIONS...]: one nightly run into $out/NAME, its log in $out/NAME.log.
 run() {
@@ -32,13 +52,21 @@ run() {
   [[ -n $DURATION ]] && args+=(--duration "$DURATION")
   printf '== %s (%s) %s\n' "$name" "$python" "$(date +%H:%M:%S)"
   # PYTHONPATH lets an interpreter without the project installed import it from here.
-  if PYTHONPATH=".:spec${PYTHONPATH:+:$PYTHONPATH}" "$python" -m stress "${args[@]}" \
-      >"$out/$name.log" 2>&1; then
-    echo "   passed"
-  else
-    echo "   FAILED (see $out/$name.log)"
-    status=1
-  fi
+  PYTHONPATH=".:spec${PYTHONPATH:+:$PYTHONPATH}" "$python" -m stress "${args[@]}" \
+    >"$out/$name.log" 2>&1
+  local rc=$?
+  case $rc in
+    0) echo "   OK" ;;
+    3) echo "   INCONCLUSIVE: not every call was checked (see $out/$name.log)"
+       inconclusive=1 ;;
+    130) echo "   INTERRUPTED: the remaining runs are skipped"
+       summarize
+       exit 130 ;;
+    1) echo "   VIOLATION (see $out/$name.log)"
+       violations=1 ;;
+    *) echo "   FAILED to run: exit status $rc (see $out/$name.log)"
+       violations=1 ;;
+  esac
 }
 
 # The GIL build: separate K/V lists with growth, one shared list, and no growth.
@@ -59,14 +87,8 @@ else
 fi
 # ---- end of the free-threaded section -----------------------------------------------------
 
-{
-  echo "nightly stress $(date -Iseconds): $([[ $status == 0 ]] && echo OK || echo FAILED)"
-  for summary in "$out"/*/summary.txt; do
-    [[ -e $summary ]] || continue
-    echo
-    echo "## $(basename "$(dirname "$summary")")"
-    cat "$summary"
-  done
-} >"$out/SUMMARY.txt"
+summarize
 echo "reports in $out (SUMMARY.txt)"
-exit $status
+((violations)) && exit 1
+((inconclusive)) && exit 3
+exit 0

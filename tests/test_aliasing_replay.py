@@ -131,6 +131,39 @@ def test_a_bad_header_is_rejected() -> None:
         loads(dumps(trace()).replace('"block_size":2', '"block_size":0'))
 
 
+def test_a_header_with_an_unknown_key_is_rejected() -> None:
+    text = dumps(trace()).replace('"version":1,', '"version":1,"colour":"red",')
+    with pytest.raises(TraceFormatError, match=r"unknown key\(s\) \['colour'\]"):
+        loads(text)
+
+
+def test_a_partial_mark_survives_a_round_trip_and_only_when_set() -> None:
+    partial = Trace(SHARED, SPEC, (Allocate(0, "kv", 2, 1),), partial=True)
+    assert '"partial":true' in dumps(partial)
+    assert loads(dumps(partial)).partial is True
+    assert '"partial"' not in dumps(trace())
+    assert loads(dumps(trace())).partial is False
+    with pytest.raises(TraceFormatError, match='"partial" must be true or false'):
+        loads(dumps(trace()).replace('"version":1,', '"version":1,"partial":"yes",'))
+
+
+@pytest.mark.parametrize(
+    ("fields", "error"),
+    [
+        ({"n_layers": 0}, ValueError),
+        ({"head_dim": -1}, ValueError),
+        ({"n_kv_heads": True}, TypeError),
+        ({"n_layers": "two"}, TypeError),
+        ({"dtype": ""}, TypeError),
+    ],
+)
+def test_a_store_spec_refuses_sizes_that_are_not_positive_ints(
+    fields: dict[str, object], error: type[Exception]
+) -> None:
+    with pytest.raises(error, match=next(iter(fields))):
+        StoreSpec(**fields)  # type: ignore[arg-type]
+
+
 def test_recorder_names_handles_of_a_live_session_and_its_trace_replays() -> None:
     pool = BlockPoolAllocator(SHARED)
     recorder = TraceRecorder(SHARED, SPEC)

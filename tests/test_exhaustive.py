@@ -9,6 +9,7 @@ a shortest one: exploring one letter less finds nothing shorter.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 
 import pytest
@@ -21,6 +22,7 @@ from planted_bugs import (
     factory_of,
 )
 
+from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 from veloxquant_mlx.testing.exhaustive import (
     PROFILE_DEPTHS,
@@ -166,3 +168,38 @@ def test_main_prints_one_summary_line_per_scope(capsys: pytest.CaptureFixture[st
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(SCOPES)
     assert all("distinct states" in line and "transitions" in line for line in lines)
+
+
+# ---- budgets: cut short is inconclusive, never OK ---------------------------------------
+
+
+def test_a_state_budget_that_runs_out_makes_the_exploration_inconclusive() -> None:
+    result = explore(SEPARATE_4, PROFILE_DEPTHS["ci"], max_states=50)
+    assert result.counterexample is None
+    assert result.verdict is Verdict.INCONCLUSIVE
+    assert result.gap is not None
+    assert "the budget of 50 distinct states ran out" in result.gap.why
+    assert result.gap.what.startswith("sequences of length ")
+    assert result.to_json()["verdict"] == "inconclusive"
+
+
+def test_a_deadline_already_past_checks_nothing_and_says_so() -> None:
+    result = explore(SEPARATE_4, 2, deadline=time.monotonic() - 1.0)
+    assert result.transitions == 0
+    assert result.verdict is Verdict.INCONCLUSIVE
+    assert result.gap is not None
+    assert result.gap.why == "the time budget ran out"
+
+
+def test_a_budget_large_enough_changes_nothing() -> None:
+    assert explore(SEPARATE_4, 2, max_states=10**6).verdict is Verdict.OK
+
+
+def test_a_bug_found_before_the_budget_runs_out_is_still_a_violation() -> None:
+    result = explore(SEPARATE_4, PROFILE_DEPTHS["ci"], factory_of(FreeCountsBlocks), max_states=200)
+    assert result.verdict is Verdict.VIOLATION
+
+
+def test_main_exits_3_when_a_budget_cut_a_scope(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--depth", "3", "--scope", "separate-4", "--max-states", "20"]) == 3
+    assert "INCONCLUSIVE (sequences of length" in capsys.readouterr().out

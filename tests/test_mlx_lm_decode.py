@@ -7,21 +7,21 @@ downloaded. Each test decodes with mlx-lm's own generators
 ``KVCache`` and once with :func:`make_pool_backed_cache`, and asserts the
 same tokens, log-probabilities within float32 noise, and every block back
 in the pool at the end. A block size of 4 makes a 64-step decode cross
-many block boundaries.
+many block boundaries. The caches use gathered attention, the exact drop-in
+path (the fused kernel's decode is checked in test_paged_attention).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
 from mlx.nn.layers.base import Module
-from mlx.utils import tree_map
 from mlx_lm.generate import generate_step, speculative_generate_step
-from mlx_lm.models import llama, qwen2
 from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import Decode, greedy, prompt, tiny_model
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
@@ -34,46 +34,14 @@ VOCAB = 96
 BLOCK_SIZE = 4
 DECODE_STEPS = 64
 LOGPROB_TOLERANCE = 1e-4
-# Default-initialised tiny models repeat one token forever; larger weights do not.
-WEIGHT_SCALE = 4.0
 
 
 def _llama(seed: int) -> Module:
-    args = llama.ModelArgs(
-        model_type="llama",
-        hidden_size=N_KV_HEADS * 2 * HEAD_DIM,
-        num_hidden_layers=N_LAYERS,
-        intermediate_size=96,
-        num_attention_heads=N_KV_HEADS * 2,
-        num_key_value_heads=N_KV_HEADS,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-    )
-    return _seeded(lambda: llama.Model(args), seed)
+    return tiny_model("llama", seed, n_layers=N_LAYERS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM)
 
 
 def _qwen2(seed: int) -> Module:
-    args = qwen2.ModelArgs(
-        model_type="qwen2",
-        hidden_size=N_KV_HEADS * 2 * HEAD_DIM,
-        num_hidden_layers=N_LAYERS,
-        intermediate_size=96,
-        num_attention_heads=N_KV_HEADS * 2,
-        num_key_value_heads=N_KV_HEADS,
-        rms_norm_eps=1e-5,
-        vocab_size=VOCAB,
-    )
-    return _seeded(lambda: qwen2.Model(args), seed)
-
-
-def _seeded(build: Callable[[], Module], seed: int) -> Module:
-    """Build with seeded random weights, scaled up so that greedy decoding wanders."""
-    mx.random.seed(seed)
-    model = build()
-    scaled = tree_map(lambda weight: weight * WEIGHT_SCALE, model.parameters())  # type: ignore[no-untyped-call]
-    model.update(scaled)
-    mx.eval(model.parameters())  # type: ignore[no-untyped-call]
-    return model
+    return tiny_model("qwen2", seed, n_layers=N_LAYERS, n_kv_heads=N_KV_HEADS, head_dim=HEAD_DIM)
 
 
 ARCHITECTURES = {"llama": _llama, "qwen2": _qwen2}
@@ -100,18 +68,11 @@ def paging() -> Iterator[Paging]:
 
 
 def _prompt(seed: int, length: int = 11) -> mx.array:
-    return mx.random.randint(0, VOCAB, (length,), key=mx.random.key(seed))
+    return prompt(seed, length, VOCAB)
 
 
-def _greedy(
-    model: Module, prompt: mx.array, cache: Sequence[object], steps: int
-) -> tuple[list[int], list[mx.array]]:
-    tokens: list[int] = []
-    logprobs: list[mx.array] = []
-    for token, logprob in generate_step(prompt, model, prompt_cache=cache, max_tokens=steps):
-        tokens.append(int(token))
-        logprobs.append(logprob)
-    return tokens, logprobs
+def _greedy(model: Module, tokens: mx.array, cache: Sequence[object], steps: int) -> Decode:
+    return greedy(model, tokens, cache, steps)
 
 
 def _assert_same_decode(
@@ -127,7 +88,7 @@ def test_greedy_decode_matches_mlx_lm_kv_cache(architecture: str, paging: Paging
     prompt = _prompt(seed=2)
     upstream = make_prompt_cache(model)
     reference = _greedy(model, prompt, upstream, DECODE_STEPS)
-    with make_pool_backed_cache(model, paging.storage) as cache:
+    with make_pool_backed_cache(model, paging.storage, attention="gather") as cache:
         ours = _greedy(model, prompt, cache, DECODE_STEPS)
         assert [layer.offset for layer in cache] == [layer.offset for layer in upstream]
         cache.book.check_invariants()
@@ -141,7 +102,10 @@ def test_four_concurrent_requests_share_one_pool(paging: Paging) -> None:
     prompts = [_prompt(seed, length) for seed, length in ((10, 5), (11, 9), (12, 14), (13, 3))]
     steps = 32
     references = [_greedy(model, prompt, make_prompt_cache(model), steps) for prompt in prompts]
-    caches = [make_pool_backed_cache(model, paging.storage, owner=100 + i) for i in range(4)]
+    caches = [
+        make_pool_backed_cache(model, paging.storage, owner=100 + i, attention="gather")
+        for i in range(4)
+    ]
     generators = [
         generate_step(prompt, model, prompt_cache=cache, max_tokens=steps)
         for prompt, cache in zip(prompts, caches, strict=True)
@@ -177,8 +141,8 @@ def test_speculative_decoding_rewinds_by_trim(paging: Paging) -> None:
 
     reference = speculate(make_prompt_cache(model) + make_prompt_cache(draft))
     with (
-        make_pool_backed_cache(model, paging.storage) as ours,
-        make_pool_backed_cache(draft, paging.storage) as drafts,
+        make_pool_backed_cache(model, paging.storage, attention="gather") as ours,
+        make_pool_backed_cache(draft, paging.storage, attention="gather") as drafts,
     ):
         result = speculate([*ours, *drafts])
         assert paging.pool.stats.n_frees > 0  # rewinds gave whole blocks back on the way
@@ -194,7 +158,10 @@ def test_abort_mid_generation_returns_every_block(paging: Paging) -> None:
     class AbortError(Exception):
         pass
 
-    with pytest.raises(AbortError), make_pool_backed_cache(model, paging.storage) as cache:
+    with (
+        pytest.raises(AbortError),
+        make_pool_backed_cache(model, paging.storage, attention="gather") as cache,
+    ):
         for step, _ in enumerate(
             generate_step(_prompt(seed=8), model, prompt_cache=cache, max_tokens=50)
         ):

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import pytest
 
+from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import AllocationStats, Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.controlled_scheduler import (
     ControlledLock,
@@ -27,6 +28,7 @@ from veloxquant_mlx.stress.schedules import (
     explore,
     replay,
 )
+from veloxquant_mlx.stress.schedules import main as schedules_main
 
 
 class CheckThenActAllocator(BlockPoolAllocator):
@@ -133,6 +135,35 @@ def test_a_preemption_bound_cuts_the_exploration_and_says_so() -> None:
     assert not bounded.exhaustive
     assert full.exhaustive
     assert bounded.schedules < full.schedules
+    # The bound is the check's stated scope: every schedule within it ran.
+    assert bounded.complete
+    assert bounded.verdict is Verdict.OK
+
+
+def test_running_out_of_max_schedules_is_inconclusive_not_ok() -> None:
+    result = explore(scenario("register_owner_race"), max_schedules=3)
+    assert result.schedules == 3
+    assert result.violations == ()
+    assert not result.complete
+    assert result.verdict is Verdict.INCONCLUSIVE
+    assert result.gap is not None
+    assert "max_schedules budget ran out" in result.gap.why
+
+
+def test_the_command_exits_3_when_a_scenario_ran_out_of_schedules(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert schedules_main(["--max-schedules", "3"]) == 3
+    out = capsys.readouterr().out
+    assert "INCONCLUSIVE" in out
+    assert "NOT CHECKED: schedules of " in out
+
+
+def test_the_command_exits_0_when_every_schedule_within_the_bound_ran(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert schedules_main(["--max-preemptions", "1"]) == 0
+    assert "every schedule with <= 1 preemptions" in capsys.readouterr().out
 
 
 def test_a_schedule_that_does_not_fit_the_scenario_is_refused() -> None:

@@ -14,6 +14,7 @@ import mlx.core as mx
 import numpy as np
 import numpy.typing as npt
 import pytest
+from conftest import pool_unchanged
 
 from veloxquant_mlx.memory._storage_checks import next_capacity
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
@@ -102,11 +103,23 @@ def test_numpy_gather_never_returns_a_view_of_a_slab() -> None:
     assert gathered.base is None or not np.shares_memory(gathered, store._slabs[0])
 
 
-def test_mlx_store_casts_written_tokens_to_its_dtype() -> None:
+# What the store used to cast silently: a bfloat16 model's keys into a float16 store
+# (a logit change), ints, and a float32 value that float16 turns into inf.
+UNCASTABLE = {
+    "bfloat16 keys": mx.full((1, 1, 1), 3.0, dtype=mx.bfloat16),
+    "int32 tokens": mx.full((1, 1, 1), 7, dtype=mx.int32),
+    "float32 1e6": mx.full((1, 1, 1), 1e6, dtype=mx.float32),
+}
+
+
+@pytest.mark.parametrize("tokens", UNCASTABLE.values(), ids=UNCASTABLE.keys())
+def test_mlx_store_refuses_tokens_it_would_have_to_cast(tokens: mx.array) -> None:
     pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=2, separate_kv=False))
     store = MLXBlockStorage(pool, n_layers=1, n_kv_heads=1, head_dim=1, dtype=mx.float16)
     [block] = pool.allocate("kv", 2, owner=1)
-    store.write(0, block, 0, mx.array([[[1.5]], [[2.5]]], dtype=mx.float32))
-    gathered = store.gather(0, [block], 2)
-    assert gathered.dtype == mx.float16
-    assert gathered.reshape(-1).tolist() == [1.5, 2.5]
+    store.write(0, block, 0, mx.array([[[1.5]], [[2.5]]], dtype=mx.float16))
+    name = str(tokens.dtype).rpartition(".")[2]
+    refused = pytest.raises(TypeError, match=f"store's dtype float16, got {name}")
+    with pool_unchanged(pool, owners=[1], handles=[block]), refused:
+        store.write(0, block, 1, tokens)
+    assert store.gather(0, [block], 2).reshape(-1).tolist() == [1.5, 2.5]

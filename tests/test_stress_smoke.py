@@ -30,6 +30,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from veloxquant_mlx import cli
+from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.checker import LinearizabilityChecker, check_history
 from veloxquant_mlx.stress.config import OPERATION_KINDS, OperationMix
@@ -113,6 +114,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> SmokeRun:
 @pytest.mark.slow
 def test_smoke_profile_passes_within_its_budget(smoke_run: SmokeRun) -> None:
     assert smoke_run.status == 0, smoke_run.report["violations"]
+    assert smoke_run.report["verdict"] == "ok"
     assert smoke_run.report["ok"] is True
     assert smoke_run.report["violations"] == []
     assert smoke_run.seconds < SMOKE_BUDGET_SECONDS
@@ -134,6 +136,8 @@ def test_smoke_report_counts_every_kind_of_call_and_every_check(smoke_run: Smoke
     assert checked["events"] == report["operations"]
     assert checked["windows"] > 0
     assert checked["inconclusive_window"] is None
+    assert checked["percent_checked"] == 100
+    assert report["not_checked"] == []
     assert report["replay"]["backend"] == "mlx"
     assert report["replay"]["ops_replayed"] == report["replay"]["ops_written"] > 0
     assert report["conservation"]["problems"] == []
@@ -346,9 +350,9 @@ def test_a_reproducer_is_written_and_still_fails_when_rechecked(
     reproducer = load_reproducer(path)
     assert reproducer.window == violation.window
     assert reproducer.starts == violation.starts
-    assert recheck(reproducer) is not None
-    passed, message = replay_path(path)
-    assert not passed
+    assert recheck(reproducer)[0] is Verdict.VIOLATION
+    verdict, message = replay_path(path)
+    assert verdict is Verdict.VIOLATION
     assert "still not linearizable" in message
     assert cli.main(["stress", "--replay", str(path)]) == 1
     assert "block ids [0]" in capsys.readouterr().err

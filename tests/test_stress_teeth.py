@@ -23,6 +23,7 @@ from pathlib import Path
 
 import pytest
 
+from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.config import StressConfig, profile
 from veloxquant_mlx.stress.reproducer import load_reproducer, recheck
@@ -119,10 +120,15 @@ def teeth_config(tmp_path: Path, factory: Factory, **changes: object) -> StressC
 
 
 @pytest.mark.parametrize("bug", [CheckThenActAllocate, CheckThenActFree], ids=["allocate", "free"])
+@pytest.mark.parametrize(
+    ("threads", "window_ops"), [(4, 24), (8, 4)], ids=["smoke-windows", "nightly-windows"]
+)
 def test_a_planted_check_then_act_race_is_caught_by_the_linearizability_checker(
-    tmp_path: Path, bug: type[BlockPoolAllocator]
+    tmp_path: Path, bug: type[BlockPoolAllocator], threads: int, window_ops: int
 ) -> None:
-    report = run_stress(teeth_config(tmp_path, planted(bug)))
+    """Also with the nightly profile's small windows: cutting often hides no race."""
+    config = teeth_config(tmp_path, planted(bug), threads=threads, window_ops=window_ops)
+    report = run_stress(config)
     found = [finding for finding in report.findings if finding.kind == "linearizability"]
     assert found, report.findings
     assert report.operations < MAX_OPS  # stopped at the violation, long before the bound
@@ -130,7 +136,7 @@ def test_a_planted_check_then_act_race_is_caught_by_the_linearizability_checker(
     # is handed out twice), so the window shows where the spec first disagrees.
     assert "; the spec: " in found[0].message
     assert found[0].path is not None
-    assert recheck(load_reproducer(Path(found[0].path))) is not None
+    assert recheck(load_reproducer(Path(found[0].path)))[0] is Verdict.VIOLATION
 
 
 def test_the_real_allocator_passes_the_same_run(tmp_path: Path) -> None:

@@ -6,10 +6,14 @@ parsed options as a whole, run. Adding a subcommand (say ``stress``) means
 writing those three functions in its own package and adding one entry here;
 :func:`main` needs no change.
 
-Usage errors (unknown options, bad values, conflicting options) print the
-usage and a message naming the value and the expectation on stderr and exit
-with status 2, as ``argparse`` does; :func:`main` returns that status rather
-than raising ``SystemExit``, so it can be called from tests and scripts.
+Usage errors (unknown options, bad values, conflicting options, input too
+big for the memory available) print one line naming the value and the
+expectation on stderr and exit with status 2; so does bad input a
+subcommand finds later (:class:`~veloxquant_mlx.commandline.bad_input.BadInputError`,
+e.g. an ``--out`` folder that cannot be written). Ctrl-C prints one line and
+exits with 130. The exit statuses are those of
+:mod:`veloxquant_mlx.commandline.verdicts`. :func:`main` returns the status
+rather than raising ``SystemExit``, so it can be called from tests and scripts.
 
 Complexity: parsing is O(number of arguments).
 Thread safety: :func:`main` writes to the process's stdout and stderr.
@@ -22,6 +26,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from veloxquant_mlx import __version__
+from veloxquant_mlx.commandline.bad_input import OneLineParser
+from veloxquant_mlx.commandline.interrupts import run_command
 from veloxquant_mlx.memory import block_pool
 from veloxquant_mlx.simulate import command as simulate_command
 from veloxquant_mlx.simulate import options as simulate_options
@@ -74,7 +80,7 @@ def version_text() -> str:
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's parser, by name."""
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG,
         description="Tools around the veloxquant_mlx KV-cache block pool.",
         formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps --version's two lines
@@ -100,29 +106,24 @@ def _find(name: str) -> Subcommand:
     return next(subcommand for subcommand in SUBCOMMANDS if subcommand.name == name)
 
 
-def _exit_status(exit_: SystemExit) -> int:
-    if exit_.code is None:
-        return 0
-    return exit_.code if isinstance(exit_.code, int) else 1
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line with ``argv`` (default: ``sys.argv[1:]``).
 
     Returns:
-        The exit status: 0 on success, 2 on a usage error, otherwise the
-        subcommand's own status.
+        The exit status: 2 on a usage error or bad input, 130 on Ctrl-C,
+        otherwise the subcommand's own status.
     """
+    return run_command(PROG, lambda: _parse_and_run(argv))
+
+
+def _parse_and_run(argv: Sequence[str] | None) -> int:
     parser, subparsers = build_parser()
-    try:
-        args, unknown = parser.parse_known_args(argv)
-        subcommand = _find(args.subcommand)
-        # Reported by the subcommand's parser, so that its usage is the one shown.
-        problem = (
-            f"unrecognized arguments: {' '.join(unknown)}" if unknown else subcommand.validate(args)
-        )
-        if problem is not None:
-            subparsers[subcommand.name].error(problem)
-    except SystemExit as exit_:
-        return _exit_status(exit_)
-    return subcommand.run(args)
+    args, unknown = parser.parse_known_args(argv)  # a usage error exits: see run_command
+    subcommand = _find(args.subcommand)
+    # Reported by the subcommand's parser, so that its name is the one shown.
+    problem = (
+        f"unrecognized arguments: {' '.join(unknown)}" if unknown else subcommand.validate(args)
+    )
+    if problem is not None:
+        subparsers[subcommand.name].error(problem)
+    return run_command(f"{PROG} {subcommand.name}", lambda: subcommand.run(args))

@@ -25,8 +25,10 @@ from veloxquant_mlx.memory.block_pool import (
 from veloxquant_mlx.memory.storage import BlockStorage
 
 if TYPE_CHECKING:
+    from veloxquant_mlx.memory.deferred_release import reclaim_dropped_caches
     from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache, make_pool_backed_cache
     from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+    from veloxquant_mlx.memory.model_kv_layout import make_pool_backed_storage
     from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
     from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 
@@ -37,6 +39,8 @@ _LAZY_NAMES = {
     "PoolBackedKVCache": "veloxquant_mlx.memory.kv_cache",
     "PooledKVCache": "veloxquant_mlx.memory.pooled_kv_cache",
     "make_pool_backed_cache": "veloxquant_mlx.memory.kv_cache",
+    "make_pool_backed_storage": "veloxquant_mlx.memory.model_kv_layout",
+    "reclaim_dropped_caches": "veloxquant_mlx.memory.deferred_release",
 }
 
 
@@ -63,4 +67,6 @@ __all__ = [
     "PoolConfig",
     "PooledKVCache",
     "make_pool_backed_cache",
+    "make_pool_backed_storage",
+    "reclaim_dropped_caches",
 ]

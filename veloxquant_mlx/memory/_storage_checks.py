@@ -11,9 +11,12 @@ pool's lock through its public methods.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+
+DtypeT = TypeVar("DtypeT")
 
 
 def next_capacity(capacity: int, id_bound: int) -> int:
@@ -40,6 +43,22 @@ def require_token_shape(shape: tuple[int, ...], slot_shape: tuple[int, int]) -> 
             f"tokens must have shape (n, {slot_shape[0]}, {slot_shape[1]}), got {shape}"
         )
     return shape[0]
+
+
+def require_token_dtype(dtype: DtypeT, store_dtype: DtypeT, name: Callable[[DtypeT], str]) -> None:
+    """Written tokens must already have the store's element type: nothing is cast.
+
+    A silent cast would change what a model computed (bfloat16 keys in a
+    float16 store lose range; 1e6 becomes inf; ints become floats), so a
+    mismatch is the caller's error, named with both types (``name`` formats
+    them; called only then, so the check costs one comparison).
+    """
+    if dtype != store_dtype:
+        raise TypeError(
+            f"tokens must have the store's dtype {name(store_dtype)}, got {name(dtype)}; a "
+            "store never casts (a cast would change the values), so build it with the dtype "
+            "its writers produce"
+        )
 
 
 def require_layer(layer: int, n_layers: int) -> None:

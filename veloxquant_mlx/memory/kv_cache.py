@@ -11,25 +11,60 @@ every layer of every concurrent request. No per-request buffer exists, so
 a request holds whole blocks only: at most ``block_size - 1`` idle slots
 per stream per layer, against up to 255 for ``KVCache``'s 256-token steps.
 
-``make_pool_backed_cache(model, storage)`` builds a model's list of caches
-the way ``make_prompt_cache`` does; the list releases every block on
-``release()`` or when used as a context manager, also when generation is
-aborted by an exception.
+``make_pool_backed_cache(model, storage)`` (in
+:mod:`~veloxquant_mlx.memory.prompt_cache`, re-exported here) builds a
+model's list of caches the way ``make_prompt_cache`` does; the list
+releases every block on ``release()`` or when used as a context manager,
+also when generation is aborted by an exception. A list that is simply
+dropped, as mlx-lm code does, cannot leak either: its block table's
+finaliser queues the release and the pool gets the blocks back at the next
+store call (:mod:`~veloxquant_mlx.memory.deferred_release` says exactly when).
 
-Complexity (``T`` = positions of the layer, ``n`` = new ones, ``b`` =
-``block_size``): ``update_and_fetch`` O(n) to write plus O(T) to gather
-(one ``mx.take`` per stream and a copy into the ``(1, heads, T, head_dim)``
-layout attention reads; a store with ``gather_heads`` saves the copy).
-``KVCache`` returns a slice of its buffer instead, so its fetch is free;
-the gather is the price of paging without a paged-attention kernel.
-``trim`` O(layers + blocks freed); ``state`` O(T); ``make_mask`` O(1),
-O(n * T) for an array mask; ``offset``, ``size``, ``nbytes`` O(1).
+Drop-in, exactly: a store sized from the model
+(:func:`~veloxquant_mlx.memory.model_kv_layout.make_pool_backed_storage`)
+holds the very keys and values ``KVCache`` would, so decoding gives the same
+tokens and logits; keys or values of another dtype or shape than the
+store's are refused before anything changes (a cast would change the
+model's outputs). ``generate_step(..., kv_bits=...)`` is refused with a
+``ValueError`` (once mlx-lm asks for it, at ``quantized_kv_start``
+positions): quantized keys would leave the pool. A cache saved with
+``save_prompt_cache`` loads with ``load_prompt_cache`` as ``KVCache``
+layers, which :meth:`PoolBackedPromptCache.copy_from` pages again;
+:mod:`~veloxquant_mlx.memory.mlx_lm_protocol` explains both.
+
+The decode step over a store with the block-table path
+(:class:`~veloxquant_mlx.memory.cache_storage.ServesBlockTables`,
+``MLXBlockStorage``): the layers of a request share one
+:class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable`, the block ids
+as ``mx.array`` s checked live once per change of the table (and again
+after any free in the pool), so a step costs O(layers) host work whatever
+the context, and a stale or foreign block is still never read or written.
+Attention then reads the positions either through a gathered copy
+(``attention="gather"``, the default: exact, bit for bit ``KVCache``'s
+output) or in place with the fused CUDA kernel (``"fused"``: logits within
+float tolerance; faster per call, slower per step on the models measured so
+far, see :data:`~veloxquant_mlx.memory.cache_storage.AUTO_PREFERS_FUSED`).
+
+Complexity (``T`` = positions of the layer, ``n`` = new ones, ``k`` =
+blocks of the request): ``update_and_fetch`` O(n) host work to write plus
+O(1) to build the gather (one ``mx.take`` of rows every layer of a step
+shares), O(T) device work for it; O(k) once after the table changed by a
+free. ``KVCache`` returns a slice of its buffer instead, so its fetch is free
+on the device; the gather is the price of paging without the kernel.
+``attend_in_place`` O(1) host, O(T) device, no copy. ``trim`` O(layers +
+blocks freed); ``state`` O(T); ``make_mask`` O(1), O(n * T) for an array
+mask; ``offset``, ``size``, ``nbytes`` O(1).
 
 Running it well: a single-threaded decode loop wants
 ``MLXBlockStorage(..., lazy_writes=True)`` (no evaluation inside the
-forward pass). On MLX's CPU backend the buffer cache is capped at 32 MB by
-default, below a long context's per-step gathers: raise it
-(``mx.set_cache_limit``) or steps page-fault fresh memory.
+forward pass; the store then serves only the first thread that calls it);
+without it every write is scheduled with ``mx.async_eval`` (no sync, but
+host work per write). Schedule (``mx.async_eval``) or evaluate each
+request's step before building the next request's: a write to a layer whose
+slab another request's pending gather still reads copies the slab. On MLX's
+CPU backend the buffer cache is capped at 32 MB by default, below a long
+context's per-step gathers: raise it (``mx.set_cache_limit``) or steps
+page-fault fresh memory.
 
 Limits: batch size 1 (one request per cache; run concurrent requests with
 one cache list each over the shared pool and storage); keys and values of
@@ -44,56 +79,52 @@ thread at a time; the pool and the storage are shared and lock themselves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence, Sized
-from types import TracebackType
-from typing import Final, Protocol, runtime_checkable
+import importlib
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import mlx.core as mx
 
 from veloxquant_mlx.memory.block_pool import Block
+from veloxquant_mlx.memory.block_table import DeviceBlockTable
+from veloxquant_mlx.memory.cache_storage import (
+    AttentionMode,
+    GathersHeadMajor,
+    MLXStorage,
+    ServesBlockTables,
+    resolve_attention,
+)
+from veloxquant_mlx.memory.mlx_lm_protocol import (
+    MaskT,
+    causal_mask,
+    kv_cache_from_state,
+    register_for_loading,
+    split_state,
+)
+from veloxquant_mlx.memory.mlx_storage import dtype_name
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
-from veloxquant_mlx.memory.storage import BlockStorage
+
+if TYPE_CHECKING:
+    from mlx_lm.models.cache import KVCache
+
+    from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache, make_pool_backed_cache
 
 __all__ = [
+    "AttentionMode",
     "GathersHeadMajor",
     "MLXStorage",
     "PoolBackedKVCache",
     "PoolBackedPromptCache",
     "PooledKVCache",
+    "ServesBlockTables",
     "causal_mask",
     "make_pool_backed_cache",
+    "resolve_attention",
 ]
 
-#: mlx-lm's mask for N queries at ``offset``; a str ("causal"), an array or None.
-MaskT = mx.array | str | None
-
-#: Block format tags for the usual storage dtypes; others use the dtype's name.
-_FORMAT_OF_DTYPE: Final = {mx.float16: "fp16", mx.bfloat16: "bf16", mx.float32: "fp32"}
-
-
-class MLXStorage(BlockStorage[mx.array], Protocol):
-    """A block store of ``mx.array`` slabs that names its element type."""
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        """Element type of the stored slots."""
-        ...
-
-
-@runtime_checkable
-class GathersHeadMajor(Protocol):
-    """A store that can gather straight into the layout attention reads (optional).
-
-    ``BlockStorage.gather`` returns ``(n_tokens, heads, head_dim)``, which the
-    cache must transpose and copy into ``(heads, n_tokens, head_dim)`` every
-    step; a store that keeps its slabs head-major can return that layout from
-    a single ``take``, and the cache then uses it instead.
-    """
-
-    def gather_heads(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
-        """The first ``n_tokens`` slots of ``blocks`` in ``layer`` as ``(heads, n_tokens,
-        head_dim)``; never changed by later writes."""
-        ...
+#: Names this module has always offered that now live in prompt_cache (which imports
+#: this module, so they are looked up on first use rather than imported here).
+_IN_PROMPT_CACHE: Final = ("PoolBackedPromptCache", "make_pool_backed_cache")
 
 
 class PoolBackedKVCache:
@@ -105,12 +136,31 @@ class PoolBackedKVCache:
     no array of its own.
     """
 
-    def __init__(self, storage: MLXStorage, book: PooledKVCache, layer: int) -> None:
+    def __init__(
+        self,
+        storage: MLXStorage,
+        book: PooledKVCache,
+        layer: int,
+        *,
+        table: DeviceBlockTable | None = None,
+        attention: AttentionMode = "gather",
+    ) -> None:
         """Bind ``layer`` of ``storage`` to the block table ``book``.
 
+        Args:
+            storage: The shared store.
+            book: The request's block table.
+            layer: Which layer of both this cache serves.
+            table: The device copy of ``book`` that every layer of the request shares
+                (made here if ``None``); used when the store serves block tables.
+            attention: As :func:`resolve_attention`; ``"fused"`` answers
+                :meth:`attend_in_place` (once :mod:`~veloxquant_mlx.memory.attention_hook`
+                routes the model's attention here).
+
         Raises:
-            ValueError: ``book`` draws from another pool than ``storage`` follows, or
-                ``layer`` is outside both the storage's and the book's layers.
+            ValueError: ``book`` draws from another pool than ``storage`` follows,
+                ``layer`` is outside both the storage's and the book's layers, ``table``
+                follows another book, or ``attention`` is not a mode the store serves.
         """
         if book.pool is not storage.pool:
             raise ValueError("book and storage must share one pool; got two different pools")
@@ -129,6 +179,20 @@ class PoolBackedKVCache:
         self._heads, self._head_dim = storage.slot_shape
         # The store's attention-layout gather if it has one: it saves a copy per step.
         self._gather_heads = storage.gather_heads if isinstance(storage, GathersHeadMajor) else None
+        self._dtype: Final = storage.dtype
+        if table is not None and table.book is not book:
+            raise ValueError("table must follow the same book as the cache")
+        # The store again, if it has the decode path through a block table; else None,
+        # and each call hands the store the blocks (O(blocks) liveness checks).
+        self._table_store: Final = storage if isinstance(storage, ServesBlockTables) else None
+        # The book's ids on the device, checked live in O(1) per call (table path only).
+        self._table: Final = (
+            (table if table is not None else DeviceBlockTable(book))
+            if self._table_store is not None
+            else None
+        )
+        # Whether attend_in_place() answers (fused mode) or defers to the gathered path.
+        self._fused: Final = resolve_attention(storage, attention) == "fused"
 
     # -- mlx-lm protocol: the hot path -------------------------------------------------
 
@@ -146,10 +210,19 @@ class PoolBackedKVCache:
 
         Raises:
             ValueError: A shape is not ``(1, heads, n, head_dim)`` of the storage.
+            TypeError: Keys or values are not of the storage's dtype (nothing is cast).
             RuntimeError: The cache was released.
             BlockPoolExhaustedError: The pool has too few free blocks; nothing changed.
         """
-        n_tokens = self._require_batch(keys, values)
+        n_tokens = self._require_update(keys, values)
+        store, table = self._table_store, self._table
+        if store is not None and table is not None:
+            start = self._book.append(n_tokens, layer=self._layer) if n_tokens else self.offset
+            try:
+                return store.update_through_table(self._layer, table, start, keys, values)
+            except BaseException:
+                self._book.trim(n_tokens, layer=self._layer)
+                raise
         if n_tokens:
             start = self._book.append(n_tokens, layer=self._layer)
             try:
@@ -174,26 +247,55 @@ class PoolBackedKVCache:
             return None if N == 1 else "causal"
         return causal_mask(N, self.offset, window_size)
 
+    def attend_in_place(self, queries: mx.array, scale: float) -> mx.array | None:
+        """Decode attention over every held position, read in place (fused mode).
+
+        Called by the dispatcher of :mod:`~veloxquant_mlx.memory.attention_hook`
+        after ``update_and_fetch``, for one query position with no mask.
+
+        Returns:
+            ``(1, n_q_heads, 1, head_dim)``; ``None`` when this cache is in gather mode
+            or the call is not a one-position decode of the store's dtype (the model's
+            attention then reads what ``update_and_fetch`` returned).
+        """
+        store, table, shape = self._table_store, self._table, queries.shape
+        if not self._fused or store is None or table is None:
+            return None
+        if shape[0] != 1 or shape[2] != 1 or queries.dtype != self._dtype:
+            return None
+        return store.attend_through_table(self._layer, table, self.offset, queries, scale)
+
+    @property
+    def attention(self) -> str:
+        """``"fused"`` or ``"gather"``: how this cache's attention reads its positions."""
+        return "fused" if self._fused else "gather"
+
     # -- mlx-lm protocol: state and sizes ----------------------------------------------
 
     @property
-    def state(self) -> tuple[mx.array, mx.array]:
-        """Keys and values of every held position, each ``(1, heads, offset, head_dim)``."""
-        return self._fetch()
+    def state(self) -> tuple[mx.array, mx.array, int]:
+        """``(keys, values, offset)`` as mlx-lm's ``KVCache`` has it: keys and values of
+        every held position, each ``(1, heads, offset, head_dim)``."""
+        keys, values = self._fetch()
+        return keys, values, self.offset
 
     @state.setter
     def state(self, state: Sequence[object]) -> None:
-        """Replace this layer's contents by ``(keys, values)`` (or mlx-lm's
-        ``(keys, values, offset)``), written into the request's blocks.
+        """Replace this layer's contents by ``(keys, values, offset)`` (or ``(keys,
+        values)``), written into the request's blocks.
 
         Raises:
-            TypeError, ValueError: Not such a tuple, or shapes of another storage.
+            TypeError, ValueError: Not such a tuple, or arrays of another shape or dtype
+                than the storage's; nothing changes.
             BlockPoolExhaustedError: Too few free blocks; the layer is left empty.
         """
-        keys, values, offset = _split_state(state)
+        keys, values, offset = split_state(state)
+        if offset:
+            keys, values = keys[..., :offset, :], values[..., :offset, :]
+            self._require_update(keys, values)
         self._book.trim(self.offset, layer=self._layer)
         if offset:
-            self.update_and_fetch(keys[..., :offset, :], values[..., :offset, :])
+            self.update_and_fetch(keys, values)
 
     @property
     def meta_state(self) -> tuple[str]:
@@ -245,14 +347,52 @@ class PoolBackedKVCache:
         """The request's block table, shared by all its layers."""
         return self._book
 
+    # -- mlx-lm protocol: quantization and loading -------------------------------------
+
+    def to_quantized(self, group_size: int = 64, bits: int = 4) -> NoReturn:
+        """Refuse: mlx-lm calls this for ``generate_step(..., kv_bits=bits)``.
+
+        mlx-lm's ``KVCache`` would turn into a ``QuantizedKVCache`` outside any
+        pool; a pool-backed cache keeps its keys and values in the store, so it
+        says so instead of silently staying unquantized.
+
+        Raises:
+            ValueError: Always, naming ``kv_bits`` and the store's dtype; nothing changes.
+        """
+        raise ValueError(
+            f"kv_bits={bits} (kv_group_size={group_size}) cannot quantize a PoolBackedKVCache: "
+            f"its keys and values stay in the pool's store as {dtype_name(self._storage.dtype)}; "
+            "generate without kv_bits, or use mlx-lm's make_prompt_cache for a quantized cache"
+        )
+
+    @classmethod
+    def from_state(cls, state: Sequence[object], meta_state: object = None) -> KVCache:
+        """An mlx-lm ``KVCache`` holding ``state``: what ``load_prompt_cache`` builds for a
+        saved pool-backed cache (a store is not saved; see
+        :meth:`PoolBackedPromptCache.copy_from` to page it again).
+
+        Raises:
+            TypeError, ValueError: ``state`` is not ``(keys, values[, offset])``.
+        """
+        return kv_cache_from_state(state)
+
     # -- internals ---------------------------------------------------------------------
 
-    def _require_batch(self, keys: mx.array, values: mx.array) -> int:
+    def _require_update(self, keys: mx.array, values: mx.array) -> int:
+        """The number of positions in ``keys`` and ``values``, if the storage can hold them."""
         expected = (1, self._heads, keys.shape[2] if keys.ndim == 4 else -1, self._head_dim)
         if tuple(keys.shape) != expected or tuple(values.shape) != expected:
             raise ValueError(
                 f"keys and values must both have shape (1, {self._heads}, n, {self._head_dim}) "
                 f"(batch size 1), got {tuple(keys.shape)} and {tuple(values.shape)}"
+            )
+        dtype = self._storage.dtype
+        if keys.dtype != dtype or values.dtype != dtype:
+            raise TypeError(
+                f"keys and values must have the store's dtype {dtype_name(dtype)}, got "
+                f"{dtype_name(keys.dtype)} and {dtype_name(values.dtype)}; a cast would change "
+                "the model's outputs, so size the store from the model "
+                "(make_pool_backed_storage(model, pool))"
             )
         return int(expected[2])
 
@@ -280,6 +420,8 @@ class PoolBackedKVCache:
     def _fetch(self) -> tuple[mx.array, mx.array]:
         """Gather this layer's positions into ``(1, heads, offset, head_dim)`` arrays."""
         n_tokens = self.offset
+        if self._table_store is not None and self._table is not None:
+            return self._table_store.fetch_through_table(self._layer, self._table, n_tokens)
         n_blocks = -(-n_tokens // self._block_size)
         return (
             self._gather(self._book.key_blocks, n_blocks, n_tokens),
@@ -298,131 +440,10 @@ class PoolBackedKVCache:
         return mx.contiguous(tokens.transpose(1, 0, 2))[None]
 
 
-class PoolBackedPromptCache(list[PoolBackedKVCache]):
-    """A model's per-layer caches for one request, which returns its blocks on release.
-
-    A plain list to mlx-lm (``generate_step(prompt_cache=...)``,
-    ``trim_prompt_cache``); also a context manager.
-    """
-
-    def __init__(self, storage: MLXStorage, book: PooledKVCache) -> None:
-        """One :class:`PoolBackedKVCache` per layer of ``book``, all over ``storage``."""
-        super().__init__(PoolBackedKVCache(storage, book, layer) for layer in range(book.n_layers))
-        # The one block table every cache of the list appends to; release() frees it.
-        self._book: Final = book
-
-    @property
-    def book(self) -> PooledKVCache:
-        """The request's block table."""
-        return self._book
-
-    def release(self) -> None:
-        """Return every block of the request to the pool. Idempotent."""
-        self._book.release()
-
-    def __enter__(self) -> PoolBackedPromptCache:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.release()
+register_for_loading(PoolBackedKVCache)
 
 
-def make_pool_backed_cache(
-    model: object,
-    storage: MLXStorage,
-    *,
-    owner: int | None = None,
-    format: str | None = None,
-) -> PoolBackedPromptCache:
-    """Build ``model``'s caches for one request, paged in ``storage``'s pool.
-
-    Like mlx-lm's ``make_prompt_cache``: one cache per layer of
-    ``model.layers``; a model with ``make_cache()`` is accepted when every
-    cache it makes is a plain ``KVCache`` (its full-attention layers).
-
-    Args:
-        model: An mlx-lm model.
-        storage: The shared store; its pool lends the blocks.
-        owner: Request id for the blocks; ``None`` picks an unused one.
-        format: Format tag on the blocks; by default from the storage dtype
-            (``"fp16"``, ``"bf16"``, ``"fp32"``).
-
-    Raises:
-        ValueError: The model has more layers than the storage, or a layer needs
-            a cache other than ``KVCache`` (sliding window, state space, ...).
-        OwnerAlreadyActiveError: ``owner`` is in use.
-    """
-    n_layers = _n_attention_layers(model)
-    if n_layers > storage.n_layers:
-        raise ValueError(
-            f"the model has {n_layers} layers but the storage only {storage.n_layers}; "
-            "expected a storage with a slab per layer"
-        )
-    tag = format if format is not None else _FORMAT_OF_DTYPE.get(storage.dtype, str(storage.dtype))
-    book = PooledKVCache(storage.pool, owner, n_layers=n_layers, format=tag)
-    return PoolBackedPromptCache(storage, book)
-
-
-def causal_mask(n_queries: int, offset: int, window_size: int | None = None) -> mx.array:
-    """mlx-lm's ``create_causal_mask``: query ``i`` (at ``offset + i``) sees keys ``<= offset + i``.
-
-    With ``window_size`` it sees only the last ``window_size`` of them. Shape
-    ``(n_queries, offset + n_queries)``, boolean.
-    """
-    keys = mx.arange(offset + n_queries)[None]
-    queries = mx.arange(offset, offset + n_queries)[:, None]
-    mask = queries >= keys
-    if window_size is not None:
-        mask = mask & (queries < keys + window_size)
-    return mask
-
-
-def _n_attention_layers(model: object) -> int:
-    """Layers of ``model``, after checking that each would use a plain ``KVCache``."""
-    make_cache = getattr(model, "make_cache", None)
-    if make_cache is None:
-        layers = getattr(model, "layers", None)
-        if not isinstance(layers, Sized):
-            raise TypeError(
-                f"model must be an mlx-lm model with a list of layers, got {type(model).__name__}"
-            )
-        return len(layers)
-    # mlx-lm is only needed here, for a model that comes from it (it has make_cache()).
-    from mlx_lm.models.cache import KVCache  # noqa: PLC0415
-
-    upstream: list[object] = make_cache()
-    for index, cache in enumerate(upstream):
-        if type(cache) is not KVCache:
-            raise ValueError(
-                f"layer {index} of the model uses {type(cache).__name__}; "
-                "PoolBackedKVCache replaces plain KVCache layers only"
-            )
-    return len(upstream)
-
-
-def _split_state(state: Sequence[object]) -> tuple[mx.array, mx.array, int]:
-    """``(keys, values[, offset])`` as arrays and an offset (their length if absent).
-
-    ``(None, None[, 0])``, an empty mlx-lm ``KVCache``'s state, means no positions.
-    """
-    if not isinstance(state, Sequence) or len(state) not in (2, 3):
-        raise ValueError(f"state must be (keys, values) or (keys, values, offset), got {state!r}")
-    keys, values = state[0], state[1]
-    if keys is None and values is None:
-        empty = mx.zeros((1, 0, 0, 0))
-        return empty, empty, 0
-    if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
-        raise TypeError(
-            f"state's keys and values must be mlx arrays, got {type(keys).__name__} "
-            f"and {type(values).__name__}"
-        )
-    length = keys.shape[2] if keys.ndim == 4 else 0
-    offset = state[2] if len(state) == 3 else length
-    if type(offset) is not int or not 0 <= offset <= length:
-        raise ValueError(f"state's offset must be an int in 0..{length}, got {offset!r}")
-    return keys, values, offset
+def __getattr__(name: str) -> object:
+    if name in _IN_PROMPT_CACHE:
+        return getattr(importlib.import_module("veloxquant_mlx.memory.prompt_cache"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

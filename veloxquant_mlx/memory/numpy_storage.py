@@ -51,9 +51,11 @@ from veloxquant_mlx.memory._storage_checks import (
     require_live,
     require_n_tokens,
     require_slots,
+    require_token_dtype,
     require_token_shape,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 
 __all__ = ["NumpyBlockStorage"]
 
@@ -106,6 +108,8 @@ class NumpyBlockStorage:
         self._slot_shape: Final = (n_kv_heads, head_dim)
         self._dtype: Final = np.dtype(dtype)
         self._lock: Final = threading.Lock()
+        # Owners of caches dropped on this pool, freed by every sync (deferred_release).
+        self._releases: Final = deferred_releases_for(pool)
         # Block ids each slab covers; only _resize_locked changes it.
         self._capacity = pool.id_bound()
         # One slab per layer, written in place; replaced only by a resize.
@@ -132,7 +136,7 @@ class NumpyBlockStorage:
 
     @property
     def dtype(self) -> np.dtype[np.generic]:
-        """Element type of every slab; written tokens are cast to it."""
+        """Element type of every slab; written tokens must have it (nothing is cast)."""
         return self._dtype
 
     # -- protocol: data ----------------------------------------------------------------
@@ -141,14 +145,15 @@ class NumpyBlockStorage:
         """Store ``tokens`` (``(n, n_kv_heads, head_dim)``) in slots ``start .. start + n``.
 
         Raises:
-            TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``ndarray``,
-                ``layer`` or ``start`` not an int.
+            TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``ndarray`` of
+                the store's dtype, ``layer`` or ``start`` not an int.
             ValueError: ``block`` is not a live handle of the pool, the slots fall
                 outside ``0 .. block_size``, ``layer`` is out of range, or ``tokens``
                 has the wrong shape. Nothing changes.
         """
         if not isinstance(tokens, np.ndarray):
             raise TypeError(f"tokens must be a numpy.ndarray, got {type(tokens).__name__}")
+        require_token_dtype(tokens.dtype, self._dtype, _dtype_name)
         n_tokens = require_token_shape(tokens.shape, self._slot_shape)
         require_slots(start, n_tokens, self._block_size)
         with self._lock:
@@ -228,6 +233,7 @@ class NumpyBlockStorage:
             return self._slabs[layer][ids]  # fancy indexing: a copy, never a view
 
     def _sync_locked(self) -> None:
+        self._releases.drain()  # blocks of caches dropped without release() go back first
         target = next_capacity(self._capacity, self._pool.id_bound())
         if target != self._capacity:
             self._resize_locked(target)
@@ -245,3 +251,7 @@ class NumpyBlockStorage:
 
     def _zeros(self, n_blocks: int) -> npt.NDArray[np.generic]:
         return np.zeros((n_blocks, self._block_size, *self._slot_shape), dtype=self._dtype)
+
+
+def _dtype_name(dtype: np.dtype[np.generic]) -> str:
+    return dtype.name

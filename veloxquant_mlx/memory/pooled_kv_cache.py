@@ -24,6 +24,13 @@ returns every block with ``free_all(owner)``; the owner must not be used
 by anyone else meanwhile. ``release()`` is idempotent, and the book is a
 context manager, so an aborted generation still returns its blocks.
 
+A book dropped without ``release()`` cannot leak: its finaliser queues the
+owner (taking no lock, since it may run inside a pool call on any thread)
+and the next store call, book construction or block-taking ``append`` on the
+pool frees it; :mod:`~veloxquant_mlx.memory.deferred_release` says exactly
+when, and :func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_caches`
+drains on demand.
+
 Complexity (``L`` = layers): ``append`` O(1) when it stays in the last
 block, else O(k) for the k blocks it checks out (amortised O(1) per token);
 ``trim`` O(L + k) for the k blocks it frees; ``release`` O(blocks held);
@@ -46,6 +53,7 @@ from veloxquant_mlx.memory.block_pool import (
     InvariantViolationError,
     OwnerAlreadyActiveError,
 )
+from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 
 __all__ = ["PooledKVCache"]
 
@@ -65,6 +73,9 @@ class PooledKVCache:
     - every block is full except the last of each stream, whose ``n_used``
       is the remainder (``n_tokens - (blocks - 1) * block_size``).
 
+    Dropped without ``release()``, a book queues its owner for release by the
+    next drain (module docstring); a released book queues nothing.
+
     Example::
 
         with PooledKVCache(pool, owner=request_id) as book:
@@ -73,6 +84,9 @@ class PooledKVCache:
             book.trim(3)                    # speculative rewind
         # every block of request_id is back in the pool
     """
+
+    # What a book whose __init__ failed looks like to __del__: nothing to release.
+    _released = True
 
     def __init__(
         self,
@@ -103,15 +117,22 @@ class PooledKVCache:
         self._pool: Final = pool
         self._block_size: Final = pool.config.block_size
         self._format: Final = format
+        # Owners of dropped books on this pool; drained here so a dropped id is free again.
+        self._releases: Final = deferred_releases_for(pool)
+        self._releases.drain()
         # The request id every block is checked out to; claimed until release().
         self._owner: Final = _claim_owner(pool, owner)
         # The block table, one handle per block_size positions; tuples, rebuilt on change.
         self._key_blocks: tuple[Block, ...] = ()
         self._value_blocks: tuple[Block, ...] = ()
+        # Bumped whenever the block tuples change (blocks added, freed, released), so a
+        # device copy of the table (block_table.DeviceBlockTable) rebuilds only then.
+        self._table_version = 0
         # Positions covered by the table: the furthest layer offset.
         self._n_tokens = 0
         # Per layer, positions appended and not trimmed.
         self._offsets: Final = [0] * n_layers
+        # Set last: from here on, dropping the book must give the owner back.
         self._released = False
 
     # -- read-only views -------------------------------------------------------------
@@ -160,6 +181,13 @@ class PooledKVCache:
     def value_blocks(self) -> tuple[Block, ...]:
         """The value blocks, in position order, parallel to :attr:`key_blocks`."""
         return self._value_blocks
+
+    @property
+    def table_version(self) -> int:
+        """A counter that changes whenever :attr:`key_blocks` or :attr:`value_blocks`
+        changes (blocks checked out, freed or released); equal values mean the same
+        table. O(1)."""
+        return self._table_version
 
     def layer_offset(self, layer: int) -> int:
         """Positions ``layer`` has appended and not trimmed."""
@@ -250,12 +278,20 @@ class PooledKVCache:
             return
         self._released = True
         self._key_blocks = self._value_blocks = ()
+        self._table_version += 1
         self._n_tokens = 0
         self._offsets[:] = [0] * len(self._offsets)
         self._pool.free_all(self._owner)
 
     def __enter__(self) -> PooledKVCache:
         return self
+
+    def __del__(self) -> None:
+        # A finaliser: any thread, any moment, maybe inside a pool call holding the
+        # pool's lock. So it only queues the owner (SimpleQueue.put takes no lock);
+        # the next drain frees it.
+        if not self._released:
+            self._releases.defer(self._owner)
 
     def __exit__(
         self,
@@ -314,6 +350,7 @@ class PooledKVCache:
         pool, block_size = self._pool, self._block_size
         n_more = n_tokens - len(self._key_blocks) * block_size
         if n_more > 0:
+            self._releases.drain()  # a dropped cache's blocks first, before exhaustion
             new_keys = pool.allocate("k", n_more, self._owner, self._format)
             try:
                 new_values = pool.allocate("v", n_more, self._owner, self._format)
@@ -325,6 +362,7 @@ class PooledKVCache:
                 pool.mark_used(self._value_blocks[-1], block_size)
             self._key_blocks += tuple(new_keys)
             self._value_blocks += tuple(new_values)
+            self._table_version += 1
         else:
             last_fill = n_tokens - (len(self._key_blocks) - 1) * block_size
             pool.mark_used(self._key_blocks[-1], last_fill)
@@ -338,6 +376,8 @@ class PooledKVCache:
         tail = [*self._key_blocks[n_kept:], *self._value_blocks[n_kept:]]
         self._key_blocks = self._key_blocks[:n_kept]
         self._value_blocks = self._value_blocks[:n_kept]
+        if tail:
+            self._table_version += 1
         self._n_tokens = n_tokens
         if n_kept:
             last_fill = n_tokens - (n_kept - 1) * block_size

@@ -23,9 +23,11 @@ what a decode step calls for every layer.
 Rules every implementation keeps (the storage conformance suite in
 ``veloxquant_mlx.testing`` checks them):
 
-1. ``write`` accepts only a live handle of the paired pool (``pool.is_live``)
-   and slots inside ``0 .. block_size``; anything else raises ``ValueError``
-   (``TypeError`` for a non-``Block``) and changes nothing.
+1. ``write`` accepts only a live handle of the paired pool (``pool.is_live``),
+   slots inside ``0 .. block_size`` and tokens of the store's own dtype;
+   anything else raises ``ValueError`` (``TypeError`` for a non-``Block`` or
+   tokens of another dtype: a store never casts, since a cast would change
+   what a model computed) and changes nothing.
 2. Distinct ids never share storage: a write to one block never changes what
    any other block holds.
 3. An array returned by ``gather`` or ``gather_heads`` never changes
@@ -38,6 +40,9 @@ Rules every implementation keeps (the storage conformance suite in
    per block) and looks for the culprit only when that says no.
 5. ``resident_bytes`` is what the store holds now; after the pool's id range
    shrinks, ``sync()`` (called by every operation) brings it down.
+6. ``sync()`` first returns the blocks of KV caches dropped without
+   ``release()`` (``deferred_release.deferred_releases_for(pool).drain()``),
+   so any store call is a point where they come back to the pool.
 
 Thread safety: implementations must be safe to share between threads in the
 same way as the pool (the MLX and NumPy stores hold a lock around slab
@@ -79,7 +84,7 @@ class BlockStorage(Protocol[ArrayT]):
         start + n`` of ``block`` in ``layer``.
 
         Raises:
-            TypeError: ``block`` is not a ``Block``.
+            TypeError: ``block`` is not a ``Block``, or ``tokens`` not of the store's dtype.
             ValueError: ``block`` is not a live handle of the paired pool, the slots
                 fall outside ``0 .. block_size``, ``layer`` is out of range, or
                 ``tokens`` has the wrong shape.
@@ -110,5 +115,6 @@ class BlockStorage(Protocol[ArrayT]):
         ...
 
     def sync(self) -> None:
-        """Follow the pool: grow to cover new ids, give back a retired tail."""
+        """Return dropped caches' blocks, then follow the pool: grow to cover new ids,
+        give back a retired tail."""
         ...

@@ -3,7 +3,9 @@
 :func:`add_arguments` declares the options on an ``argparse`` parser, with
 value types that reject bad input at parse time (the message names the value
 and what was expected). :func:`validate` then checks the rules that span
-several options and returns a message for ``parser.error``. The
+several options, and refuses a pool or a workload whose estimated memory
+(:func:`memory_estimate`) exceeds what is available, and returns a message
+for ``parser.error``. The
 ``*_from`` helpers build the library's configuration objects from the parsed
 namespace.
 
@@ -16,6 +18,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from veloxquant_mlx.commandline.bad_input import require_fits_in_memory
+from veloxquant_mlx.commandline.sizes import REQUEST_BYTES, STEP_BYTES, pool_bytes
 from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.simulate.workload import (
     DECODE_DISTRIBUTIONS,
@@ -241,7 +245,41 @@ def validate(args: argparse.Namespace) -> str | None:
         return "--n-blocks 0 needs --grow (a pool with no blocks can only grow)"
     if args.prompt_mean >= args.max_seq_len:
         return f"--prompt-mean must be < --max-seq-len ({args.max_seq_len}), got {args.prompt_mean}"
+    try:
+        require_fits_in_memory(memory_estimate(args), _sizes_named(args))
+    except ValueError as error:
+        return str(error)
     return None
+
+
+def memory_estimate(args: argparse.Namespace) -> int:
+    """Bytes a simulation of these options may hold: the pool, the requests, the metrics.
+
+    Requests are twice the expected arrivals (or ``--requests``); steps are
+    the arrival window plus one context window of drain. A pool that grows
+    without a cap is counted at its initial size (its growth follows demand).
+    """
+    ids = args.max_blocks if args.grow and args.max_blocks is not None else args.n_blocks
+    if args.requests is not None:
+        requests = args.requests
+        steps = args.requests / args.arrival_rate
+    else:
+        steps = args.duration if args.duration is not None else DEFAULT_DURATION
+        requests = 2 * args.arrival_rate * steps
+    steps += args.max_seq_len
+    return int(pool_bytes(ids) + REQUEST_BYTES * requests + STEP_BYTES * steps)
+
+
+def _sizes_named(args: argparse.Namespace) -> str:
+    length = (
+        f"--requests {args.requests}"
+        if args.requests is not None
+        else f"--duration {args.duration if args.duration is not None else DEFAULT_DURATION}"
+    )
+    return (
+        f"a simulation with --n-blocks {args.n_blocks}, --max-blocks {args.max_blocks}, "
+        f"{length}, --arrival-rate {args.arrival_rate:g} and --max-seq-len {args.max_seq_len}"
+    )
 
 
 def pool_config_from(args: argparse.Namespace) -> PoolConfig:

@@ -10,6 +10,14 @@ the checker hands those calls, in that order, to ``on_commit`` (the storage
 replay). A window with no valid order becomes a :class:`Violation`, with the
 minimal failing window (:mod:`veloxquant_mlx.stress.minimal`).
 
+The checker gives up (and the run's verdict can then only be inconclusive)
+when a window's search exhausts its configuration budget, or when its
+``tick`` raises :class:`SearchStopped` (the runner's checking time ran out,
+or Ctrl-C), or when :meth:`LinearizabilityChecker.stop` is called: the set
+of possible states is then unknown, so every later call is counted in
+:attr:`CheckerFigures.events_not_checked` and :meth:`LinearizabilityChecker.gap`
+says how many and why.
+
 Complexity: one search per window (see ``linearizability``), O(window) per
 commit. Thread safety: a checker is used from one thread.
 """
@@ -20,6 +28,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
+from veloxquant_mlx.commandline.verdicts import Gap
 from veloxquant_mlx.stress.history import Event
 from veloxquant_mlx.stress.linearizability import (
     DEFAULT_BUDGET,
@@ -31,7 +40,30 @@ from veloxquant_mlx.stress.minimal import explain, minimal_failing_window
 from veloxquant_mlx.stress.specstep import Checkpoint, initial_checkpoint
 from veloxquant_mlx_spec.model import SpecConfig
 
-__all__ = ["CheckerFigures", "LinearizabilityChecker", "Violation", "check_history"]
+__all__ = [
+    "CheckerFigures",
+    "InconclusiveCheckError",
+    "LinearizabilityChecker",
+    "SearchStopped",
+    "Violation",
+    "check_history",
+]
+
+
+class SearchStopped(Exception):  # noqa: N818 -- a signal to stop, not an error
+    """Raised by a search's ``tick`` to stop checking; ``reason`` says why (for the report)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+class InconclusiveCheckError(Exception):
+    """:func:`check_history` gave up before deciding; ``gap`` says what and why."""
+
+    def __init__(self, gap: Gap) -> None:
+        super().__init__(str(gap))
+        self.gap = gap
 
 
 @dataclass(frozen=True)
@@ -62,8 +94,10 @@ class CheckerFigures:
     configurations: int = 0
     max_end_states: int = 1
     largest_window: int = 0  # calls in the largest window between quiescent points
+    largest_search: int = 0  # configurations of the costliest window (against the budget)
     inconclusive_window: int | None = None  # index of the window whose search gave up
     events_not_checked: int = 0
+    gave_up_because: str | None = None  # why checking stopped early, if it did
 
 
 class LinearizabilityChecker:
@@ -100,8 +134,27 @@ class LinearizabilityChecker:
 
     @property
     def stopped(self) -> bool:
-        """True once a violation was found or a search gave up: later windows are skipped."""
-        return self.violation is not None or self.figures.inconclusive_window is not None
+        """True once a violation was found or checking gave up: later windows are skipped."""
+        return self.violation is not None or self.figures.gave_up_because is not None
+
+    def stop(self, reason: str) -> None:
+        """Give up: commit what is pending and count every later call as not checked."""
+        if not self.stopped:
+            self.figures.gave_up_because = reason
+            self.figures.inconclusive_window = self.figures.windows
+            self._commit_all()
+
+    def gap(self) -> Gap | None:
+        """What was not checked and why, or ``None`` if every call given so far was."""
+        figures = self.figures
+        if not figures.events_not_checked or self.violation is not None:
+            return None
+        total = figures.events + figures.events_not_checked
+        return Gap(
+            f"{figures.events_not_checked:,} of {total:,} calls "
+            f"(window {figures.inconclusive_window} and later)",
+            f"linearizability {figures.gave_up_because}",
+        )
 
     def check(self, events: Sequence[Event]) -> Violation | None:
         """Check the next window; return the violation if it has no valid order."""
@@ -114,13 +167,21 @@ class LinearizabilityChecker:
 
     def _check_part(self, events: Sequence[Event]) -> None:
         starts = tuple(self.ends)
-        result = search(starts, events, budget=self._budget, tick=self._tick)
         figures = self.figures
-        figures.configurations += result.nodes
-        if not result.complete:
-            figures.inconclusive_window = figures.windows
+        try:
+            result = search(starts, events, budget=self._budget, tick=self._tick)
+        except SearchStopped as stopped:
+            self.stop(f"stopped: {stopped.reason}")
             figures.events_not_checked += len(events)
-            self._commit_all()
+            return
+        figures.configurations += result.nodes
+        figures.largest_search = max(figures.largest_search, result.nodes)
+        if not result.complete:
+            self.stop(
+                f"gave up: the search budget of {self._budget:,} configurations ran out "
+                f"in window {figures.windows} ({len(events)} calls)"
+            )
+            figures.events_not_checked += len(events)
             return
         figures.windows += 1
         figures.events += len(events)
@@ -136,11 +197,13 @@ class LinearizabilityChecker:
 
     def _fail(self, starts: tuple[Checkpoint, ...], events: Sequence[Event]) -> None:
         self._commit_all()
-        window = minimal_failing_window(starts, events, budget=self._budget, tick=self._tick)
         index = self.figures.windows - 1
-        message = f"linearizability violation in window {index}: " + explain(
-            starts, window, budget=self._budget, tick=self._tick
-        )
+        try:  # shrinking the window is a courtesy: a stop keeps the whole window
+            window = minimal_failing_window(starts, events, budget=self._budget, tick=self._tick)
+            why = explain(starts, window, budget=self._budget, tick=self._tick)
+        except SearchStopped:
+            window, why = list(events), "no order of its calls fits the spec"
+        message = f"linearizability violation in window {index}: {why}"
         self.violation = Violation(index, message, tuple(window), starts)
 
     def finish(self) -> None:
@@ -170,8 +233,17 @@ def check_history(
     *,
     budget: int | None = DEFAULT_BUDGET,
 ) -> Violation | None:
-    """Check a whole history at once (cut at its quiescent points); the violation or ``None``."""
+    """Check a whole history at once (cut at its quiescent points); the violation or ``None``.
+
+    ``None`` means linearizable: every call was checked.
+
+    Raises:
+        InconclusiveCheckError: The budget ran out before a verdict.
+    """
     checker = LinearizabilityChecker(config, history_len, budget=budget)
     violation = checker.check(events)
     checker.finish()
+    gap = checker.gap()
+    if gap is not None:
+        raise InconclusiveCheckError(gap)
     return violation

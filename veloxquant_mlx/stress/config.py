@@ -3,9 +3,17 @@
 :class:`StressConfig` holds everything a run needs; :func:`profile` returns
 the preset of a profile, which command-line options then override:
 
-- ``smoke``: the CI run. 4 threads, 8,000 calls, a small growing pool, the
-  shortest GIL switch interval; well under 60 seconds with its checks.
-- ``nightly``: 8 threads for 10 minutes on a larger pool, the same checks.
+- ``smoke``: the CI run. 4 threads, 8,000 calls (or 60 seconds, whichever
+  comes first), a small growing pool, the shortest GIL switch interval; about
+  10 seconds with its checks, at most 60 + 30.
+- ``nightly``: 8 threads for 10 minutes on a larger pool, the same checks,
+  with a barrier every 4 calls per thread so that every window stays small
+  enough (about 40 calls) to check in full as the run goes; at most 2
+  minutes of checking after the last call.
+
+Every run's wall time is at most its ``duration`` plus its ``check_budget``
+(plus one window): checking that does not finish in time is cut, and the
+run's verdict is then inconclusive, never OK.
 
 Complexity: O(1). Thread safety: immutable values.
 """
@@ -151,7 +159,8 @@ class StressConfig:
         pool: The shared pool's configuration.
         history_len: The pool's ``history_len`` (small: it is part of every spec state).
         mix: Relative weights of the kinds of call.
-        window_ops: Calls per thread between two barriers, i.e. quiescent points.
+        window_ops: Calls per thread between two barriers, i.e. quiescent points. The
+            checker's cost grows steeply with a window's size, so keep it small.
         switch_interval: ``sys.setswitchinterval`` for the run; ``None`` leaves it.
         check_interval: Seconds between ``check_invariants()`` calls; 0 disables them.
         progress_interval: Seconds between progress lines; 0 disables them.
@@ -159,7 +168,9 @@ class StressConfig:
         storage: The store the workers share: ``mlx``, ``numpy`` or ``none``.
         store: Shape of that store (and of the replay's).
         replay_backend: Store the linearized history is replayed on (``none``: skip).
-        search_budget: Configurations one window's linearizability search may expand.
+        search_budget: Configurations one window's linearizability search may expand
+            (bounds its memory; a search that needs more makes the run inconclusive).
+        check_budget: Seconds the checking may go on after the last call.
         max_queued_windows: Windows recorded but not yet checked before workers wait.
         out_dir: Where the report, trace and reproducers go (``None``: nowhere).
         allocator_factory: Builds the pool under test (tests plant bugs here).
@@ -182,6 +193,7 @@ class StressConfig:
     store: StoreSpec = SMALL_STORE
     replay_backend: StorageName = "mlx"
     search_budget: int = 200_000
+    check_budget: float = 30.0
     max_queued_windows: int = 16
     out_dir: Path | None = None
     allocator_factory: AllocatorFactory = _default_allocator
@@ -199,6 +211,8 @@ class StressConfig:
             raise ValueError(f"window_ops must be >= 1, got {self.window_ops}")
         if self.history_len < 0:
             raise ValueError(f"history_len must be >= 0, got {self.history_len}")
+        if not self.check_budget > 0:
+            raise ValueError(f"check_budget must be > 0 seconds, got {self.check_budget}")
 
     def with_options(self, **changes: object) -> StressConfig:
         """A copy with some fields changed (validated again)."""
@@ -207,7 +221,7 @@ class StressConfig:
 
 PROFILES: Final[Mapping[str, StressConfig]] = MappingProxyType(
     {
-        "smoke": StressConfig(profile="smoke"),
+        "smoke": StressConfig(profile="smoke", duration=60.0),
         "nightly": StressConfig(
             profile="nightly",
             threads=8,
@@ -216,11 +230,12 @@ PROFILES: Final[Mapping[str, StressConfig]] = MappingProxyType(
             pool=PoolConfig(
                 block_size=4, n_blocks=48, separate_kv=True, grow_on_exhaustion=True, max_blocks=80
             ),
-            window_ops=32,
+            window_ops=4,
             check_interval=0.1,
             progress_interval=10.0,
             stall_timeout=120.0,
             search_budget=1_000_000,
+            check_budget=120.0,
         ),
     }
 )

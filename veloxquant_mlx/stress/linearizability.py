@@ -22,7 +22,7 @@ Windows, and why cutting there is sound. A *quiescent point* is a moment
 when no call is pending: every call before it returned before every call
 after it was invoked, so every linearization of the whole history is a
 linearization of the calls before it followed by one of the calls after.
-The runner makes one every few dozen calls per thread (a barrier), and
+The runner makes one every few calls per thread (a barrier), and
 :func:`split_at_quiescent_points` finds any others. The history is checked
 one window at a time (:class:`~veloxquant_mlx.stress.checker.LinearizabilityChecker`),
 carrying from window to window the *set* of all spec states (with names)

@@ -20,16 +20,27 @@ trace's types or name a foreign block or a non-block (the spec makes every
 one of them fail without changing state; the checker already verified that
 they did).
 
+The trace is written as ``linearized.partial.jsonl``, its header marked
+``"partial": true``, while the run goes on; only when every call of the run
+was checked and replayed does :meth:`LinearizedReplay.close` turn it into
+``linearized.jsonl`` (atomically, without the mark). A run that was
+interrupted or whose checking gave up leaves the partial file, which
+replays with the verdict "inconclusive", never "ok".
+
 Complexity: O(1) per call to convert; the replay costs what
 :class:`AliasingReplay` costs per op. Thread safety: one thread feeds it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Final, TextIO
 
+from veloxquant_mlx.commandline.files import atomic_file
+from veloxquant_mlx.commandline.verdicts import Gap
 from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.stress.history import (
     Allocate,
@@ -48,12 +59,22 @@ from veloxquant_mlx.testing.aliasing import (
     AliasingReplay,
     ReplayError,
     StorageBackend,
-    mlx_backend,
-    numpy_backend,
+    builtin_backend,
 )
 from veloxquant_mlx_spec.model import NotAList
 
-__all__ = ["LinearizedReplay", "backend_named", "to_trace_op"]
+__all__ = [
+    "PARTIAL_TRACE_NAME",
+    "TRACE_NAME",
+    "LinearizedReplay",
+    "backend_named",
+    "to_trace_op",
+]
+
+#: The linearized trace of a run whose every call was checked and replayed.
+TRACE_NAME: Final = "linearized.jsonl"
+#: The trace while it is written, and what an interrupted or inconclusive run leaves.
+PARTIAL_TRACE_NAME: Final = "linearized.partial.jsonl"
 
 
 def backend_named(name: str) -> StorageBackend[Any] | None:
@@ -62,13 +83,11 @@ def backend_named(name: str) -> StorageBackend[Any] | None:
     Raises:
         ValueError: Any other name.
     """
-    if name == "mlx":
-        return mlx_backend()
-    if name == "numpy":
-        return numpy_backend()
     if name == "none":
         return None
-    raise ValueError(f"storage backend must be 'mlx', 'numpy' or 'none', got {name!r}")
+    if name not in ("mlx", "numpy"):
+        raise ValueError(f"storage backend must be 'mlx', 'numpy' or 'none', got {name!r}")
+    return builtin_backend(name)
 
 
 def _int(value: object) -> int | None:
@@ -132,7 +151,8 @@ class LinearizedReplay:
 
     Invariant: the file (if any) holds the header and exactly the ops applied
     so far (plus the failing op, if the replay failed); after a failure
-    nothing more is applied.
+    nothing more is applied; after :meth:`stop` nothing more is applied or
+    written, and ``ops_not_replayed`` counts what came after.
     """
 
     def __init__(
@@ -140,25 +160,35 @@ class LinearizedReplay:
         pool: PoolConfig,
         store: traces.StoreSpec,
         backend: StorageBackend[Any] | None,
-        path: Path | None,
+        folder: Path | None,
     ) -> None:
-        """Replay on ``backend`` (``None``: only save) and write to ``path`` (``None``: don't)."""
-        self.path: Final = path
+        """Replay on ``backend`` (``None``: only save); write into ``folder`` (``None``: don't)."""
         self.backend_name: Final = "none" if backend is None else backend.name
         self.ops_written = 0
         self.ops_replayed = 0
+        self.ops_not_replayed = 0
         self.failure: ReplayError | None = None
+        self.stopped_because: str | None = None
+        self._folder = folder
+        self._header = traces.Trace(pool, store)
         self._engine = None if backend is None else AliasingReplay(pool, store, backend)
         self._file: TextIO | None = None
-        if path is not None:
-            self._file = path.open("w", encoding="utf-8")
-            self._file.write(traces.dumps(traces.Trace(pool, store)))
+        self.path: Path | None = None
+        if folder is not None:
+            self.path = folder / PARTIAL_TRACE_NAME
+            self._file = self.path.open("w", encoding="utf-8")
+            partial = traces.Trace(pool, store, partial=True)
+            self._file.write(traces.encode_header(partial) + "\n")
+            self._file.flush()
 
     def feed(self, events: Sequence[Event]) -> None:
         """Save and replay ``events``, in this (linearization) order; stop at a failure."""
         for event in events:
             op = to_trace_op(event)
             if op is None or self.failure is not None:
+                continue
+            if self.stopped_because is not None:
+                self.ops_not_replayed += 1
                 continue
             if self._file is not None:
                 self._file.write(traces.encode_op(op) + "\n")
@@ -171,8 +201,39 @@ class LinearizedReplay:
                     continue
                 self.ops_replayed += 1
 
-    def close(self) -> None:
-        """Flush and close the trace file."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+    def stop(self, reason: str) -> None:
+        """Replay and write nothing more (the checking time ran out, or Ctrl-C)."""
+        if self.stopped_because is None:
+            self.stopped_because = reason
+
+    def gap(self) -> Gap | None:
+        """Linearized calls that were not replayed, and why; ``None`` if there were none."""
+        if not self.ops_not_replayed or self.failure is not None:
+            return None
+        done = "saved" if self._engine is None else f"replayed on {self.backend_name} or saved"
+        return Gap(
+            f"{self.ops_not_replayed:,} linearized calls", f"not {done}: {self.stopped_because}"
+        )
+
+    def close(self, *, complete: bool) -> None:
+        """Close the trace; if ``complete`` (every call of the run in it), publish it whole.
+
+        A complete trace becomes ``linearized.jsonl`` (written atomically,
+        without the partial mark) and the partial file goes; otherwise the
+        partial file stays, marked partial.
+        """
+        if self._file is None:
+            return
+        self._file.close()
+        self._file = None
+        if not complete or self.stopped_because is not None or self.path is None:
+            return
+        assert self._folder is not None, "a trace file lives in a folder"
+        final = self._folder / TRACE_NAME
+        with self.path.open(encoding="utf-8") as partial, atomic_file(final) as whole:
+            partial.readline()  # the header marked partial
+            whole.write(traces.encode_header(self._header) + "\n")
+            shutil.copyfileobj(partial, whole)
+        with contextlib.suppress(OSError):
+            self.path.unlink()
+        self.path = final

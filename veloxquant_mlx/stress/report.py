@@ -3,18 +3,26 @@
 :class:`StressReport` holds what the run did (calls per kind, per second,
 errors by kind), what was checked (invariant checks, windows and calls of
 the history checked for linearizability, calls replayed on storage, the
-conservation audit) and every :class:`Finding`. :attr:`StressReport.ok` is
-false iff there is a finding; the command's exit status follows it.
+conservation audit), every :class:`Finding` and every
+:class:`~veloxquant_mlx.commandline.verdicts.Gap` (what was not checked, and
+why). :attr:`StressReport.verdict` is "violation" iff there is a finding,
+"inconclusive" iff there is a gap and no finding, "interrupted" after
+Ctrl-C, else "ok"; the command's exit status follows it.
 
-JSON keys (``report_to_json``; ``schema`` is bumped when one changes meaning):
-``schema, ok, profile, seed, threads, python, pool, history_len, mix,
-window_ops, switch_interval, wall_seconds, operations, operations_per_second,
+JSON keys (``to_json``; ``schema`` is bumped when one changes meaning):
+``schema, verdict, ok, partial, profile, seed, threads, python, pool,
+history_len, mix, window_ops, switch_interval, wall_seconds, timing{
+total_seconds, checking_seconds, checking_after_calls_seconds,
+check_budget_seconds}, operations, operations_per_second,
 operations_by_kind{kind: {count, per_second, errors{kind: n}}},
 errors_by_kind, invariant_checks, histories_checked{windows, events,
-configurations, max_end_states, largest_window, inconclusive_window,
-events_not_checked},
+configurations, max_end_states, largest_window, largest_search,
+inconclusive_window, events_not_checked, gave_up_because, percent_checked},
 replay{backend, ops_replayed, ops_written, trace}, conservation{problems},
-violations[{kind, message, path}]``.
+not_checked[{what, why}], violations[{kind, message, path}]``.
+``ok`` is ``verdict == "ok"``; ``partial`` is true when the run was
+interrupted. ``wall_seconds`` is the time the calls took; ``timing`` adds
+the checking.
 
 Complexity: O(kinds + findings). Thread safety: immutable once built.
 """
@@ -28,11 +36,53 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
+from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory.block_pool import PoolConfig
 
-__all__ = ["SCHEMA_VERSION", "Finding", "StressReport", "python_description", "summary_text"]
+__all__ = [
+    "REPORT_NAME",
+    "SCHEMA_VERSION",
+    "SUMMARY_NAME",
+    "Finding",
+    "StressReport",
+    "Timing",
+    "is_run_file",
+    "python_description",
+    "summary_text",
+]
 
-SCHEMA_VERSION: Final = 1
+SCHEMA_VERSION: Final = 2
+REPORT_NAME: Final = "report.json"
+SUMMARY_NAME: Final = "summary.txt"
+#: What a run may write into its folder besides the two above (the traces, in .replay).
+_OTHER_RUN_FILES: Final = ("linearized.jsonl", "linearized.partial.jsonl", "stacks.txt")
+
+
+def is_run_file(name: str) -> bool:
+    """Whether a stress run writes a file of this name (an earlier run's report, trace...)."""
+    return (
+        name in (REPORT_NAME, SUMMARY_NAME, *_OTHER_RUN_FILES)
+        or (name.startswith("violation-") and name.endswith(".json"))
+    )
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Where a run's wall time went: the calls, then the checking after them.
+
+    ``total_seconds <= calls + check_budget_seconds`` (plus one window), the
+    run's promise; ``checking_seconds`` is the checker's busy time, most of
+    it overlapping the calls.
+    """
+
+    total_seconds: float
+    checking_seconds: float
+    checking_after_calls_seconds: float
+    check_budget_seconds: float
+
+    def to_json(self) -> dict[str, float]:
+        """The fields, rounded to milliseconds."""
+        return {name: round(value, 3) for name, value in dataclasses.asdict(self).items()}
 
 
 @dataclass(frozen=True)
@@ -76,12 +126,29 @@ class StressReport:
     replay: Mapping[str, object]
     conservation_problems: tuple[str, ...]
     findings: tuple[Finding, ...]
+    gaps: tuple[Gap, ...] = ()
+    interrupted: bool = False
+    timing: Timing | None = None
     python: Mapping[str, object] = field(default_factory=python_description)
 
     @property
+    def verdict(self) -> Verdict:
+        """Interrupted, violation, inconclusive (a gap) or OK; see the module docstring."""
+        return verdict_of(
+            violations=len(self.findings), gaps=self.gaps, interrupted=self.interrupted
+        )
+
+    @property
     def ok(self) -> bool:
-        """True iff nothing was found."""
-        return not self.findings
+        """True iff every call was checked and nothing was found."""
+        return self.verdict is Verdict.OK
+
+    def percent_checked(self) -> float:
+        """Calls checked for linearizability, as a percentage of the calls recorded."""
+        checked = int(self.histories_checked.get("events") or 0)
+        missed = int(self.histories_checked.get("events_not_checked") or 0)
+        total = checked + missed
+        return 100.0 if total == 0 else round(100.0 * checked / total, 3)
 
     @property
     def operations(self) -> int:
@@ -104,7 +171,9 @@ class StressReport:
         """The report as plain JSON data."""
         return {
             "schema": SCHEMA_VERSION,
+            "verdict": self.verdict.value,
             "ok": self.ok,
+            "partial": self.interrupted,
             "profile": self.profile,
             "seed": self.seed,
             "threads": self.threads,
@@ -115,6 +184,7 @@ class StressReport:
             "window_ops": self.window_ops,
             "switch_interval": self.switch_interval,
             "wall_seconds": round(self.wall_seconds, 3),
+            "timing": None if self.timing is None else self.timing.to_json(),
             "operations": self.operations,
             "operations_per_second": self.per_second(self.operations),
             "operations_by_kind": {
@@ -127,9 +197,13 @@ class StressReport:
             },
             "errors_by_kind": self.errors_by_kind(),
             "invariant_checks": self.invariant_checks,
-            "histories_checked": dict(self.histories_checked),
+            "histories_checked": {
+                **self.histories_checked,
+                "percent_checked": self.percent_checked(),
+            },
             "replay": dict(self.replay),
             "conservation": {"problems": list(self.conservation_problems)},
+            "not_checked": [gap.to_json() for gap in self.gaps],
             "violations": [dataclasses.asdict(finding) for finding in self.findings],
         }
 
@@ -140,9 +214,9 @@ def summary_text(report: StressReport) -> str:
     gil = "GIL" if python.get("gil_enabled") else "free-threaded"
     checked = report.histories_checked
     lines = [
-        f"stress {report.profile}: {'OK' if report.ok else 'FAILED'}",
+        f"stress {report.profile}: {report.verdict.label}",
         f"  Python {python.get('version')} ({gil}), {report.threads} threads, seed "
-        f"{report.seed}, {report.wall_seconds:.1f} s",
+        f"{report.seed}, calls for {report.wall_seconds:.1f} s",
         f"  pool: {report.pool}",
         f"  calls: {report.operations:,} ({report.per_second(report.operations):,.0f}/s)",
     ]
@@ -156,14 +230,18 @@ def summary_text(report: StressReport) -> str:
     lines += [
         f"  invariant checks: {report.invariant_checks:,}",
         f"  linearizability: {checked.get('windows', 0):,} windows, "
-        f"{checked.get('events', 0):,} calls checked, {checked.get('configurations', 0):,} "
-        f"configurations; largest window {checked.get('largest_window', 0)} calls, at most "
+        f"{checked.get('events', 0):,} calls checked ({report.percent_checked():g}%), "
+        f"{checked.get('configurations', 0):,} configurations; largest window "
+        f"{checked.get('largest_window', 0)} calls, costliest "
+        f"{checked.get('largest_search', 0):,} configurations, at most "
         f"{checked.get('max_end_states', 0)} possible states at a cut",
     ]
-    if checked.get("inconclusive_window") is not None:
+    if report.timing is not None:
+        timing = report.timing
         lines.append(
-            f"    search budget exhausted in window {checked['inconclusive_window']}: "
-            f"{checked.get('events_not_checked', 0):,} calls not checked (not a violation)"
+            f"  time: {timing.total_seconds:.1f} s in all; checking busy "
+            f"{timing.checking_seconds:.1f} s, of which {timing.checking_after_calls_seconds:.1f}"
+            f" s after the last call (budget {timing.check_budget_seconds:g} s)"
         )
     replay = report.replay
     lines.append(
@@ -178,6 +256,8 @@ def summary_text(report: StressReport) -> str:
             else f"{len(report.conservation_problems)} problems"
         )
     )
+    for gap in report.gaps:
+        lines.append(f"NOT CHECKED: {gap}")
     for finding in report.findings:
         where = f" (reproducer: {finding.path})" if finding.path else ""
         lines.append(f"VIOLATION [{finding.kind}]{where}: {finding.message}")

@@ -8,11 +8,13 @@ again needs nothing from the run::
 
     python -m stress --replay RUN_DIR/violation-linearizability.json
 
-:func:`replay_path` is that command's engine: a reproducer is re-checked
-(it must still fail: exit status 1, with the same explanation), and a trace
-written by :mod:`veloxquant_mlx.stress.replay` is replayed through the
-aliasing replay (exit status 0 if every op gives its recorded outcome and
-every storage check passes).
+:func:`replay_path` is that command's engine, and gives a verdict: a
+reproducer is re-checked (a violation while it still fails, with the same
+explanation; OK once its window is linearizable; inconclusive if the search
+budget runs out first), and a trace written by
+:mod:`veloxquant_mlx.stress.replay` is replayed through the aliasing replay
+(:func:`~veloxquant_mlx.testing.replay_command.replay_verdict`: a partial
+trace that replays clean is inconclusive, never OK).
 
 File format: one JSON object with keys ``reproducer`` (the format name),
 ``version``, ``pool`` (``PoolConfig`` fields), ``history_len``,
@@ -31,6 +33,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
+from veloxquant_mlx.commandline.bad_input import BadInputError
+from veloxquant_mlx.commandline.files import atomic_write_text
+from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.stress.checker import Violation
 from veloxquant_mlx.stress.history import Event
@@ -38,7 +43,8 @@ from veloxquant_mlx.stress.history_json import event_from_json, event_to_json
 from veloxquant_mlx.stress.linearizability import DEFAULT_BUDGET, search
 from veloxquant_mlx.stress.minimal import explain
 from veloxquant_mlx.stress.specstep import Checkpoint
-from veloxquant_mlx.testing.aliasing import ReplayError, replay_file
+from veloxquant_mlx.testing.aliasing import builtin_backend
+from veloxquant_mlx.testing.replay_command import load_checked, replay_verdict
 from veloxquant_mlx_spec.model import Counters, HandleView, PoolState, SpecConfig, StatsView
 
 __all__ = [
@@ -129,7 +135,7 @@ def write_reproducer(path: Path, violation: Violation, pool: PoolConfig, history
         "window": [event_to_json(event) for event in violation.window],
         "message": violation.message,
     }
-    path.write_text(json.dumps(document, indent=1) + "\n", encoding="utf-8")
+    atomic_write_text(path, json.dumps(document, indent=1) + "\n")
 
 
 def load_reproducer(path: Path) -> Reproducer:
@@ -159,36 +165,49 @@ def load_reproducer(path: Path) -> Reproducer:
     return Reproducer(pool, history_len, starts, window, str(document.get("message", "")))
 
 
-def recheck(reproducer: Reproducer, *, budget: int | None = DEFAULT_BUDGET) -> str | None:
-    """Check the reproducer's window again: the explanation if it still fails, else ``None``."""
-    result = search(reproducer.starts, reproducer.window, budget=budget)
-    if result.ends or not result.complete:
-        return None
-    return explain(reproducer.starts, reproducer.window, budget=budget)
+def recheck(
+    reproducer: Reproducer, *, budget: int | None = DEFAULT_BUDGET
+) -> tuple[Verdict, str]:
+    """Check the reproducer's window again: its verdict and what was found.
+
+    A violation (with the explanation) while no order fits the spec; OK once
+    one does; inconclusive if the search ran out of ``budget`` first.
+    """
+    result = search(reproducer.starts, reproducer.window, budget=budget, first_end_only=True)
+    if result.ends:
+        return Verdict.OK, "the window is linearizable now"
+    if not result.complete:
+        return Verdict.INCONCLUSIVE, (
+            f"not decided: the search budget of {budget:,} configurations ran out"
+        )
+    return Verdict.VIOLATION, explain(reproducer.starts, reproducer.window, budget=budget)
 
 
 def _is_reproducer(path: Path) -> bool:
-    with path.open(encoding="utf-8") as file:
+    with path.open(encoding="utf-8", errors="replace") as file:
         head = file.read(200)
     return f'"reproducer": "{REPRODUCER_FORMAT}"' in head
 
 
-def replay_path(path: Path, backend: str = "mlx") -> tuple[bool, str]:
-    """Replay a trace or re-check a reproducer; ``(passed, what happened)``.
-
-    A trace passes if the aliasing replay on ``backend`` finds nothing; a
-    reproducer "passes" only if its window has become linearizable.
+def replay_path(path: Path, backend: str = "mlx") -> tuple[Verdict, str]:
+    """Replay a trace or re-check a reproducer: the verdict and a line saying it.
 
     Raises:
-        ValueError, OSError: The file cannot be read as either kind.
+        BadInputError: The file cannot be read as either kind, or the trace
+            cannot be replayed here (see ``load_checked``).
     """
-    if _is_reproducer(path):
-        still_failing = recheck(load_reproducer(path))
-        if still_failing is None:
-            return True, f"{path}: the window is linearizable now"
-        return False, f"{path}: still not linearizable: {still_failing}"
     try:
-        count = replay_file(path, backend)
-    except ReplayError as failure:
-        return False, f"{path}: replay on {backend} FAILED: {failure}"
-    return True, f"{path}: {count} ops replayed on {backend}: ok"
+        is_reproducer = _is_reproducer(path)
+    except OSError as error:
+        raise BadInputError(f"{path}: cannot read it: {error.strerror or error}") from None
+    if is_reproducer:
+        try:
+            reproducer = load_reproducer(path)
+        except (OSError, ValueError) as error:
+            raise BadInputError(str(error)) from None
+        verdict, what = recheck(reproducer)
+        if verdict is Verdict.VIOLATION:
+            what = f"still not linearizable: {what}"
+        return verdict, f"{path}: {what}"
+    storage = builtin_backend(backend)
+    return replay_verdict(path, load_checked(path, storage), storage)

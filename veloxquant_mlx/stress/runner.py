@@ -21,7 +21,15 @@ or ``config.duration`` passed, or a violation was found:
 
 Then the conservation audit (:mod:`.conservation`), recorded like any window;
 the report (:mod:`.report`) goes to ``report.json`` and ``summary.txt`` in
-``config.out_dir``, with a reproducer file for a linearizability violation.
+``config.out_dir`` (each written atomically), with a reproducer file for a
+linearizability violation. The report's verdict is OK only if every call was
+checked; what was not, and why, is listed as gaps (verdict inconclusive).
+
+Ctrl-C: the command passes an ``interrupt`` event (set by its SIGINT
+handler). The workers stop at their next barrier, the checker at its next
+tick, the threads are joined (none is left inside MLX), the conservation
+audit is skipped, and the report is written with the verdict "interrupted";
+the trace stays ``linearized.partial.jsonl``.
 
 Complexity: the calls themselves, plus per window the checker's search.
 Thread safety: :func:`run_stress` owns every thread it starts; run one at a
@@ -30,10 +38,9 @@ time per process (it sets the interpreter's switch interval for the run).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
-import queue
+import json
 import sys
 import threading
 import time
@@ -42,9 +49,17 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Final, TextIO
 
+from veloxquant_mlx.commandline.files import atomic_write_text
+from veloxquant_mlx.commandline.verdicts import Gap
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.storage import BlockStorage
 from veloxquant_mlx.stress.checker import LinearizabilityChecker
+from veloxquant_mlx.stress.checking import (
+    INTERRUPTED,
+    CheckingBudget,
+    HistoryChecking,
+    WindowQueue,
+)
 from veloxquant_mlx.stress.config import StressConfig
 from veloxquant_mlx.stress.conservation import CONSERVATION_OWNER, check_conservation
 from veloxquant_mlx.stress.history import (
@@ -59,7 +74,14 @@ from veloxquant_mlx.stress.history import (
 )
 from veloxquant_mlx.stress.recording import record_call, stats_tuple_of
 from veloxquant_mlx.stress.replay import LinearizedReplay, backend_named
-from veloxquant_mlx.stress.report import Finding, StressReport, summary_text
+from veloxquant_mlx.stress.report import (
+    REPORT_NAME,
+    SUMMARY_NAME,
+    Finding,
+    StressReport,
+    Timing,
+    summary_text,
+)
 from veloxquant_mlx.stress.reproducer import spec_config, write_reproducer
 from veloxquant_mlx.stress.workload import (
     FOREIGN_OWNER,
@@ -74,7 +96,7 @@ from veloxquant_mlx.stress.workload import (
 __all__ = ["run_stress"]
 
 _JOIN_AFTER_STALL_SECONDS: Final = 2.0
-_COMMIT_CHUNK: Final = 64  # calls replayed between two heartbeats
+_JOIN_POLL_SECONDS: Final = 0.2
 
 
 class _Run:
@@ -85,9 +107,12 @@ class _Run:
     ``_findings`` is appended to under ``_findings_lock`` only.
     """
 
-    def __init__(self, config: StressConfig, progress: TextIO | None) -> None:
+    def __init__(
+        self, config: StressConfig, progress: TextIO | None, interrupt: threading.Event
+    ) -> None:
         self.config: Final = config
         self.progress: Final = progress
+        self.interrupt: Final = interrupt
         self.pool: Final = config.allocator_factory(config.pool, config.history_len)
         backend = backend_named(config.storage)
         store: BlockStorage[Any] | None = (
@@ -112,9 +137,8 @@ class _Run:
             for i in range(config.threads)
         ]
         self.barrier: Final = threading.Barrier(config.threads, action=self._close_window)
-        self.windows: Final[queue.Queue[list[Event] | None]] = queue.Queue(
-            config.max_queued_windows
-        )
+        self.windows: Final = WindowQueue(config.max_queued_windows)
+        self.budget: Final = CheckingBudget(config.check_budget, interrupt)
         self.calls_by_kind: Final[Counter[str]] = Counter()
         self.errors: Final[dict[str, Counter[str]]] = {}
         self.checker: Final = LinearizabilityChecker(
@@ -124,10 +148,10 @@ class _Run:
             budget=config.search_budget,
             tick=self._tick,
         )
-        self.replay: LinearizedReplay | None = None
+        self.checking: HistoryChecking | None = None  # built on the checker's thread
         self.invariant_checks = 0
-        self.checker_steps = 0
         self.conservation_problems: tuple[str, ...] = ()
+        self.audit_skipped: str | None = None  # why the conservation audit did not run
         self.started = time.monotonic()
         self._stop_requested: Final = threading.Event()
         self._stopping = False
@@ -178,17 +202,22 @@ class _Run:
             events = named_events(events, self.registry)
             self._tally(events)
             self._purge_registry()
-            self.windows.put(events)  # blocks while the checker is behind
-            config = self.config
-            elapsed = time.monotonic() - self.started
-            self._stopping = (
-                self._stop_requested.is_set()
-                or (config.ops is not None and sum(self.calls_by_kind.values()) >= config.ops)
-                or (config.duration is not None and elapsed >= config.duration)
-            )
+            self.windows.put(events, may_wait=lambda: not self._calls_should_end())
+            self._stopping = self._calls_should_end()
         except Exception:
             self._violation("crash", f"the barrier action crashed:\n{traceback.format_exc()}")
             self._stopping = True
+
+    def _calls_should_end(self) -> bool:
+        """A violation, Ctrl-C, or the run's ``ops`` or ``duration`` reached."""
+        config = self.config
+        elapsed = time.monotonic() - self.started
+        return (
+            self._stop_requested.is_set()
+            or self.interrupt.is_set()
+            or (config.ops is not None and sum(self.calls_by_kind.values()) >= config.ops)
+            or (config.duration is not None and elapsed >= config.duration)
+        )
 
     def _observe(self) -> None:
         """Recorded queries at the quiescent point: they pin down the state between windows."""
@@ -221,54 +250,49 @@ class _Run:
     # -- the checker threads ------------------------------------------------------------------
 
     def check_histories(self) -> None:
-        """The history checker's loop: check each window, replay what is decided."""
+        """The history checker's thread: see :class:`~.checking.HistoryChecking`."""
         config = self.config
-        out = config.out_dir
-        self.replay = LinearizedReplay(
-            config.pool,
-            config.store,
-            backend_named(config.replay_backend),
-            None if out is None else out / "linearized.jsonl",
+        replay = LinearizedReplay(
+            config.pool, config.store, backend_named(config.replay_backend), config.out_dir
         )
+        checking = HistoryChecking(self.checker, replay, self.windows, self.budget)
+        self.checking = checking
         try:
-            while (events := self.windows.get()) is not None:
-                violation = self.checker.check(events)
-                self.checker_steps += 1
-                if violation is not None and not any(
-                    f.kind == "linearizability" for f in self.findings
-                ):
-                    path = None if out is None else out / "violation-linearizability.json"
-                    if path is not None:
-                        write_reproducer(path, violation, config.pool, config.history_len)
-                    self._violation(
-                        "linearizability", violation.message, str(path) if path else None
-                    )
-            self.checker.finish()
+            checking.run(self._linearizability_violation)
         except Exception:
             self._violation("crash", f"the history checker crashed:\n{traceback.format_exc()}")
+            self.checker.stop("stopped: the history checker crashed")
             self._drain_queue()
         finally:
-            self.replay.close()
+            whole = checking.complete and replay.failure is None and not self.interrupt.is_set()
+            replay.close(complete=whole)
             self._report_replay_failure()
+
+    def _linearizability_violation(self, checker: LinearizabilityChecker) -> None:
+        violation = checker.violation
+        assert violation is not None, "called at a violation"
+        config, out = self.config, self.config.out_dir
+        path = None if out is None else out / "violation-linearizability.json"
+        if path is not None:
+            write_reproducer(path, violation, config.pool, config.history_len)
+        self._violation("linearizability", violation.message, str(path) if path else None)
 
     def _drain_queue(self) -> None:
         """Unblock the workers after a crash: take every window without checking it."""
-        while self.windows.get() is not None:
-            pass
+        while (events := self.windows.get()) is not None:
+            self.checker.figures.events_not_checked += len(events)
 
     def _tick(self) -> None:
-        self.checker_steps += 1
+        assert self.checking is not None, "searches run on the checker's thread"
+        self.checking.tick()
 
     def _commit(self, events: Sequence[Event]) -> None:
-        """Replay a decided stretch of the linearization, a heartbeat per chunk."""
-        assert self.replay is not None, "windows are committed by the history checker only"
-        for start in range(0, len(events), _COMMIT_CHUNK):
-            self.replay.feed(events[start : start + _COMMIT_CHUNK])
-            self.checker_steps += 1
+        assert self.checking is not None, "windows are committed by the history checker only"
+        self.checking.commit(events)
         self._report_replay_failure()
 
     def _report_replay_failure(self) -> None:
-        replay = self.replay
+        replay = None if self.checking is None else self.checking.replay
         if replay is not None and replay.failure is not None:
             where = None if replay.path is None else str(replay.path)
             self._violation("replay", str(replay.failure), where)
@@ -285,17 +309,18 @@ class _Run:
     # -- progress -----------------------------------------------------------------------------
 
     def heartbeat(self) -> int:
-        return self.calls_made() + self.checker_steps + self.checker.figures.configurations
+        checking = self.checking
+        return self.calls_made() + (0 if checking is None else checking.heartbeats)
 
     def progress_line(self) -> str:
         elapsed = time.monotonic() - self.started
         calls = self.calls_made()
-        figures = self.checker.figures
+        checking = "checker starting" if self.checking is None else self.checking.progress_text()
+        phase = "calls" if self.budget.deadline is None else "checking"
         return (
-            f"[stress {self.config.profile}] {elapsed:7.1f}s  {calls:>10,} calls "
-            f"({calls / max(elapsed, 1e-9):,.0f}/s)  windows checked {figures.windows:,} "
-            f"(queued {self.windows.qsize()})  invariant checks {self.invariant_checks:,}  "
-            f"violations {len(self.findings)}"
+            f"[stress {self.config.profile}] {elapsed:7.1f}s {phase}: {calls:,} calls "
+            f"({calls / max(elapsed, 1e-9):,.0f}/s), {checking}; invariant checks "
+            f"{self.invariant_checks:,}, violations {len(self.findings)}"
         )
 
     def owners(self) -> list[int]:
@@ -309,39 +334,48 @@ def _foreign_block(config: PoolConfig) -> Block:
     return other.allocate("k", 1, FOREIGN_OWNER)[0]
 
 
-def run_stress(config: StressConfig, *, progress: TextIO | None = None) -> StressReport:
+def run_stress(
+    config: StressConfig,
+    *,
+    progress: TextIO | None = None,
+    interrupt: threading.Event | None = None,
+) -> StressReport:
     """Run the stress test ``config`` describes; see the module docstring.
 
     Args:
-        config: The run's options.
+        config: The run's options. ``config.out_dir`` must exist and be
+            writable (the command line prepares it).
         progress: Where progress lines go (``None``: nowhere).
+        interrupt: Set (by a SIGINT handler) to stop the run early, cleanly.
 
     Returns:
         The report; also written to ``config.out_dir`` when that is set.
     """
-    if config.out_dir is not None:
-        config.out_dir.mkdir(parents=True, exist_ok=True)
     previous_interval = sys.getswitchinterval()
     if config.switch_interval is not None:
         sys.setswitchinterval(config.switch_interval)
+    started = time.monotonic()
     try:
-        run = _Run(config, progress)
-        wall_seconds = _run_threads(run)
+        run = _Run(config, progress, interrupt or threading.Event())
+        calls_seconds = _run_threads(run)
     finally:
         sys.setswitchinterval(previous_interval)
-    report = _report(run, wall_seconds)
+    finished = time.monotonic()
+    report = _report(run, calls_seconds, finished - started, finished)
     if config.out_dir is not None:
-        import json  # noqa: PLC0415 -- only when writing files
-
-        (config.out_dir / "report.json").write_text(
-            json.dumps(report.to_json(), indent=2) + "\n", encoding="utf-8"
+        atomic_write_text(
+            config.out_dir / REPORT_NAME, json.dumps(report.to_json(), indent=2) + "\n"
         )
-        (config.out_dir / "summary.txt").write_text(summary_text(report) + "\n", encoding="utf-8")
+        atomic_write_text(config.out_dir / SUMMARY_NAME, summary_text(report) + "\n")
     return report
 
 
 def _run_threads(run: _Run) -> float:
-    """Start every thread, wait for the end, audit; the wall time of the run."""
+    """Start every thread, wait for the calls to end, audit, let the checker finish.
+
+    Returns:
+        The seconds the calls took (the checking after them excluded).
+    """
     config = run.config
     from veloxquant_mlx.stress.watchdog import Watchdog  # noqa: PLC0415
 
@@ -351,8 +385,7 @@ def _run_threads(run: _Run) -> float:
         stalled.set()
         run._violation("deadlock", message)
         run.barrier.abort()  # releases the workers that wait there
-        with contextlib.suppress(queue.Full):  # and the history checker, if it is idle
-            run.windows.put_nowait(None)
+        run.windows.close()  # and the history checker, if it is idle
 
     watchdog = Watchdog(
         run.heartbeat,
@@ -364,11 +397,11 @@ def _run_threads(run: _Run) -> float:
         stream=run.progress,
     )
     stop_invariants = threading.Event()
-    threads = [
+    checkers = [
         threading.Thread(target=run.check_histories, name="stress-history-checker", daemon=True)
     ]
     if config.check_interval > 0:
-        threads.append(
+        checkers.append(
             threading.Thread(
                 target=run.check_invariants,
                 args=(stop_invariants,),
@@ -382,37 +415,59 @@ def _run_threads(run: _Run) -> float:
     ]
     run.started = time.monotonic()
     watchdog.start()
-    for thread in [*threads, *workers]:
+    for thread in [*checkers, *workers]:
         thread.start()
-    for worker in workers:
-        while worker.is_alive() and not stalled.is_set():
-            worker.join(0.2)
-    if stalled.is_set():  # give the workers the barrier released a moment to leave
-        deadline = time.monotonic() + _JOIN_AFTER_STALL_SECONDS
-        for worker in workers:
-            worker.join(max(0.0, deadline - time.monotonic()))
-    wall_seconds = time.monotonic() - run.started
+    _join(workers, stalled)
+    calls_seconds = time.monotonic() - run.started
     stop_invariants.set()
     if not stalled.is_set():
-        problems = check_conservation(run.pool, run.observer, run.owners())
-        for problem in problems:
-            run._violation("conservation", problem)
-        run.conservation_problems = tuple(problems)
-        final = named_events(run.observer.take(), run.registry)
-        run._tally(final)
-        run.windows.put(final)
-        run.windows.put(None)
+        run.budget.calls_ended()  # the audit's few calls count against the checking budget
+        _audit(run)
+        run.windows.close()
+    _join(checkers, stalled)
+    watchdog.stop()
+    return calls_seconds
+
+
+def _join(threads: Sequence[threading.Thread], stalled: threading.Event) -> None:
+    """Wait for ``threads``; after a stall, give them a moment to leave, then stop waiting."""
     for thread in threads:
         while thread.is_alive() and not stalled.is_set():
-            thread.join(0.2)
-    watchdog.stop()
-    return wall_seconds
+            thread.join(_JOIN_POLL_SECONDS)
+    if stalled.is_set():
+        deadline = time.monotonic() + _JOIN_AFTER_STALL_SECONDS
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
-def _report(run: _Run, wall_seconds: float) -> StressReport:
+def _audit(run: _Run) -> None:
+    """The conservation audit, its calls queued as the last window; skipped after Ctrl-C."""
+    if run.interrupt.is_set():
+        run.audit_skipped = INTERRUPTED
+        return
+    problems = check_conservation(run.pool, run.observer, run.owners())
+    for problem in problems:
+        run._violation("conservation", problem)
+    run.conservation_problems = tuple(problems)
+    final = named_events(run.observer.take(), run.registry)
+    run._tally(final)
+    run.windows.put(final, may_wait=lambda: False)
+
+
+def _gaps(run: _Run) -> tuple[Gap, ...]:
+    gaps = [] if run.checking is None else run.checking.gaps()
+    if run.audit_skipped is not None:
+        gaps.append(Gap("the conservation audit", f"not run: {run.audit_skipped}"))
+    return tuple(gaps)
+
+
+def _report(
+    run: _Run, calls_seconds: float, total_seconds: float, finished: float
+) -> StressReport:
     config = run.config
-    figures = run.checker.figures
-    replay = run.replay
+    checking = run.checking
+    replay = None if checking is None else checking.replay
+    ended = run.budget.calls_ended_at
     return StressReport(
         profile=config.profile,
         seed=config.seed,
@@ -422,11 +477,11 @@ def _report(run: _Run, wall_seconds: float) -> StressReport:
         mix=config.mix.text(),
         window_ops=config.window_ops,
         switch_interval=config.switch_interval,
-        wall_seconds=wall_seconds,
+        wall_seconds=calls_seconds,
         calls_by_kind=dict(run.calls_by_kind),
         errors_by_call_kind={kind: dict(errors) for kind, errors in run.errors.items()},
         invariant_checks=run.invariant_checks,
-        histories_checked=dataclasses.asdict(figures),
+        histories_checked=dataclasses.asdict(run.checker.figures),
         replay={
             "backend": "none" if replay is None else replay.backend_name,
             "ops_replayed": 0 if replay is None else replay.ops_replayed,
@@ -435,4 +490,12 @@ def _report(run: _Run, wall_seconds: float) -> StressReport:
         },
         conservation_problems=run.conservation_problems,
         findings=run.findings,
+        gaps=_gaps(run),
+        interrupted=run.interrupt.is_set(),
+        timing=Timing(
+            total_seconds=total_seconds,
+            checking_seconds=0.0 if checking is None else checking.seconds_busy,
+            checking_after_calls_seconds=0.0 if ended is None else finished - ended,
+            check_budget_seconds=config.check_budget,
+        ),
     )

@@ -24,7 +24,10 @@ Scheduling points:
 
 A thread that is still runnable when another is chosen has been preempted;
 ``max_preemptions`` bounds that number per schedule (CHESS's preemption
-bounding). An exploration is *exhaustive* when the bound cut no branch.
+bounding). An exploration is *exhaustive* when the bound cut no branch, and
+*complete* when it ran every schedule within the bound: a bound is a stated
+scope ("every schedule with at most one preemption"), but running out of
+``max_schedules`` is giving up, and makes the verdict inconclusive.
 
 After each schedule the explorer checks that the calls' results and the
 pool's final observable state (stats, history, free counts, every handle,
@@ -33,8 +36,9 @@ order of the scenario's calls, consistent with each thread's program order,
 run through the executable spec (``veloxquant_mlx_spec.transitions``); and
 that ``check_invariants()`` passes.
 
-``python -m veloxquant_mlx.stress.schedules`` prints each scenario's
-explored-schedule count. The engine is
+``python -m veloxquant_mlx.stress.schedules``
+(:mod:`~veloxquant_mlx.stress.schedules_command`) prints each scenario's
+explored-schedule count and verdict. The engine is
 :mod:`~veloxquant_mlx.stress.controlled_scheduler`; the scenarios live in
 :mod:`~veloxquant_mlx.stress.schedule_scenarios` and the spec's side of the
 judgement in :mod:`~veloxquant_mlx.stress.schedule_outcomes`.
@@ -50,14 +54,13 @@ exploration per thread.
 
 from __future__ import annotations
 
-import argparse
 import inspect
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory.block_pool import AllocationStats, Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.controlled_scheduler import ControlledLock, ControlledRun, next_choices
 from veloxquant_mlx.stress.schedule_outcomes import (
@@ -287,6 +290,8 @@ class Exploration:
         max_preemptions: The preemption bound (``None``: unbounded).
         schedules: Schedules run.
         exhaustive: True if no schedule was cut by the bound or ``max_schedules``.
+        complete: True if no schedule within the bound was left (``max_schedules``
+            was not reached): what the verdict requires.
         sequential_orders: Program-order merges the spec ran to get the allowed outcomes.
         outcomes_allowed: Distinct outcomes (results and final state) those orders give.
         outcomes_seen: How many of them some schedule produced; all of them, when the
@@ -305,6 +310,23 @@ class Exploration:
     outcomes_seen: int
     violations: tuple[ScheduleViolation, ...]
     seconds: float
+    complete: bool = True
+
+    @property
+    def gap(self) -> Gap | None:
+        """The schedules within the bound that were not run, and why; ``None`` if none."""
+        if self.complete:
+            return None
+        return Gap(
+            f"schedules of {self.scenario!r} after the first {self.schedules:,}",
+            "the max_schedules budget ran out",
+        )
+
+    @property
+    def verdict(self) -> Verdict:
+        """Violation, inconclusive (``max_schedules`` ran out) or OK (within the bound)."""
+        gaps = () if self.gap is None else (self.gap,)
+        return verdict_of(violations=len(self.violations), gaps=gaps)
 
 
 def explore(
@@ -354,6 +376,7 @@ def explore(
         outcomes_seen=len(checker.seen),
         violations=tuple(violations),
         seconds=time.perf_counter() - started,
+        complete=choices is None,
     )
 
 
@@ -368,37 +391,12 @@ def replay(
     return _Checker(scenario, factory, granularity).run_once(choices)[1]
 
 
-# ---- report ----------------------------------------------------------------------
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    """Explore every built-in scenario and print its schedule count; 1 on a violation."""
-    parser = argparse.ArgumentParser(prog="python -m veloxquant_mlx.stress.schedules")
-    parser.add_argument("--granularity", choices=("lock", "line"), default="lock")
-    parser.add_argument("--max-preemptions", type=int, default=None)
-    args = parser.parse_args(argv)
-    bound = "none" if args.max_preemptions is None else str(args.max_preemptions)
-    print(f"granularity={args.granularity} max_preemptions={bound}")
-    print(
-        f"{'scenario':<36} {'threads':>7} {'orders':>6} {'outcomes':>8} {'seen':>4} "
-        f"{'schedules':>9} exhaustive  seconds"
-    )
-    failed = False
-    for scenario in SCENARIOS:
-        result = explore(
-            scenario, granularity=args.granularity, max_preemptions=args.max_preemptions
-        )
-        failed = failed or bool(result.violations)
-        exhaustive = "yes" if result.exhaustive else "no"
-        print(
-            f"{scenario.name:<36} {len(scenario.threads):>7} {result.sequential_orders:>6} "
-            f"{result.outcomes_allowed:>8} {result.outcomes_seen:>4} {result.schedules:>9} "
-            f"{exhaustive:<10} {result.seconds:8.2f}"
-        )
-        for violation in result.violations:
-            print(violation)
-    return 1 if failed else 0
+    """The command line; see :mod:`veloxquant_mlx.stress.schedules_command`."""
+    from veloxquant_mlx.stress.schedules_command import main as command_main  # noqa: PLC0415
+
+    return command_main(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

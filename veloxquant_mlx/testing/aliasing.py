@@ -26,7 +26,9 @@ checks those too, so a history recorded from a concurrent run replays as a
 linearizability check.
 
 Command line: ``python -m veloxquant_mlx.testing.aliasing TRACE.jsonl
-[--backend mlx|numpy]``, or :func:`replay_file` from code.
+[--backend mlx|numpy]`` (:mod:`~veloxquant_mlx.testing.replay_command`: it
+refuses bad input first, and gives a partial trace the verdict
+inconclusive), or :func:`replay_file` from code.
 
 Complexity: per op O(live blocks x layers x block slots) for the content
 check, plus O(held reads) and the pool's O(n) invariant check; this is a test
@@ -35,12 +37,10 @@ tool. Thread safety: an engine is used from one thread.
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Final, Generic, TypeVar
+from typing import TYPE_CHECKING, Any, Final, Generic, TypeVar
 
 import numpy as np
 import numpy.typing as npt
@@ -77,9 +77,11 @@ if TYPE_CHECKING:
     import mlx.core as mx
 
 __all__ = [
+    "TOKEN_DTYPES",
     "AliasingReplay",
     "ReplayError",
     "StorageBackend",
+    "builtin_backend",
     "main",
     "mlx_backend",
     "numpy_backend",
@@ -99,6 +101,21 @@ _SENTINEL_MODULUS: Final = {
     "int16": 2**15,
 }
 _DEFAULT_MODULUS: Final = 2**24
+#: Dtypes a replayed store may have: numbers in which every sentinel is exact.
+TOKEN_DTYPES: Final = (
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint8",
+    "uint16",
+    "uint32",
+    "uint64",
+)
 
 
 @dataclass(frozen=True)
@@ -112,6 +129,12 @@ class StorageBackend(Generic[ArrayT]):
         to_numpy: Evaluates an array of the store's type and returns it as float32.
         headroom: The store's capacity stays below ``headroom * pool.id_bound()``
             (unless equal to it): the most its growth rule over-allocates.
+        cast: Converts an array made by ``from_numpy`` to a ``StoreSpec.dtype`` name;
+            stores refuse tokens of another dtype than theirs. ``None`` for a backend
+            whose stores only hold float32.
+        dtype_size: Bytes per value of a dtype name; raises ``ValueError`` for a
+            name this backend cannot store. ``None``: the backend does not say
+            (a command then cannot refuse a trace's store up front).
     """
 
     name: str
@@ -119,6 +142,18 @@ class StorageBackend(Generic[ArrayT]):
     from_numpy: Callable[[Values], ArrayT]
     to_numpy: Callable[[ArrayT], Values]
     headroom: int = 2
+    cast: Callable[[ArrayT, str], ArrayT] | None = None
+    dtype_size: Callable[[str], int] | None = None
+
+    def tokens(self, values: Values, dtype: str) -> ArrayT:
+        """``values`` as the store's array type in ``dtype``: what a write must be given."""
+        array = self.from_numpy(values)
+        return array if self.cast is None else self.cast(array, dtype)
+
+
+def _unknown_dtype(backend: str, name: str) -> ValueError:
+    known = [dtype for dtype in TOKEN_DTYPES if not (backend == "numpy" and dtype == "bfloat16")]
+    return ValueError(f"store dtype must be one of {known} for the {backend} backend, got {name!r}")
 
 
 def numpy_backend() -> StorageBackend[npt.NDArray[np.generic]]:
@@ -130,8 +165,18 @@ def numpy_backend() -> StorageBackend[npt.NDArray[np.generic]]:
             pool, spec.n_layers, spec.n_kv_heads, spec.head_dim, np.dtype(spec.dtype)
         )
 
+    def dtype_size(name: str) -> int:
+        if name not in TOKEN_DTYPES or name == "bfloat16":  # NumPy has no bfloat16
+            raise _unknown_dtype("numpy", name)
+        return np.dtype(name).itemsize
+
     return StorageBackend(
-        "numpy", make, lambda values: values, lambda array: np.array(array, dtype=np.float32)
+        "numpy",
+        make,
+        lambda values: values,
+        lambda array: np.array(array, dtype=np.float32),
+        cast=lambda array, dtype: array.astype(np.dtype(dtype)),
+        dtype_size=dtype_size,
     )
 
 
@@ -155,7 +200,30 @@ def mlx_backend(*, lazy_writes: bool = False) -> StorageBackend[mx.array]:
     def to_numpy(array: mx.array) -> Values:
         return np.array(array.astype(mx.float32), dtype=np.float32)
 
-    return StorageBackend("mlx-lazy" if lazy_writes else "mlx", make, mx.array, to_numpy)
+    def cast(array: mx.array, dtype: str) -> mx.array:
+        return array.astype(getattr(mx, dtype))
+
+    def dtype_size(name: str) -> int:
+        dtype = getattr(mx, name, None)
+        if name not in TOKEN_DTYPES or not isinstance(dtype, mx.Dtype):
+            raise _unknown_dtype("mlx", name)
+        return int(dtype.size)
+
+    name = "mlx-lazy" if lazy_writes else "mlx"
+    return StorageBackend(name, make, mx.array, to_numpy, cast=cast, dtype_size=dtype_size)
+
+
+def builtin_backend(name: str) -> StorageBackend[Any]:
+    """The backend ``"mlx"`` or ``"numpy"``.
+
+    Raises:
+        ValueError: Any other name.
+    """
+    if name == "mlx":
+        return mlx_backend()
+    if name == "numpy":
+        return numpy_backend()
+    raise ValueError(f"backend must be 'mlx' or 'numpy', got {name!r}")
 
 
 class ReplayError(AssertionError):
@@ -365,7 +433,7 @@ class AliasingReplay(Generic[ArrayT]):
             and op.start + op.n_tokens <= self._block_size
         )
         if not valid:
-            tokens = self.backend.from_numpy(self._sentinels(op.n_tokens))
+            tokens = self.backend.tokens(self._sentinels(op.n_tokens), self.spec.dtype)
             error = _attempt(lambda: self.store.write(op.layer, block, op.start, tokens))
             self._require_outcome(op.expect, error, "ValueError", ok=False)
             return replace(op, expect=outcome_name(error))
@@ -377,7 +445,7 @@ class AliasingReplay(Generic[ArrayT]):
         self, ref: HandleRef, layer: int, start: int, n_tokens: int, what: str
     ) -> None:
         values = self._sentinels(n_tokens)
-        tokens = self.backend.from_numpy(values)
+        tokens = self.backend.tokens(values, self.spec.dtype)
         error = _attempt(lambda: self.store.write(layer, self._live[ref], start, tokens))
         if error is not None:
             raise _CheckError(
@@ -590,6 +658,10 @@ def replay(trace: Trace, backend: StorageBackend[ArrayT]) -> AliasingReplay[Arra
 def replay_file(path: str | Path, backend: str | StorageBackend[ArrayT] = "mlx") -> int:
     """Replay the trace file at ``path`` on ``backend``: ``"mlx"``, ``"numpy"`` or any backend.
 
+    This only replays: a clean replay of a partial trace (``trace.partial``)
+    is not a pass; :func:`veloxquant_mlx.testing.replay_command.replay_verdict`
+    gives the verdict.
+
     Returns:
         The number of ops replayed.
 
@@ -599,34 +671,15 @@ def replay_file(path: str | Path, backend: str | StorageBackend[ArrayT] = "mlx")
         ValueError: ``backend`` names no built-in backend.
     """
     trace = load(path)
-    if backend == "mlx":
-        replay(trace, mlx_backend())
-    elif backend == "numpy":
-        replay(trace, numpy_backend())
-    elif isinstance(backend, StorageBackend):
-        replay(trace, backend)
-    else:
-        raise ValueError(f"backend must be 'mlx', 'numpy' or a StorageBackend, got {backend!r}")
+    replay(trace, backend if isinstance(backend, StorageBackend) else builtin_backend(backend))
     return len(trace.ops)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Command line: replay trace files; exit status 1 at the first failure."""
-    parser = argparse.ArgumentParser(
-        prog="python -m veloxquant_mlx.testing.aliasing",
-        description="Replay JSON-lines pool/store traces and check the store's data.",
-    )
-    parser.add_argument("traces", nargs="+", type=Path, help="trace files (.jsonl)")
-    parser.add_argument("--backend", choices=("mlx", "numpy"), default="mlx")
-    options = parser.parse_args(argv)
-    for path in options.traces:
-        try:
-            count = replay_file(path, options.backend)
-        except (ReplayError, ValueError) as failure:
-            print(f"{path}: FAILED: {failure}", file=sys.stderr)
-            return 1
-        print(f"{path}: {count} ops replayed on {options.backend}: ok")
-    return 0
+    """The command line; see :mod:`veloxquant_mlx.testing.replay_command`."""
+    from veloxquant_mlx.testing.replay_command import main as command_main  # noqa: PLC0415
+
+    return command_main(argv)
 
 
 if __name__ == "__main__":

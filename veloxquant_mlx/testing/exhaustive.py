@@ -42,9 +42,16 @@ by letter on fresh replays to name a shortest sequence. Every other letter
 gets a fresh replay, which reuses the spec's recorded predictions and skips
 the full comparison that path already passed.
 
-Command line: ``python -m veloxquant_mlx.testing.exhaustive [--profile
-ci|nightly] [--depth N] [--scope NAME]... [--json]``; exit status 1 when a
-counterexample is found.
+**Budget.** A search may be given a budget of distinct states (memory) and a
+deadline (time). When one runs out the search stops where it is and the
+:class:`Exploration` says how far it got (every sequence up to the last
+finished depth) as a :class:`~veloxquant_mlx.commandline.verdicts.Gap`: its
+verdict is then inconclusive, not OK.
+
+Command line (:mod:`~veloxquant_mlx.testing.exhaustive_command`): ``python -m
+veloxquant_mlx.testing.exhaustive [--profile ci|nightly] [--depth N]
+[--scope NAME]... [--max-states N] [--time-budget SECONDS] [--json]``; exit
+status 0 OK, 1 counterexample, 2 bad input, 3 inconclusive, 130 Ctrl-C.
 
 Complexity: O(S x A x D) calls for S distinct states (about x8 per depth),
 A letters (about 40) and depth D; memory O(S). Thread safety: none; each
@@ -53,13 +60,11 @@ A letters (about 40) and depth D; memory O(S). Thread safety: none; each
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 
+from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.testing.lockstep import (
     AllocatorFactory,
@@ -329,14 +334,22 @@ class Exploration:
     new_states_per_depth: tuple[int, ...]
     seconds: float
     counterexample: Counterexample | None
+    gap: Gap | None = None  # what a budget cut off, if one ran out
+
+    @property
+    def verdict(self) -> Verdict:
+        """Violation (a counterexample), inconclusive (a budget ran out) or OK."""
+        gaps = () if self.gap is None else (self.gap,)
+        return verdict_of(violations=self.counterexample is not None, gaps=gaps)
 
     def summary(self) -> str:
         """One line: scope, depth, states, transitions, time and verdict."""
-        verdict = "OK" if self.counterexample is None else "COUNTEREXAMPLE"
+        verdict = "COUNTEREXAMPLE" if self.counterexample is not None else self.verdict.label
+        cut = "" if self.gap is None or self.counterexample is not None else f" ({self.gap})"
         return (
             f"{self.scope}: depth {self.depth}, {self.states} distinct states, "
             f"{self.transitions} transitions, {self.merges_probed} merges probed, "
-            f"{self.seconds:.1f}s, {verdict}"
+            f"{self.seconds:.1f}s, {verdict}{cut}"
         )
 
     def to_json(self) -> dict[str, object]:
@@ -350,6 +363,8 @@ class Exploration:
             "merges_probed": self.merges_probed,
             "new_states_per_depth": list(self.new_states_per_depth),
             "seconds": round(self.seconds, 3),
+            "verdict": self.verdict.value,
+            "not_checked": None if self.gap is None else self.gap.to_json(),
             "counterexample": None if found is None else found.to_json(),
         }
 
@@ -386,7 +401,14 @@ class _ReplayLockstep(Lockstep):
 class _Explorer:
     """Breadth-first search over one scope; each distinct state is one ``_Node``."""
 
-    def __init__(self, scope: Scope, factory: AllocatorFactory) -> None:
+    def __init__(
+        self,
+        scope: Scope,
+        factory: AllocatorFactory,
+        *,
+        max_states: int | None = None,
+        deadline: float | None = None,
+    ) -> None:
         initial = model.new_pool(scope.config, scope.history_len)
         if isinstance(initial, model.Err):
             raise ValueError(f"scope {scope.name!r} is rejected by the spec: {initial}")
@@ -399,6 +421,25 @@ class _Explorer:
         self.merges_probed = 0
         self.new_states_per_depth: list[int] = []
         self.probe_failure: Counterexample | None = None  # the first merge probe that failed
+        self.max_states = max_states
+        self.deadline = deadline  # time.monotonic() after which the search stops
+        self.gap: Gap | None = None  # set when a budget stopped the search
+
+    def _out_of_budget(self, level: int, target: int, expanded: int, layer: int) -> bool:
+        """Whether a budget ran out while checking length ``level``; if so, record the gap."""
+        if self.max_states is not None and len(self.seen) >= self.max_states:
+            why = f"the budget of {self.max_states:,} distinct states ran out"
+        elif self.deadline is not None and time.monotonic() >= self.deadline:
+            why = "the time budget ran out"
+        else:
+            return False
+        self.gap = Gap(
+            f"sequences of length {level} to {target} (every sequence up to length "
+            f"{level - 1} was checked, and those of length {level} from {expanded:,} of "
+            f"the {layer:,} states reached at length {level - 1})",
+            why,
+        )
+        return True
 
     def path(self, index: int) -> list[_Node]:
         """The nodes from the initial one (excluded) to node ``index``, in order."""
@@ -560,7 +601,9 @@ class _Explorer:
         start, layer = time.perf_counter(), [0]
         for level in range(1, depth + 1):
             next_layer: list[int] = []
-            for index in layer:
+            for expanded, index in enumerate(layer):
+                if self._out_of_budget(level, depth, expanded, len(layer)):
+                    return self.probe_failure
                 outcome = self.expand(index)
                 if isinstance(outcome, Counterexample):
                     return outcome
@@ -584,6 +627,9 @@ def explore(
     depth: int,
     factory: AllocatorFactory = default_factory,
     progress: Callable[[str], None] | None = None,
+    *,
+    max_states: int | None = None,
+    deadline: float | None = None,
 ) -> Exploration:
     """Check every sequence of up to ``depth`` letters on ``scope``'s pool, breadth first.
 
@@ -592,12 +638,15 @@ def explore(
         depth: The longest sequence; 0 checks the initial state only.
         factory: Builds the allocator under test.
         progress: Called with one line per depth.
+        max_states: Stop once this many distinct states are known (``None``: never).
+        deadline: Stop at this ``time.monotonic()`` (``None``: never).
 
     Returns:
-        The counts, and the first (hence a shortest) counterexample if any.
+        The counts, the first (hence a shortest) counterexample if any, and
+        the gap a budget left (then the verdict is inconclusive).
     """
     start = time.perf_counter()
-    explorer = _Explorer(scope, factory)
+    explorer = _Explorer(scope, factory, max_states=max_states, deadline=deadline)
     counterexample = explorer.search(depth, progress)
     return Exploration(
         scope=scope.name,
@@ -608,49 +657,16 @@ def explore(
         new_states_per_depth=tuple(explorer.new_states_per_depth),
         seconds=time.perf_counter() - start,
         counterexample=counterexample,
+        gap=explorer.gap,
     )
-
-
-# ---- command line ------------------------------------------------------------------
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="python -m veloxquant_mlx.testing.exhaustive",
-        description="Check every operation sequence up to a depth against the spec.",
-    )
-    parser.add_argument("--profile", choices=sorted(PROFILE_DEPTHS), default="ci")
-    parser.add_argument("--depth", type=int, help="overrides the profile's depth")
-    names = [scope.name for scope in SCOPES]
-    parser.add_argument("--scope", action="append", choices=names, help="repeatable")
-    parser.add_argument("--json", action="store_true", help="print the results as JSON")
-    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Explore the chosen scopes; print a summary line each (or JSON), progress on stderr.
+    """The command line; see :mod:`veloxquant_mlx.testing.exhaustive_command`."""
+    from veloxquant_mlx.testing.exhaustive_command import main as command_main  # noqa: PLC0415
 
-    Returns:
-        0 when every scope conforms, 1 when a counterexample was found.
-    """
-    parser = _parser()
-    args = parser.parse_args(argv)
-    depth: int = PROFILE_DEPTHS[args.profile] if args.depth is None else args.depth
-    if depth < 0:
-        parser.error(f"--depth must be >= 0, got {depth}")
-    results = []
-    for scope in SCOPES:
-        if args.scope is None or scope.name in args.scope:
-            result = explore(scope, depth, progress=lambda line: print(line, file=sys.stderr))
-            results.append(result)
-            if not args.json:
-                print(result.summary(), flush=True)
-                if result.counterexample is not None:
-                    print(result.counterexample, flush=True)
-    if args.json:
-        print(json.dumps([result.to_json() for result in results], indent=2))
-    return 1 if any(result.counterexample for result in results) else 0
+    return command_main(argv)
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -14,6 +14,7 @@ few lines of its own, the way ``zarr.testing`` serves store authors::
             pool, spec.n_layers, spec.n_kv_heads, spec.head_dim, spec.dtype),
         from_numpy=my_array_from_numpy,     # float32 ndarray -> your array
         to_numpy=my_array_to_numpy,         # your array -> float32 ndarray (evaluates)
+        cast=my_array_astype,               # (your array, "float16") -> converted array
     )
 
     class TestMyStore(StorageConformance[MyArray]):
@@ -24,9 +25,10 @@ few lines of its own, the way ``zarr.testing`` serves store authors::
 :class:`StorageConformance` holds one test per rule of the protocol (round
 trips, distinct ids never sharing storage, gathered arrays never changing,
 lazy ones included, ``gather_heads`` agreeing with ``gather``, bad writes
-refused without effect, geometric growth that keeps data, shrinkage that
-gives memory back, concurrent writers, and canned traces through the
-aliasing replay). :func:`random_trace_test` builds
+(tokens of another dtype included) refused without effect, a dropped
+cache's blocks returned by the next store call, geometric growth that keeps
+data, shrinkage that gives memory back, concurrent writers, and canned
+traces through the aliasing replay). :func:`random_trace_test` builds
 a Hypothesis test that replays random traces of every pool and store
 operation through :class:`~veloxquant_mlx.testing.aliasing.AliasingReplay`;
 a failing example is printed as a JSON-lines trace (and saved when the
@@ -53,6 +55,7 @@ from hypothesis import given, note, settings
 from hypothesis import strategies as st
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.memory.storage import BlockStorage
 from veloxquant_mlx.testing.aliasing import (
     AliasingReplay,
@@ -175,9 +178,13 @@ class StorageConformance(Generic[ArrayT]):
         values = np.arange(first, first + count, dtype=np.float32)
         return values.reshape(n_tokens, self.spec.n_kv_heads, self.spec.head_dim)
 
+    def as_tokens(self, values: Values) -> ArrayT:
+        """``values`` as the backend's array in the store's dtype: what a write takes."""
+        return self.backend.tokens(values, self.spec.dtype)
+
     def write(self, store: BlockStorage[ArrayT], layer: int, block: Block, values: Values) -> None:
         """Write ``values`` into ``block`` from slot 0."""
-        store.write(layer, block, 0, self.backend.from_numpy(values))
+        store.write(layer, block, 0, self.as_tokens(values))
 
     def read(
         self, store: BlockStorage[ArrayT], layer: int, blocks: Sequence[Block], n: int = -1
@@ -232,7 +239,7 @@ class StorageConformance(Generic[ArrayT]):
     def test_write_then_gather_returns_the_tokens(self) -> None:
         pool, store = self.make()
         [block] = pool.allocate("kv", 4, owner=1)
-        store.write(1, block, 1, self.backend.from_numpy(self.tokens(2)))
+        store.write(1, block, 1, self.as_tokens(self.tokens(2)))
         np.testing.assert_array_equal(self.read(store, 1, [block], 3)[1:], self.tokens(2))
 
     def test_gather_concatenates_blocks_in_order_and_stops_at_n_tokens(self) -> None:
@@ -384,7 +391,7 @@ class StorageConformance(Generic[ArrayT]):
         [reused] = pool.allocate("kv", 4, owner=2)
         assert reused.block_id == stale.block_id
         self.fill(store, [reused])
-        values = self.backend.from_numpy(self.tokens(1, first=999))
+        values = self.as_tokens(self.tokens(1, first=999))
         self.assert_write_refused(store, ValueError, lambda: store.write(0, stale, 0, values))
 
     def test_write_rejects_another_pools_handle(self) -> None:
@@ -392,7 +399,7 @@ class StorageConformance(Generic[ArrayT]):
         self.fill(store, pool.allocate("kv", 4, owner=1))
         other_pool, _ = self.make()
         [foreign] = other_pool.allocate("kv", 4, owner=1)
-        values = self.backend.from_numpy(self.tokens(1, first=999))
+        values = self.as_tokens(self.tokens(1, first=999))
         self.assert_write_refused(store, ValueError, lambda: store.write(0, foreign, 0, values))
 
     def test_write_rejects_a_hand_built_block(self) -> None:
@@ -400,12 +407,12 @@ class StorageConformance(Generic[ArrayT]):
         [block] = pool.allocate("kv", 4, owner=1)
         self.fill(store, [block])
         forged = Block(block.block_id, "kv", "fp16", 4, owner=1, ever_allocated=True)
-        values = self.backend.from_numpy(self.tokens(1, first=999))
+        values = self.as_tokens(self.tokens(1, first=999))
         self.assert_write_refused(store, ValueError, lambda: store.write(0, forged, 0, values))
 
     def test_write_rejects_a_non_block(self) -> None:
         _, store = self.make()
-        values = self.backend.from_numpy(self.tokens(1))
+        values = self.as_tokens(self.tokens(1))
         self.assert_write_refused(
             store,
             TypeError,
@@ -417,7 +424,7 @@ class StorageConformance(Generic[ArrayT]):
         pool, store = self.make(block_size=4)
         [block] = pool.allocate("kv", 4, owner=1)
         self.fill(store, [block])
-        values = self.backend.from_numpy(self.tokens(n_tokens, first=999))
+        values = self.as_tokens(self.tokens(n_tokens, first=999))
         self.assert_write_refused(store, ValueError, lambda: store.write(0, block, start, values))
 
     @pytest.mark.parametrize("past_the_end", [False, True])
@@ -425,7 +432,7 @@ class StorageConformance(Generic[ArrayT]):
         pool, store = self.make()
         layer = store.n_layers if past_the_end else -1
         [block] = pool.allocate("kv", 4, owner=1)
-        values = self.backend.from_numpy(self.tokens(1))
+        values = self.as_tokens(self.tokens(1))
         self.assert_write_refused(store, ValueError, lambda: store.write(layer, block, 0, values))
 
     @pytest.mark.parametrize("mistake", ["extra head", "no token axis", "extra axis", "short"])
@@ -439,8 +446,16 @@ class StorageConformance(Generic[ArrayT]):
             "extra axis": (1, heads, dim, 1),
             "short": (2, heads, dim - 1) if dim > 1 else (2, heads, dim + 1),
         }[mistake]
-        values = self.backend.from_numpy(np.ones(shape, dtype=np.float32))
+        values = self.as_tokens(np.ones(shape, dtype=np.float32))
         self.assert_write_refused(store, ValueError, lambda: store.write(0, block, 0, values))
+
+    def test_write_rejects_tokens_of_another_dtype(self) -> None:
+        pool, store = self.make()
+        [block] = pool.allocate("kv", 4, owner=1)
+        self.fill(store, [block])
+        other = "float16" if self.spec.dtype == "float32" else "float32"
+        values = self.backend.tokens(self.tokens(1, first=999), other)
+        self.assert_write_refused(store, TypeError, lambda: store.write(0, block, 0, values))
 
     def test_gather_rejects_a_freed_handle(self) -> None:
         pool, store = self.make()
@@ -456,6 +471,27 @@ class StorageConformance(Generic[ArrayT]):
             store.gather(0, blocks, 9)
 
     # -- following the pool -------------------------------------------------------------
+
+    @pytest.mark.parametrize("call", ["sync", "capacity", "resident_bytes", "gather", "write"])
+    def test_a_dropped_cache_gives_its_blocks_back_at_the_next_store_call(self, call: str) -> None:
+        pool, store = self.make(block_size=4)
+        [block] = pool.allocate("kv", 4, owner=1)
+        dropped = PooledKVCache(pool, owner=2)
+        dropped.append(5)  # two blocks per stream
+        del dropped  # its finaliser only queues the release: no pool call drains it
+        assert pool.stats.blocks_in_use() == 5
+        calls: dict[str, Callable[[], object]] = {
+            "sync": store.sync,
+            "capacity": store.capacity,
+            "resident_bytes": store.resident_bytes,
+            "gather": lambda: store.gather(0, [block], 4),
+            "write": lambda: store.write(0, block, 0, self.as_tokens(self.tokens(1))),
+        }
+        calls[call]()
+        assert pool.stats.blocks_in_use() == 1
+        assert pool.blocks_for(2) == []
+        pool.register_owner(2)  # the dropped cache's owner id is free again
+        pool.check_invariants()
 
     def test_growth_keeps_existing_data_and_covers_new_ids(self) -> None:
         pool, store = self.make(n_blocks=2, grow=True)
@@ -516,7 +552,7 @@ class ThreadSafeStorageConformance(StorageConformance[ArrayT]):
         def writer(index: int) -> None:
             for round_ in range(20):
                 values = self.tokens(1, first=1000 + round_)
-                store.write(0, blocks[index], round_ % 4, self.backend.from_numpy(values))
+                store.write(0, blocks[index], round_ % 4, self.as_tokens(values))
             self.write(store, 0, blocks[index], finals[index])
 
         threads = [threading.Thread(target=writer, args=(i,)) for i in range(len(blocks))]

@@ -18,6 +18,13 @@ File format (one JSON object per line, blank lines ignored)::
     {"op": "write", "layer": 0, "handle": [0, 1], "start": 1, "n_tokens": 2}
     {"op": "free", "handles": [[0, 0]], "expect": "ok"}
 
+A header may add ``"partial": true``: the ops are the beginning of a longer
+history whose end was never recorded (a stress run that was interrupted, or
+whose checking gave up). Every op of a partial trace still replays and is
+checked, but a clean replay of it cannot say OK: its verdict is
+inconclusive. The store's ``n_layers``, ``n_kv_heads`` and ``head_dim`` are
+ints ``>= 1`` and its ``dtype`` a name the replay backend knows.
+
 A handle is named ``[call, position]``: the ``position``-th block returned by
 the ``allocate`` op whose ``call`` label is ``call``. Labels are any distinct
 ints, so ops can be dropped or reordered without renaming. The name stays
@@ -53,6 +60,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import ClassVar, Final
 
+from veloxquant_mlx.commandline.files import atomic_write_text
 from veloxquant_mlx.memory.block_pool import Block, PoolConfig
 
 __all__ = [
@@ -74,6 +82,7 @@ __all__ = [
     "Write",
     "decode_op",
     "dumps",
+    "encode_header",
     "encode_op",
     "load",
     "loads",
@@ -93,12 +102,31 @@ class TraceFormatError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class StoreSpec:
-    """Shape of the store a trace runs against: layers, one slot's shape, dtype name."""
+    """Shape of the store a trace runs against: layers, one slot's shape, dtype name.
+
+    Invariant: the three sizes are ints ``>= 1`` (``bool`` excluded) and
+    ``dtype`` a non-empty str; whether a backend knows the dtype is the
+    backend's to say.
+    """
 
     n_layers: int = 2
     n_kv_heads: int = 2
     head_dim: int = 3
     dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("n_layers", "n_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if type(value) is not int:
+                raise TypeError(f"{name} must be an int >= 1, got {value!r}")
+            if value < 1:
+                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        if not isinstance(self.dtype, str) or not self.dtype:
+            raise TypeError(f"dtype must be a non-empty str naming a dtype, got {self.dtype!r}")
+
+    def slot_count(self) -> int:
+        """Values in one token slot of one layer: ``n_kv_heads * head_dim``."""
+        return self.n_kv_heads * self.head_dim
 
 
 @dataclass(frozen=True, slots=True)
@@ -240,11 +268,15 @@ _STR_FIELDS: Final = frozenset({"stream", "format", "expect"})
 
 @dataclass(frozen=True, slots=True)
 class Trace:
-    """A pool configuration, a store shape, and the ops to apply, in order."""
+    """A pool configuration, a store shape, and the ops to apply, in order.
+
+    ``partial`` marks the beginning of a longer history (module docstring).
+    """
 
     pool: PoolConfig
     store: StoreSpec = StoreSpec()
     ops: tuple[Op, ...] = ()
+    partial: bool = False
 
     def with_ops(self, ops: Iterable[Op]) -> Trace:
         """This trace with its ops replaced."""
@@ -264,40 +296,41 @@ def encode_op(op: Op) -> str:
     return json.dumps(record, separators=(",", ":"))
 
 
-def _encode_header(trace: Trace) -> str:
+def encode_header(trace: Trace) -> str:
+    """The header line of ``trace`` (no newline): format, pool, store, and ``partial`` if set."""
     pool = trace.pool
     store = trace.store
-    return json.dumps(
-        {
-            "trace": FORMAT_NAME,
-            "version": FORMAT_VERSION,
-            "pool": {
-                "block_size": pool.block_size,
-                "n_blocks": pool.n_blocks,
-                "separate_kv": pool.separate_kv,
-                "grow_on_exhaustion": pool.grow_on_exhaustion,
-                "max_blocks": pool.max_blocks,
-            },
-            "store": {
-                "n_layers": store.n_layers,
-                "n_kv_heads": store.n_kv_heads,
-                "head_dim": store.head_dim,
-                "dtype": store.dtype,
-            },
+    header: dict[str, object] = {
+        "trace": FORMAT_NAME,
+        "version": FORMAT_VERSION,
+        "pool": {
+            "block_size": pool.block_size,
+            "n_blocks": pool.n_blocks,
+            "separate_kv": pool.separate_kv,
+            "grow_on_exhaustion": pool.grow_on_exhaustion,
+            "max_blocks": pool.max_blocks,
         },
-        separators=(",", ":"),
-    )
+        "store": {
+            "n_layers": store.n_layers,
+            "n_kv_heads": store.n_kv_heads,
+            "head_dim": store.head_dim,
+            "dtype": store.dtype,
+        },
+    }
+    if trace.partial:
+        header["partial"] = True
+    return json.dumps(header, separators=(",", ":"))
 
 
 def dumps(trace: Trace) -> str:
     """The whole trace as JSON-lines text: the header, then one line per op."""
-    lines = [_encode_header(trace), *map(encode_op, trace.ops)]
+    lines = [encode_header(trace), *map(encode_op, trace.ops)]
     return "\n".join(lines) + "\n"
 
 
 def save(trace: Trace, path: str | Path) -> None:
-    """Write ``trace`` to ``path`` as JSON lines (UTF-8)."""
-    Path(path).write_text(dumps(trace), encoding="utf-8")
+    """Write ``trace`` to ``path`` as JSON lines (UTF-8), atomically."""
+    atomic_write_text(Path(path), dumps(trace))
 
 
 # -- decoding -----------------------------------------------------------------------
@@ -362,7 +395,10 @@ def decode_op(line: str) -> Op:
         raise TraceFormatError(f"op {kind!r}: {error}") from None
 
 
-def _decode_header(line: str) -> tuple[PoolConfig, StoreSpec]:
+_HEADER_KEYS: Final = frozenset({"trace", "version", "pool", "store", "partial"})
+
+
+def _decode_header(line: str) -> tuple[PoolConfig, StoreSpec, bool]:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
@@ -373,11 +409,19 @@ def _decode_header(line: str) -> tuple[PoolConfig, StoreSpec]:
         raise TraceFormatError(
             f"trace version {record.get('version')!r} is not supported; expected {FORMAT_VERSION}"
         )
+    unknown = sorted(set(record) - _HEADER_KEYS)
+    if unknown:
+        raise TraceFormatError(
+            f"header has unknown key(s) {unknown}; expected {sorted(_HEADER_KEYS)}"
+        )
     pool_fields, store_fields = record.get("pool"), record.get("store")
     if not isinstance(pool_fields, dict) or not isinstance(store_fields, dict):
         raise TraceFormatError('header needs objects "pool" and "store"')
+    partial = record.get("partial", False)
+    if type(partial) is not bool:
+        raise TraceFormatError(f'header "partial" must be true or false, got {partial!r}')
     try:
-        return PoolConfig(**pool_fields), StoreSpec(**store_fields)
+        return PoolConfig(**pool_fields), StoreSpec(**store_fields), partial
     except (TypeError, ValueError) as error:
         raise TraceFormatError(f"header: {error}") from None
 
@@ -393,7 +437,7 @@ def loads(text: str) -> Trace:
         raise TraceFormatError("empty trace: expected a header line")
     header_number, header_line = numbered[0]
     try:
-        pool, store = _decode_header(header_line)
+        pool, store, partial = _decode_header(header_line)
     except TraceFormatError as error:
         raise TraceFormatError(f"line {header_number}: {error}") from None
     ops: list[Op] = []
@@ -402,12 +446,21 @@ def loads(text: str) -> Trace:
             ops.append(decode_op(line))
         except TraceFormatError as error:
             raise TraceFormatError(f"line {number}: {error}") from None
-    return Trace(pool, store, tuple(ops))
+    return Trace(pool, store, tuple(ops), partial)
 
 
 def load(path: str | Path) -> Trace:
-    """Read a trace file written by :func:`save`."""
-    return loads(Path(path).read_text(encoding="utf-8"))
+    """Read a trace file written by :func:`save`.
+
+    Raises:
+        OSError: The file cannot be read (missing, a folder...).
+        TraceFormatError: It is not a trace (including text that is not UTF-8).
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        raise TraceFormatError(f"not UTF-8 text: {error}") from None
+    return loads(text)
 
 
 # -- recording a live history -------------------------------------------------------

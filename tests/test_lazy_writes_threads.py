@@ -1,0 +1,102 @@
+"""A lazy_writes store used from a second thread says so, and keeps serving its own.
+
+MLX streams are per thread, so a lazy write leaves a graph that only its own
+thread can evaluate. Unchecked, a second thread's call failed with "There is
+no Stream(cpu, 1) in current thread" and left a slab that broke every later
+call on the first thread too. Now the store belongs to the first thread that
+calls it, and any other thread is refused, naming ``lazy_writes`` and both
+threads, before anything changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import mlx.core as mx
+import pytest
+from conftest import pool_unchanged
+from threads import in_thread
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+
+Call = Callable[[MLXBlockStorage, Block], object]
+
+CALLS: dict[str, Call] = {
+    "write": lambda store, block: store.write(0, block, 1, mx.full((1, 1, 2), 5.0)),
+    "gather": lambda store, block: store.gather(0, [block], 2),
+    "gather_heads": lambda store, block: store.gather_heads(0, [block], 2),
+    "sync": lambda store, block: store.sync(),
+    "capacity": lambda store, block: store.capacity(),
+    "resident_bytes": lambda store, block: store.resident_bytes(),
+}
+
+
+def _lazy_store() -> tuple[BlockPoolAllocator, MLXBlockStorage, Block]:
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
+    store = MLXBlockStorage(pool, 1, 1, 2, mx.float32, lazy_writes=True)
+    [block] = pool.allocate("k", 4, owner=1)
+    store.write(0, block, 0, mx.ones((1, 1, 2)))  # a pending graph: the main thread's
+    return pool, store, block
+
+
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+def test_a_second_thread_is_refused_by_name_and_nothing_changes(call: Call) -> None:
+    pool, store, block = _lazy_store()
+    with pool_unchanged(pool, owners=[1], handles=[block]):
+        error = in_thread("intruder", lambda: call(store, block))
+    assert isinstance(error, RuntimeError)
+    message = str(error)
+    assert "lazy_writes" in message
+    assert "'MainThread'" in message
+    assert "'intruder'" in message
+
+
+@pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
+def test_the_store_stays_usable_from_its_own_thread(call: Call) -> None:
+    _, store, block = _lazy_store()
+    in_thread("intruder", lambda: call(store, block))
+    store.write(0, block, 1, mx.full((1, 1, 2), 2.0))
+    gathered = store.gather(0, [block], 2)
+    assert gathered.reshape(-1).tolist() == [1.0, 1.0, 2.0, 2.0]
+    assert store.capacity() == 8
+
+
+def test_the_first_thread_to_call_owns_the_store() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
+    store = MLXBlockStorage(pool, 1, 1, 2, mx.float32, lazy_writes=True)  # built on main
+    [block] = pool.allocate("k", 4, owner=1)
+
+    def decode_loop() -> None:
+        store.write(0, block, 0, mx.ones((1, 1, 2)))
+        mx.eval(store.gather(0, [block], 1))
+
+    assert in_thread("decoder", decode_loop) is None
+    with pytest.raises(RuntimeError, match=r"'decoder'.*'MainThread'"):
+        store.sync()
+
+
+def test_a_pool_backed_cache_on_a_second_thread_is_refused_and_keeps_its_positions() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
+    store = MLXBlockStorage(pool, 1, 1, 2, mx.float32, lazy_writes=True)
+    [cache] = PoolBackedPromptCache(store, PooledKVCache(pool))
+    one = mx.ones((1, 1, 1, 2))
+    cache.update_and_fetch(one, one)
+    error = in_thread("intruder", lambda: cache.update_and_fetch(one, one))
+    assert isinstance(error, RuntimeError)
+    assert "lazy_writes" in str(error)
+    assert cache.offset == 1
+    keys, _ = cache.update_and_fetch(one * 2, one * 2)
+    assert keys.reshape(-1).tolist() == [1.0, 1.0, 2.0, 2.0]
+    cache.book.check_invariants()
+    cache.book.release()
+
+
+def test_a_store_without_lazy_writes_serves_every_thread() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
+    store = MLXBlockStorage(pool, 1, 1, 2, mx.float32)
+    [block] = pool.allocate("k", 4, owner=1)
+    assert in_thread("writer", lambda: store.write(0, block, 0, mx.ones((1, 1, 2)))) is None
+    assert store.gather(0, [block], 1).reshape(-1).tolist() == [1.0, 1.0]

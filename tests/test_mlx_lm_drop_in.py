@@ -1,0 +1,267 @@
+"""Drop-in means drop-in: a pool-backed cache changes nothing mlx-lm computes.
+
+A store sized from the model holds exactly the keys and values ``KVCache``
+would (so bfloat16, float16 and float32 models decode bit for bit alike, on
+the gathered attention path that these tests pin; the fused CUDA kernel
+agrees within float tolerance, see test_paged_attention);
+a store of another dtype refuses the model's keys instead of casting them;
+``kv_bits`` is refused with a clear error where mlx-lm asks a cache to
+quantize; and a pool-backed cache saved with ``save_prompt_cache`` loads
+with ``load_prompt_cache``, as ``KVCache`` layers or paged again, and
+decodes on exactly as the original does.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from conftest import pool_unchanged
+from mlx.nn.layers.base import Module
+from mlx_lm.models import cache as mlx_lm_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    load_prompt_cache,
+    make_prompt_cache,
+    save_prompt_cache,
+)
+from tiny_models import Decode, greedy, prompt, tiny_model
+
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache, make_pool_backed_cache
+from veloxquant_mlx.memory.mlx_lm_protocol import register_for_loading
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+from veloxquant_mlx.memory.model_kv_layout import (
+    KVLayout,
+    kv_layout,
+    make_pool_backed_storage,
+)
+
+BLOCK_SIZE = 4
+STEPS = 24
+DTYPES = {"float32": mx.float32, "float16": mx.float16, "bfloat16": mx.bfloat16}
+
+
+def _pool() -> BlockPoolAllocator:
+    return BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=256))
+
+
+def _assert_identical(ours: Decode, reference: Decode) -> None:
+    assert ours[0] == reference[0]
+    assert all(mx.array_equal(a, b) for a, b in zip(ours[1], reference[1], strict=True))
+
+
+# -- sizing the store from the model ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("architecture", ["llama", "qwen2"])
+def test_kv_layout_reads_heads_head_dim_and_dtype_from_the_model(architecture: str) -> None:
+    model = tiny_model(architecture, 1, n_layers=3, n_kv_heads=2, head_dim=8, dtype=mx.bfloat16)
+    assert kv_layout(model) == KVLayout(n_layers=3, n_kv_heads=2, head_dim=8, dtype=mx.bfloat16)
+
+
+def test_make_pool_backed_storage_builds_the_store_the_layout_names() -> None:
+    model = tiny_model("llama", 1, n_layers=3, n_kv_heads=1, head_dim=8, dtype=mx.float16)
+    pool = _pool()
+    storage = make_pool_backed_storage(model, pool, lazy_writes=True)
+    assert (storage.pool, storage.n_layers) == (pool, 3)
+    assert (storage.slot_shape, storage.dtype) == ((1, 8), mx.float16)
+
+
+def test_kv_layout_refuses_a_model_with_sliding_window_layers() -> None:
+    from mlx_lm.models import llama
+
+    args = llama.ModelArgs(
+        model_type="llama",
+        hidden_size=32,
+        num_hidden_layers=2,
+        intermediate_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rms_norm_eps=1e-5,
+        vocab_size=32,
+        layer_types=["full_attention", "sliding_attention"],
+        sliding_window=8,
+    )
+    with pytest.raises(ValueError, match="RotatingKVCache"):
+        kv_layout(llama.Model(args))
+
+
+def test_kv_layout_refuses_what_is_not_a_model() -> None:
+    with pytest.raises(TypeError, match="list of layers"):
+        kv_layout(object())
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+def test_a_model_decodes_bit_for_bit_like_kv_cache(dtype: mx.Dtype) -> None:
+    model = tiny_model("qwen2", 2, dtype=dtype)
+    tokens = prompt(3)
+    reference = greedy(model, tokens, make_prompt_cache(model), STEPS)
+    storage = make_pool_backed_storage(model, _pool())
+    with make_pool_backed_cache(model, storage, attention="gather") as cache:
+        ours = greedy(model, tokens, cache, STEPS)
+    assert len(set(reference[0])) > 4, "a degenerate reference decode would prove little"
+    _assert_identical(ours, reference)
+
+
+def test_the_readme_float16_store_refuses_a_bfloat16_model_before_anything_changes() -> None:
+    model = tiny_model("llama", 4, dtype=mx.bfloat16)
+    pool = _pool()
+    storage = MLXBlockStorage(pool, 2, 2, 16, dtype=mx.float16)
+    with make_pool_backed_cache(model, storage, owner=9, attention="gather") as cache:
+        refused = pytest.raises(TypeError, match="dtype float16, got bfloat16 and bfloat16")
+        with pool_unchanged(pool, owners=[9]), refused:
+            greedy(model, prompt(5), cache, 4)
+        assert cache.book.empty()
+
+
+# -- kv_bits ---------------------------------------------------------------------------------
+
+
+def test_kv_bits_raises_a_clear_error_where_mlx_lm_asks_to_quantize() -> None:
+    model = tiny_model("llama", 6, head_dim=32)
+    pool = _pool()
+    storage = make_pool_backed_storage(model, pool)
+    with make_pool_backed_cache(model, storage, attention="gather") as cache:
+        with pytest.raises(ValueError, match=r"kv_bits=4 .* float32"):
+            greedy(model, prompt(7), cache, 4, kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+        assert all(type(layer) is PoolBackedKVCache for layer in cache)  # none replaced
+        cache.book.check_invariants()
+    assert pool.stats.blocks_in_use() == 0
+
+
+def test_kv_bits_before_quantized_kv_start_decodes_as_kv_cache_does() -> None:
+    model = tiny_model("llama", 6, head_dim=32)
+    options: dict[str, object] = {"kv_bits": 4, "kv_group_size": 32}  # start: 5000 positions
+    reference = greedy(model, prompt(7), make_prompt_cache(model), STEPS, **options)
+    with make_pool_backed_cache(
+        model, make_pool_backed_storage(model, _pool()), attention="gather"
+    ) as cache:
+        _assert_identical(greedy(model, prompt(7), cache, STEPS, **options), reference)
+
+
+# -- save_prompt_cache / load_prompt_cache ----------------------------------------------------
+
+
+def _continue(model: Module, cache: Sequence[object], last: int) -> Decode:
+    return greedy(model, mx.array([last]), cache, STEPS)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_a_saved_pool_backed_cache_loads_back_and_decodes_on_identically(
+    dtype: mx.Dtype, tmp_path: Path
+) -> None:
+    model = tiny_model("llama", 8, dtype=dtype)
+    storage = make_pool_backed_storage(model, _pool())
+    path = str(tmp_path / "cache.safetensors")
+    with make_pool_backed_cache(model, storage, attention="gather") as original:
+        tokens, _ = greedy(model, prompt(9), original, 6)
+        save_prompt_cache(path, original)
+        loaded = load_prompt_cache(path)  # type: ignore[no-untyped-call]
+        assert [type(layer) for layer in loaded] == [KVCache, KVCache]
+        assert [layer.offset for layer in loaded] == [layer.offset for layer in original]
+        with make_pool_backed_cache(model, storage, attention="gather") as paged:
+            paged.copy_from(loaded)
+            from_paged = _continue(model, paged, tokens[-1])
+        from_loaded = _continue(model, loaded, tokens[-1])
+        from_original = _continue(model, original, tokens[-1])
+    _assert_identical(from_loaded, from_original)
+    _assert_identical(from_paged, from_original)
+    assert storage.pool.stats.blocks_in_use() == 0
+
+
+def test_an_empty_pool_backed_cache_saves_and_loads_empty(tmp_path: Path) -> None:
+    model = tiny_model("llama", 8)
+    path = str(tmp_path / "empty.safetensors")
+    with make_pool_backed_cache(
+        model, make_pool_backed_storage(model, _pool()), attention="gather"
+    ) as cache:
+        save_prompt_cache(path, cache)
+    loaded = load_prompt_cache(path)  # type: ignore[no-untyped-call]
+    assert [layer.offset for layer in loaded] == [0, 0]
+
+
+def test_loading_is_registered_with_mlx_lm_without_replacing_its_names() -> None:
+    assert vars(mlx_lm_cache)["PoolBackedKVCache"] is PoolBackedKVCache
+    impostor = type("KVCache", (), {})
+    register_for_loading(impostor)
+    assert vars(mlx_lm_cache)["KVCache"] is KVCache
+
+
+# -- copy_from and state: bad input changes nothing ----------------------------------------------
+
+
+def _filled(model: Module, n_tokens: int, dtype: mx.Dtype = mx.float32) -> list[KVCache]:
+    caches = make_prompt_cache(model)
+    keys = mx.ones((1, 2, n_tokens, 16), dtype=dtype)
+    for cache in caches:
+        cache.update_and_fetch(keys, keys)
+    return caches
+
+
+def _kv_cache(keys: mx.array) -> KVCache:
+    cache = KVCache()  # type: ignore[no-untyped-call]
+    cache.update_and_fetch(keys, keys)  # type: ignore[no-untyped-call]
+    return cache
+
+
+BAD_COPIES = {
+    "one layer too few": (lambda m: _filled(m, 3)[:1], ValueError, "one cache per layer"),
+    "another dtype": (lambda m: _filled(m, 3, mx.float16), TypeError, "float32, got float16"),
+    "another head count": (
+        lambda m: [_kv_cache(mx.ones((1, 3, 2, 16)))] * 2,
+        ValueError,
+        "shape",
+    ),
+    "not a cache": (lambda m: [object(), object()], ValueError, "state must be"),
+}
+
+
+@pytest.mark.parametrize(("make_bad", "error", "message"), BAD_COPIES.values(), ids=BAD_COPIES)
+def test_copy_from_refuses_bad_input_and_changes_nothing(
+    make_bad: Callable[[Module], Sequence[object]], error: type[Exception], message: str
+) -> None:
+    model = tiny_model("llama", 10)
+    pool = _pool()
+    with make_pool_backed_cache(
+        model, make_pool_backed_storage(model, pool), owner=3, attention="gather"
+    ) as cache:
+        bad = make_bad(model)
+        with pool_unchanged(pool, owners=[3]), pytest.raises(error, match=message):
+            cache.copy_from(bad)
+        assert cache.book.empty()
+
+
+def test_copy_from_fills_only_an_empty_list() -> None:
+    model = tiny_model("llama", 10)
+    pool = _pool()
+    with make_pool_backed_cache(
+        model, make_pool_backed_storage(model, pool), owner=3, attention="gather"
+    ) as cache:
+        cache.copy_from(_filled(model, 5))
+        with pool_unchanged(pool, owners=[3]), pytest.raises(ValueError, match="holds 5"):
+            cache.copy_from(_filled(model, 2))
+
+
+def test_a_state_of_another_dtype_leaves_the_layer_as_it_was() -> None:
+    model = tiny_model("llama", 10)
+    pool = _pool()
+    with make_pool_backed_cache(
+        model, make_pool_backed_storage(model, pool), owner=3, attention="gather"
+    ) as cache:
+        cache.copy_from(_filled(model, 5))
+        wrong = mx.ones((1, 2, 2, 16), dtype=mx.bfloat16)
+        with pool_unchanged(pool, owners=[3]), pytest.raises(TypeError, match="bfloat16"):
+            cache[0].state = (wrong, wrong, 2)
+        assert cache[0].offset == 5
+
+
+def test_from_state_is_what_load_prompt_cache_calls_and_gives_a_kv_cache() -> None:
+    keys = mx.arange(2 * 3 * 4, dtype=mx.float32).reshape(1, 2, 3, 4)
+    cache = PoolBackedKVCache.from_state((keys, keys + 1, 2))
+    assert type(cache) is KVCache
+    assert cache.offset == 2
+    assert mx.array_equal(cache.state[0][..., :2, :], keys[..., :2, :])
+    assert PoolBackedKVCache.from_state((None, None, 0)).offset == 0

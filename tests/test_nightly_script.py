@@ -1,0 +1,67 @@
+"""``stress/nightly.sh`` fails the night on an inconclusive run, not only on a violation.
+
+The script is run with a stand-in interpreter that exits with a chosen
+status (as ``python -m stress`` would) and writes a summary, so each verdict's
+handling is checked in a second, without ten-minute runs.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+def fake_interpreter(tmp_path: Path, status: int) -> Path:
+    """An executable that writes a summary into its ``--out`` folder and exits ``status``."""
+    script = tmp_path / "fake-python"
+    script.write_text(
+        "#!/usr/bin/env bash\n"
+        "while [[ $# -gt 0 ]]; do [[ $1 == --out ]] && out=$2; shift; done\n"
+        'mkdir -p "$out" && echo "stress nightly: (fake)" > "$out/summary.txt"\n'
+        f"exit {status}\n"
+    )
+    script.chmod(0o755)
+    return script
+
+
+def run_nightly(tmp_path: Path, status: int) -> subprocess.CompletedProcess[str]:
+    python = fake_interpreter(tmp_path, status)
+    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(python), "FT_PYTHON": str(tmp_path / "none")}
+    return subprocess.run(
+        ["bash", str(ROOT / "stress" / "nightly.sh"), str(tmp_path / "reports")],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("status", "night", "word"),
+    [(0, 0, "OK"), (1, 1, "VIOLATION"), (3, 3, "INCONCLUSIVE"), (7, 1, "FAILED to run")],
+)
+def test_each_runs_verdict_decides_the_nights_exit_status(
+    tmp_path: Path, status: int, night: int, word: str
+) -> None:
+    result = run_nightly(tmp_path, status)
+    assert result.returncode == night, result.stdout + result.stderr
+    assert result.stdout.count(f"   {word}") == 3  # the three GIL runs
+    headline = (tmp_path / "reports" / "SUMMARY.txt").read_text().splitlines()[0]
+    assert headline.endswith(": OK") is (night == 0)
+    assert ("FAILED" in headline) is (night != 0)
+    assert ("inconclusive" in headline) is (status == 3)
+
+
+def test_an_interrupted_run_stops_the_night_with_130(tmp_path: Path) -> None:
+    result = run_nightly(tmp_path, 130)
+    assert result.returncode == 130
+    assert result.stdout.count("INTERRUPTED") == 1  # the later runs are skipped
+    assert (tmp_path / "reports" / "SUMMARY.txt").exists()

@@ -1,0 +1,140 @@
+"""Output files and folders of every command: atomic writes, and an ``--out`` that is safe.
+
+- :func:`atomic_write_text` and :func:`atomic_file` write to a temporary file
+  beside the target and rename it over the target only once it is complete,
+  so a reader (or a Ctrl-C) never sees half a report: the target holds the
+  old content or the new, never a mix, and an interrupted write leaves no
+  temporary file behind.
+- :func:`out_dir_argument` is the ``argparse`` type of ``--out``: it refuses
+  an empty path (which would mean the current folder).
+- :func:`prepare_out_dir` refuses a folder that holds an earlier run's
+  files unless ``force`` (then it deletes exactly those files), and checks
+  that the folder can be created and written before the run starts.
+
+Complexity: O(size written); :func:`prepare_out_dir` O(files in the folder).
+Thread safety: each call writes its own temporary file; two writers of one
+target race only on the final rename (the last one wins, whole).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import tempfile
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import TextIO
+
+from veloxquant_mlx.commandline.bad_input import BadInputError
+
+__all__ = ["atomic_file", "atomic_write_text", "out_dir_argument", "prepare_out_dir"]
+
+
+def _process_umask() -> int:
+    mask = os.umask(0)  # the only portable way to read it; set back at once
+    os.umask(mask)
+    return mask
+
+
+#: Mode of a new file, as ``open()`` would create it (``mkstemp`` makes 0600).
+_FILE_MODE = 0o666 & ~_process_umask()
+
+
+@contextlib.contextmanager
+def atomic_file(path: Path) -> Iterator[TextIO]:
+    """Open a temporary text file beside ``path``; on a clean exit it replaces ``path``.
+
+    On an exception (``KeyboardInterrupt`` included) the temporary file is
+    removed and ``path`` is left as it was.
+    """
+    descriptor, temporary = tempfile.mkstemp(
+        prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
+    )
+    try:
+        os.fchmod(descriptor, _FILE_MODE)
+        with os.fdopen(descriptor, "w", encoding="utf-8") as file:
+            yield file
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(temporary)
+        raise
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` (UTF-8) to ``path`` atomically (see :func:`atomic_file`)."""
+    with atomic_file(path) as file:
+        file.write(text)
+
+
+def out_dir_argument(text: str) -> Path:
+    """The ``argparse`` type of ``--out``: any non-empty path."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(
+            f"expected a folder path, got {text!r} (use '.' for the current folder)"
+        )
+    return Path(text)
+
+
+def earlier_run_files(folder: Path, is_run_file: Callable[[str], bool]) -> list[Path]:
+    """The files in ``folder`` (not below it) that ``is_run_file`` claims, sorted by name."""
+    if not folder.is_dir():
+        return []
+    return sorted(entry for entry in folder.iterdir() if is_run_file(entry.name))
+
+
+def prepare_out_dir(
+    folder: Path, *, force: bool, is_run_file: Callable[[str], bool], option: str = "--out"
+) -> None:
+    """Make ``folder`` ready for a new run's files, or refuse it.
+
+    Args:
+        folder: The run's output folder; created (with its parents) if missing.
+        force: Delete an earlier run's files there instead of refusing.
+        is_run_file: Whether a file name is one a run writes (``report.json``...).
+        option: The option's name, for messages.
+
+    Raises:
+        BadInputError: ``folder`` is not a folder, cannot be created or written, or
+            holds an earlier run's files and ``force`` is false. Nothing is
+            created or deleted then.
+    """
+    if folder.exists() and not folder.is_dir():
+        raise BadInputError(f"{option} {str(folder)!r} is a file; expected a folder")
+    earlier = earlier_run_files(folder, is_run_file)
+    if earlier and not force:
+        raise BadInputError(
+            f"{option} {str(folder)!r} holds an earlier run's files ({_names(earlier)}); "
+            "expected a new or empty folder, or --force to delete them"
+        )
+    _require_writable(folder, option)
+    for path in earlier:
+        path.unlink()
+
+
+def _names(paths: Sequence[Path], limit: int = 3) -> str:
+    names = [path.name for path in paths[:limit]]
+    more = f" and {len(paths) - limit} more" if len(paths) > limit else ""
+    return ", ".join(names) + more
+
+
+def _require_writable(folder: Path, option: str) -> None:
+    """Create ``folder`` and a probe file in it; refuse (removing what was made) on failure."""
+    missing = [folder, *folder.parents]
+    missing = [path for path in missing if not path.exists()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        descriptor, probe = tempfile.mkstemp(prefix=".write-probe.", dir=folder)
+        os.close(descriptor)
+        os.unlink(probe)
+    except OSError as error:
+        for path in missing:  # innermost first: undo what this call created
+            with contextlib.suppress(OSError):
+                path.rmdir()
+        reason = error.strerror or str(error)
+        raise BadInputError(
+            f"{option} {str(folder)!r} cannot be created or written: {reason}"
+        ) from None

@@ -1,0 +1,113 @@
+"""The verdicts every checker gives, and the exit status each one maps to.
+
+A checker that can give up (a linearizability window whose search ran out of
+budget, a stress run whose checking time ran out, a replay of a partial
+trace, a schedule exploration cut by ``max_schedules``, an exhaustive search
+cut by its budget) must not say OK: it says INCONCLUSIVE and lists each
+:class:`Gap`, what it did not check and why. Every command of this package
+derives its exit status and its report's ``"verdict"`` from here:
+
+======================  ======  ==============================================
+verdict                 status  meaning
+======================  ======  ==============================================
+``ok``                  0       everything in the stated scope was checked
+``violation``           1       a check failed: a real bug (or a bad store)
+(bad input)             2       the command refused its input; nothing ran
+``inconclusive``        3       nothing failed, but not everything was checked
+``interrupted``         130     stopped by Ctrl-C (SIGINT) before the end
+======================  ======  ==============================================
+
+Bad input is an exit status, not a verdict: nothing was checked.
+
+Complexity: O(number of findings). Thread safety: immutable values.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["ExitStatus", "Gap", "Verdict", "combined", "verdict_of"]
+
+
+class ExitStatus(enum.IntEnum):
+    """The process exit status of every command (see the module docstring)."""
+
+    OK = 0
+    VIOLATION = 1
+    BAD_INPUT = 2
+    INCONCLUSIVE = 3
+    INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+
+
+class Verdict(enum.Enum):
+    """What a check concluded; ``value`` is the word used in reports and ``report.json``."""
+
+    OK = "ok"
+    VIOLATION = "violation"
+    INCONCLUSIVE = "inconclusive"
+    INTERRUPTED = "interrupted"
+
+    @property
+    def exit_status(self) -> ExitStatus:
+        """The exit status a command ends with for this verdict."""
+        return _EXIT_STATUS[self]
+
+    @property
+    def label(self) -> str:
+        """The verdict as a summary line shows it: ``OK``, ``VIOLATION``..."""
+        return self.name
+
+
+_EXIT_STATUS = {
+    Verdict.OK: ExitStatus.OK,
+    Verdict.VIOLATION: ExitStatus.VIOLATION,
+    Verdict.INCONCLUSIVE: ExitStatus.INCONCLUSIVE,
+    Verdict.INTERRUPTED: ExitStatus.INTERRUPTED,
+}
+
+
+@dataclass(frozen=True)
+class Gap:
+    """Something a checker did not check: ``what`` (with a count) and ``why``.
+
+    Example: ``Gap("3,731 calls (windows 289 and later)", "the search budget of
+    1,000,000 configurations ran out in window 289")``.
+    """
+
+    what: str
+    why: str
+
+    def __str__(self) -> str:
+        return f"{self.what} not checked: {self.why}"
+
+    def to_json(self) -> dict[str, str]:
+        """``{"what": ..., "why": ...}``."""
+        return {"what": self.what, "why": self.why}
+
+
+def verdict_of(*, violations: int, gaps: Iterable[Gap] = (), interrupted: bool = False) -> Verdict:
+    """The one verdict of a check: interrupted, else violation, else inconclusive, else OK.
+
+    An interrupt wins so that Ctrl-C always exits 130 (a report still lists
+    any violation found before it); a violation found is a definite answer
+    even where other parts went unchecked.
+    """
+    if interrupted:
+        return Verdict.INTERRUPTED
+    if violations:
+        return Verdict.VIOLATION
+    if any(True for _ in gaps):
+        return Verdict.INCONCLUSIVE
+    return Verdict.OK
+
+
+_PRECEDENCE = (Verdict.INTERRUPTED, Verdict.VIOLATION, Verdict.INCONCLUSIVE, Verdict.OK)
+
+
+def combined(verdicts: Iterable[Verdict]) -> Verdict:
+    """The verdict of several checks together: the first of interrupted, violation,
+    inconclusive that any of them gave, else OK (also for no checks at all)."""
+    given = set(verdicts)
+    return next(verdict for verdict in _PRECEDENCE if verdict in given or verdict is Verdict.OK)

@@ -1,0 +1,258 @@
+"""Schedules in which a dropped KV cache's finaliser fires inside the pool's locked section.
+
+A :class:`~veloxquant_mlx.memory.pooled_kv_cache.PooledKVCache` dropped
+without ``release()`` hands its blocks back from its finaliser
+(:mod:`~veloxquant_mlx.memory.deferred_release`). A finaliser runs on
+whichever thread drops the last reference or triggers a collection, at any
+line, including one inside a pool call that holds the pool's
+non-reentrant lock. This explorer makes that happen on purpose, everywhere
+it can: one scenario, run under the controlled scheduler
+(:mod:`~veloxquant_mlx.stress.controlled_scheduler`) over every
+interleaving of its lock acquisitions, and, within each, with the victim
+book's last reference dropped at the ``d``-th line that any thread executes
+in the pool's module while holding the pool's lock, for every ``d`` that
+some schedule reaches.
+
+The scenario: a pool of 16 two-token blocks; a *victim* book (owner 1)
+holding two blocks per stream, whose only reference the explorer drops;
+thread 0 opens a book (owner 2), appends three positions and releases it;
+thread 1 drains the dropped caches (``reclaim_dropped_caches``) and reads a
+free count. A schedule is correct when it neither deadlocks nor livelocks
+(the scheduler reports both: a finaliser that took the pool's lock would
+wait for its own thread), no finaliser raised, and after a final drain on
+the main thread every block is back, the victim's owner id is free again
+and ``check_invariants()`` passes.
+
+``python -m veloxquant_mlx.stress.finaliser_schedules`` prints the counts.
+
+Complexity: one run per (drop point, schedule): about 80 drop points times
+a few dozen schedules, each a fresh pool and two threads. Thread safety: an
+exploration creates and joins its own threads, and swaps
+``sys.unraisablehook`` while it runs; run one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from types import FrameType
+from typing import TYPE_CHECKING, Any, Final
+
+from veloxquant_mlx.memory import block_pool
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.deferred_release import reclaim_dropped_caches
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.stress.controlled_scheduler import ControlledLock, ControlledRun, next_choices
+
+if TYPE_CHECKING:
+    from _typeshed import TraceFunction
+
+__all__ = ["BookFactory", "FinaliserExploration", "explore_finaliser", "main"]
+
+#: Builds the victim book: ``(pool, owner) -> book``; a planted bug passes a subclass.
+BookFactory = Callable[[BlockPoolAllocator, int], PooledKVCache]
+
+_VICTIM, _WORKER = 1, 2  # owner ids
+_POOL_FILE: Final = inspect.getsourcefile(block_pool)
+
+
+@dataclass(frozen=True)
+class FinaliserExploration:
+    """What one exploration ran and found.
+
+    Attributes:
+        runs: Runs made: one per (drop point, schedule).
+        drop_points: Drop points reached: the finaliser fired at the 1st, 2nd, ...
+            locked line of the pool's module, up to this many, in some schedule (when
+            the exploration is exhaustive, no schedule has a further locked line).
+        fired_inside_lock: Runs in which the finaliser fired while its thread held
+            the pool's lock (every run that reached its drop point).
+        exhaustive: Every schedule of every drop point ran (no budget cut).
+        violations: What broke, one line per failing run (the first only, by default).
+        seconds: Wall-clock time.
+    """
+
+    runs: int
+    drop_points: int
+    fired_inside_lock: int
+    exhaustive: bool
+    violations: tuple[str, ...]
+    seconds: float
+
+
+class _Dropper:
+    """Drops the victim's last reference at the ``drop_at``-th locked line of the pool module."""
+
+    def __init__(self, victim: PooledKVCache, lock: ControlledLock, drop_at: int) -> None:
+        self.holder = [victim]  # the victim's only strong reference
+        self.lock = lock
+        self.drop_at = drop_at
+        self.locked_lines = 0  # only one controlled thread runs at a time: no race
+        self.fired_by: int | None = None
+
+    def tracer(self, thread: int) -> TraceFunction:
+        """The ``sys.settrace`` function of controlled thread ``thread``."""
+
+        def on_line(frame: FrameType, event: str, arg: Any) -> TraceFunction | None:
+            if event == "line" and self.lock.holder == thread and self.holder:
+                self.locked_lines += 1
+                if self.locked_lines == self.drop_at:
+                    self.fired_by = thread
+                    self.holder.clear()  # the finaliser runs here, inside the lock
+            return on_line
+
+        def on_call(frame: FrameType, event: str, arg: Any) -> TraceFunction | None:
+            return on_line if frame.f_code.co_filename == _POOL_FILE else None
+
+        return on_call
+
+
+class _Run:
+    """One fresh pool, the victim, and the scenario's two threads under one schedule."""
+
+    def __init__(self, factory: BookFactory, drop_at: int, choices: Sequence[int]) -> None:
+        self.pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=16), history_len=0)
+        victim = factory(self.pool, _VICTIM)
+        victim.append(3)
+        self.control = ControlledRun(2, choices, frozenset())
+        self.lock = ControlledLock(self.control)
+        self.dropper = _Dropper(victim, self.lock, drop_at)
+        self.unraisable: list[str] = []
+
+    def run(self) -> str | None:
+        """Run the schedule; what broke, or ``None``."""
+        pool_vars = vars(self.pool)  # the lock is private and Final: swapped for this run only
+        real_lock, pool_vars["_lock"] = pool_vars["_lock"], self.lock
+        hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
+        try:
+            self.control.run([self._allocating, self._draining], line_points=False)
+        finally:
+            pool_vars["_lock"] = real_lock
+            sys.unraisablehook = hook
+            self.dropper.holder.clear()  # a run that never reached its drop point
+        return self._judge()
+
+    def _allocating(self) -> None:
+        sys.settrace(self.dropper.tracer(0))
+        book = PooledKVCache(self.pool, _WORKER)
+        book.append(3)
+        book.release()
+
+    def _draining(self) -> None:
+        sys.settrace(self.dropper.tracer(1))
+        reclaim_dropped_caches(self.pool)
+        self.pool.n_free("k")
+
+    def _unraisable(self, report: Any) -> None:
+        self.unraisable.append(f"{report.exc_type.__name__}: {report.exc_value}")
+
+    def _judge(self) -> str | None:
+        if self.control.failure is not None:
+            return self.control.failure
+        if self.unraisable:
+            return f"a finaliser raised: {self.unraisable[0]}"
+        reclaim_dropped_caches(self.pool)
+        pool = self.pool
+        if pool.stats.blocks_in_use() or pool.blocks_for(_VICTIM):
+            return f"{pool.stats.blocks_in_use()} blocks still in use after the final drain"
+        try:
+            pool.register_owner(_VICTIM)  # the dropped book's id must be free again
+        except block_pool.OwnerAlreadyActiveError:
+            return f"owner {_VICTIM} of the dropped book is still active after the final drain"
+        pool.release_owner(_VICTIM)
+        try:
+            pool.check_invariants()
+        except AssertionError as error:
+            return f"check_invariants() failed: {error}"
+        return None
+
+
+def explore_finaliser(
+    factory: BookFactory = PooledKVCache,
+    *,
+    max_runs: int = 20_000,
+    stop_at_first: bool = True,
+) -> FinaliserExploration:
+    """Run the scenario for every drop point and every schedule; judge each run.
+
+    Args:
+        factory: Builds the victim book (``PooledKVCache``, or a planted bug).
+        max_runs: Stop after this many runs (the result is then not exhaustive).
+        stop_at_first: Stop at the first violation.
+    """
+    started = time.perf_counter()
+    violations: list[str] = []
+    runs = fired = drop_points = 0
+    drop_at, exhaustive = 1, True
+    while True:
+        reached = False
+        choices: list[int] | None = []
+        while choices is not None:
+            if runs >= max_runs or (violations and stop_at_first):
+                exhaustive = False
+                break
+            run = _Run(factory, drop_at, choices)
+            problem = run.run()
+            runs += 1
+            if run.dropper.fired_by is not None:
+                reached, fired, drop_points = True, fired + 1, drop_at
+            if problem is not None:
+                taken = [d.chosen for d in run.control.decisions]
+                violations.append(f"drop point {drop_at}, schedule choices {taken}: {problem}")
+            choices, _ = next_choices(run.control.decisions, None)
+        if not exhaustive or not reached:
+            break
+        drop_at += 1
+    return FinaliserExploration(
+        runs=runs,
+        drop_points=drop_points,
+        fired_inside_lock=fired,
+        exhaustive=exhaustive,
+        violations=tuple(violations),
+        seconds=time.perf_counter() - started,
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Explore the scenario and print its counts.
+
+    Exit status: 0 every run passed and the exploration was exhaustive, 1 a
+    violation, 2 bad arguments (argparse), 3 inconclusive (``--max-runs`` cut
+    it short), 130 interrupted.
+    """
+    parser = argparse.ArgumentParser(prog="python -m veloxquant_mlx.stress.finaliser_schedules")
+    parser.add_argument("--max-runs", type=_positive_int, default=20_000)
+    args = parser.parse_args(argv)
+    try:
+        result = explore_finaliser(max_runs=args.max_runs)
+    except KeyboardInterrupt:
+        print("finaliser schedules: interrupted", file=sys.stderr)
+        return 130
+    verdict = "OK" if result.exhaustive else "INCONCLUSIVE (--max-runs reached)"
+    if result.violations:
+        verdict = "VIOLATION"
+    print(
+        f"finaliser inside the pool's lock: {verdict}: {result.drop_points} drop points, "
+        f"{result.runs} runs, {result.fired_inside_lock} fired inside the lock, "
+        f"{result.seconds:.2f} s"
+    )
+    for violation in result.violations:
+        print(violation)
+    if result.violations:
+        return 1
+    return 0 if result.exhaustive else 3
+
+
+def _positive_int(text: str) -> int:
+    value = int(text) if text.isdecimal() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+if __name__ == "__main__":
+    sys.exit(main())
