@@ -35,7 +35,11 @@ from veloxquant_mlx.memory.block_pool import (
     OwnerAlreadyActiveError,
     PoolConfig,
 )
-from veloxquant_mlx.memory.deferred_release import reclaim_dropped_caches
+from veloxquant_mlx.memory.deferred_release import (
+    DeferredReleases,
+    deferred_releases_for,
+    reclaim_dropped_caches,
+)
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.model_kv_layout import make_pool_backed_storage
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
@@ -349,3 +353,20 @@ def test_a_dropped_cache_list_needs_no_garbage_collection_to_come_back() -> None
     finally:
         gc.enable()
     assert pool.stats.blocks_in_use() == 0
+
+
+def test_a_pool_and_its_owner_claims_are_collected_together() -> None:
+    """The pool keeps its claims registry (no weak reference: a compiled pool has none);
+    the cycle between them must not keep either alive."""
+
+    def registries() -> int:
+        return sum(isinstance(o, DeferredReleases) for o in gc.get_objects())
+
+    gc.collect()
+    before = registries()
+    pool = BlockPoolAllocator(PoolConfig(n_blocks=4, block_size=4))
+    assert deferred_releases_for(pool) is deferred_releases_for(pool)
+    assert registries() == before + 1
+    del pool
+    gc.collect()
+    assert registries() == before

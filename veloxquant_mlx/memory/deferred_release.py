@@ -49,8 +49,8 @@ nothing to do for it.
 
 Complexity: ``defer`` O(1); ``drain`` O(1) when nothing is queued, else
 O(k) for the k handles of each queued book; ``claim`` O(1) plus a drain;
-``release_now`` O(k); ``deferred_releases_for`` O(1) (amortised, a weak
-dictionary look-up under a module lock).
+``release_now`` O(k); ``deferred_releases_for`` O(1) (an attribute the pool
+keeps for this module, read under a module lock).
 
 Thread safety: ``defer`` takes no lock and may run inside any other call,
 including a pool call on the same thread. ``drain`` may run on several
@@ -66,7 +66,6 @@ from __future__ import annotations
 
 import queue
 import threading
-import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Final
@@ -121,8 +120,9 @@ class DeferredReleases:
     """
 
     def __init__(self, pool: BlockPoolAllocator) -> None:
-        # Weak: the registry maps the pool to this object, which must not keep it alive.
-        self._pool: Final = weakref.ref(pool)
+        # Strong: the pool holds this object too (deferred_releases_for); the cycle is
+        # the garbage collector's, as a compiled pool cannot be weakly referenced.
+        self._pool: Final = pool
         # Books dropped unreleased, queued by finalisers; SimpleQueue: put() is reentrant.
         self._dropped: Final[queue.SimpleQueue[BookHolding]] = queue.SimpleQueue()
         # Guards claims and in_flight; held for a few dict operations, never around a
@@ -148,7 +148,7 @@ class DeferredReleases:
             OwnerAlreadyActiveError: ``owner`` holds blocks or is registered (not
                 by a dropped book).
         """
-        pool = self._live_pool()
+        pool = self._pool
         self.drain()
         try:
             return self._register(pool, owner)
@@ -164,7 +164,7 @@ class DeferredReleases:
 
     def claim_first_unused(self, candidates: Iterator[int]) -> tuple[int, ClaimToken]:
         """Claim the first id of ``candidates`` that is not active (after a drain)."""
-        pool = self._live_pool()
+        pool = self._pool
         self.drain()
         for owner in candidates:
             try:
@@ -184,7 +184,7 @@ class DeferredReleases:
         Raises:
             InvalidFreeError: As ``pool.free``; nothing changes.
         """
-        pool = self._live_pool()
+        pool = self._pool
         with self._claim_lock:
             pool.free(blocks)
             try:
@@ -197,9 +197,7 @@ class DeferredReleases:
     def release_now(self, book: BookHolding) -> None:
         """Release what ``book`` holds, as a drain would: its live handles, and its bare
         registration while its claim is current. For ``release()``."""
-        pool = self._pool()
-        if pool is not None:
-            self._release(pool, book)
+        self._release(self._pool, book)
 
     # -- dropped books -------------------------------------------------------------------
 
@@ -223,11 +221,10 @@ class DeferredReleases:
         """
         if self._dropped.empty():  # the hot path: one O(1) check
             return 0
-        pool = self._pool()
         released = 0
-        while pool is not None and (book := self._take()) is not None:
+        while (book := self._take()) is not None:
             try:
-                released += self._release(pool, book)
+                released += self._release(self._pool, book)
             except BaseException:
                 self._dropped.put(book)  # interrupted: the next drain releases it
                 raise
@@ -237,12 +234,6 @@ class DeferredReleases:
         return released
 
     # -- internals -----------------------------------------------------------------------
-
-    def _live_pool(self) -> BlockPoolAllocator:
-        pool = self._pool()
-        if pool is None:  # pragma: no cover - a book or store keeps its pool alive
-            raise RuntimeError("the pool of these owner claims was garbage collected")
-        return pool
 
     def _register(self, pool: BlockPoolAllocator, owner: int) -> ClaimToken:
         with self._claim_lock:
@@ -304,10 +295,7 @@ def _free_live(pool: BlockPoolAllocator, handles: tuple[Block, ...]) -> bool:
         return True
 
 
-#: One registry per live pool; the pool's death removes its entry.
-_RELEASES: Final[weakref.WeakKeyDictionary[BlockPoolAllocator, DeferredReleases]] = (
-    weakref.WeakKeyDictionary()
-)
+#: Serialises the first look-up of a pool, so that its books share one registry.
 _RELEASES_LOCK: Final = threading.Lock()
 
 
@@ -317,9 +305,10 @@ def deferred_releases_for(pool: BlockPoolAllocator) -> DeferredReleases:
     Called when a book or a cache is built, never from a finaliser (it takes a lock).
     """
     with _RELEASES_LOCK:
-        releases = _RELEASES.get(pool)
-        if releases is None:
-            releases = _RELEASES[pool] = DeferredReleases(pool)
+        releases = pool._deferred_releases  # the slot the pool keeps for us
+        if not isinstance(releases, DeferredReleases):
+            releases = DeferredReleases(pool)
+            pool._deferred_releases = releases
         return releases
 
 
