@@ -55,7 +55,6 @@ from veloxquant_mlx.memory._storage_checks import (
     require_token_shape,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
-from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
@@ -111,8 +110,6 @@ class NumpyBlockStorage:
         self._slot_shape: Final = (n_kv_heads, head_dim)
         self._dtype: Final = np.dtype(dtype)
         self._lock: Final = threading.Lock()
-        # Owners of caches dropped on this pool, freed by every sync (deferred_release).
-        self._releases: Final = deferred_releases_for(pool)
         # Block ids each slab covers; only _resize_locked changes it.
         self._capacity = pool.id_bound()
         # One slab per layer, written in place; replaced only by a resize.
@@ -236,7 +233,6 @@ class NumpyBlockStorage:
             return self._slabs[layer][ids]  # fancy indexing: a copy, never a view
 
     def _sync_locked(self) -> None:
-        self._releases.drain()  # blocks of caches dropped without release() go back first
         target = next_capacity(self._capacity, self._pool.id_bound())
         if target != self._capacity:
             self._resize_locked(target)

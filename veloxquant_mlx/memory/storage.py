@@ -40,9 +40,10 @@ Rules every implementation keeps (the storage conformance suite in
    per block) and looks for the culprit only when that says no.
 5. ``resident_bytes`` is what the store holds now; after the pool's id range
    shrinks, ``sync()`` (called by every operation) brings it down.
-6. ``sync()`` first returns the blocks of KV caches dropped without
-   ``release()`` (``deferred_release.deferred_releases_for(pool).drain()``),
-   so any store call is a point where they come back to the pool.
+
+A store knows nothing of KV caches: the blocks of a cache dropped without
+``release()`` come back through the cache layer
+(:mod:`~veloxquant_mlx.memory.deferred_release`), never through a store.
 
 Thread safety: implementations must be safe to share between threads in the
 same way as the pool (the MLX and NumPy stores hold a lock around slab
@@ -118,6 +119,5 @@ class BlockStorage(Protocol[ArrayT]):
         ...
 
     def sync(self) -> None:
-        """Return dropped caches' blocks, then follow the pool: grow to cover new ids,
-        give back a retired tail."""
+        """Follow the pool: grow to cover new ids, give back a retired tail."""
         ...

@@ -65,6 +65,7 @@ if TYPE_CHECKING:
 __all__ = [
     "DEFAULT_MAX_RUNS",
     "BookFactory",
+    "FinaliserDropper",
     "FinaliserExploration",
     "explore_finaliser",
     "main",
@@ -119,8 +120,11 @@ class FinaliserExploration:
         return verdict_of(violations=len(self.violations), gaps=gaps, interrupted=self.interrupted)
 
 
-class _Dropper:
-    """Drops the victim's last reference at the ``drop_at``-th locked line of the pool module."""
+class FinaliserDropper:
+    """Drops the victim's last reference at the ``drop_at``-th locked line of the pool module
+    (``fired_by``: the controlled thread it fired on, if it did).
+
+    Shared with the owner-reuse exploration in the tests."""
 
     def __init__(self, victim: PooledKVCache, lock: ControlledLock, drop_at: int) -> None:
         self.holder = [victim]  # the victim's only strong reference
@@ -155,7 +159,7 @@ class _Run:
         victim.append(3)
         self.control = ControlledRun(2, choices, frozenset())
         self.lock = ControlledLock(self.control)
-        self.dropper = _Dropper(victim, self.lock, drop_at)
+        self.dropper = FinaliserDropper(victim, self.lock, drop_at)
         self.unraisable: list[str] = []
 
     def run(self) -> str | None:
