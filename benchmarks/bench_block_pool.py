@@ -1,14 +1,25 @@
 """Benchmark of the block pool's hot paths; prints one JSON document.
 
-Every figure is a median over repeated runs, and every scaling claim is a
-ratio of two medians measured side by side in the same run, so that a
-machine's speed cancels out. The targets (from the project's issue 2) are
-printed next to the figures; nothing here passes or fails.
+Every figure is a median over repeated samples, and every ratio is one of
+two medians measured side by side in the same run, so that a machine's
+speed cancels out. Targets are printed next to the figures; nothing here
+passes or fails.
 
-    python benchmarks/bench_block_pool.py            # full run, about a minute
-    python benchmarks/bench_block_pool.py --quick    # fewer repeats, smoke only
+    python benchmarks/bench_block_pool.py              # the installed build, about a minute
+    python benchmarks/bench_block_pool.py --quick      # fewer repeats, smoke only
+    python benchmarks/bench_block_pool.py --compare    # interpreted vs compiled (mypyc)
+    python benchmarks/bench_block_pool.py --compare --callgrind   # plus instruction counts
 
-Thread safety: single-threaded. Complexity: dominated by the 1M-block pools.
+``--compare`` runs every figure in an interpreted and a compiled worker,
+alternating samples between them (see ``_two_builds.py``, which also says
+where the compiled build comes from), and reports both medians and
+compiled / interpreted with issue 13's target for each; ``--callgrind``
+adds each operation's instruction count under valgrind, free of the noise
+a shared machine puts into wall-clock figures. Without ``--compare`` the
+targets are issue 2's, for the build that is installed.
+
+Thread safety: single-threaded. Complexity: dominated by the 1M-block pool
+and the growth runs.
 """
 
 from __future__ import annotations
@@ -19,48 +30,91 @@ import json
 import statistics
 import sys
 import time
+import timeit
 import tracemalloc
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+import _two_builds
+
+from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, block_pool
 
 SMALL_POOL = 1_024
 LARGE_POOL = 1_048_576
 FREE_ALL_SIZES = (16_384, 32_768)
-GROWTH_STEPS = 100_000
 GROWTH_WINDOW = 10_000
+KV_BATCH = 256  # owners per timed batch of K/V allocate pairs
+
+#: Published figure of the public upstream allocator (VeloxQuant-MLX#510): about
+#: 0.88 us per K/V allocate pair, interpreted. Stated, not measured here.
+UPSTREAM_KV_ALLOCATE_PAIR_NS = 880
 
 
-def _median_ns_per_call(action: Callable[[], object], calls: int, repeats: int) -> float:
-    """Median over ``repeats`` runs of the mean time of one of ``calls`` calls, in ns."""
-    samples = []
-    for _ in range(repeats):
+@dataclass(frozen=True)
+class Figure:
+    """One measured operation: a timed sample of it, and ``n`` of it for callgrind.
+
+    ``sample(quick)`` returns the figure's values (usually one) per operation;
+    ``run(n)`` sets up as a sample does and performs ``n`` operations, each
+    what ``counted`` says where that is more than the timed operation.
+    """
+
+    key: str
+    what: str
+    issue_13_target: str  # compiled / interpreted
+    sample: Callable[[bool], dict[str, float]]
+    run: Callable[[int], None]
+    counted: str = ""
+
+
+def timed_statement(
+    key: str, statement: str, setup: Callable[[], dict[str, Any]], ops: int, calls: int
+) -> tuple[Callable[[bool], dict[str, float]], Callable[[int], None]]:
+    """sample/run for a statement doing ``ops`` operations, timed by timeit (least overhead)."""
+
+    def sample(quick: bool) -> dict[str, float]:
+        timer = timeit.Timer(statement, globals=setup())
+        number = calls // 10 if quick else calls
+        return {key: timer.timeit(number) / number / ops * 1e9}
+
+    def run(n: int) -> None:
+        timeit.Timer(statement, globals=setup()).timeit(max(1, n // ops))
+
+    return sample, run
+
+
+def pool_names(n_blocks: int) -> dict[str, Any]:
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=n_blocks))
+    block = pool.allocate("k", 10, owner=2)[0]
+    return {
+        "pool": pool,
+        "allocate": pool.allocate,
+        "free_all": pool.free_all,
+        "mark_used": pool.mark_used,
+        "block": block,
+    }
+
+
+def kv_allocate_pairs(batches: int) -> float:
+    """ns per K/V allocate pair (a 1-block K and V allocate for a new owner); frees untimed."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=4 * KV_BATCH))
+    allocate, free_all = pool.allocate, pool.free_all
+    elapsed = 0
+    for _ in range(batches):
         start = time.perf_counter_ns()
-        for _ in range(calls):
-            action()
-        samples.append((time.perf_counter_ns() - start) / calls)
-    return statistics.median(samples)
+        for owner in range(KV_BATCH):
+            allocate("k", 16, owner)
+            allocate("v", 16, owner)
+        elapsed += time.perf_counter_ns() - start
+        for owner in range(KV_BATCH):
+            free_all(owner)
+    return elapsed / (batches * KV_BATCH)
 
 
-def bench_allocate_free_all_pair(calls: int, repeats: int) -> dict[str, float]:
-    """One single-block allocate + free_all pair, on a small and a 1M-block pool."""
-    figures = {}
-    for n_blocks in (SMALL_POOL, LARGE_POOL):
-        pool = BlockPoolAllocator(PoolConfig(n_blocks=n_blocks))
-
-        def pair(pool: BlockPoolAllocator = pool) -> None:
-            pool.allocate("k", 16, 1)
-            pool.free_all(1)
-
-        figures[f"pair_ns_pool_{n_blocks}"] = _median_ns_per_call(pair, calls, repeats)
-    figures["large_over_small_ratio"] = (
-        figures[f"pair_ns_pool_{LARGE_POOL}"] / figures[f"pair_ns_pool_{SMALL_POOL}"]
-    )
-    return figures
-
-
-def _free_all_ms(n_blocks: int, repeats: int) -> float:
+def free_all_ms(n_blocks: int, repeats: int) -> float:
+    """Median ms of free_all of one owner holding ``n_blocks`` (the allocate is untimed)."""
     pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=2 * n_blocks))
     samples = []
     for _ in range(repeats):
@@ -72,56 +126,143 @@ def _free_all_ms(n_blocks: int, repeats: int) -> float:
     return statistics.median(samples)
 
 
-def bench_free_all(repeats: int) -> dict[str, float]:
-    """free_all of one owner holding 16K and 32K blocks: linear, not quadratic."""
-    small, large = FREE_ALL_SIZES
-    figures = {f"free_all_ms_{n}_blocks": _free_all_ms(n, repeats) for n in FREE_ALL_SIZES}
-    figures["double_over_single_ratio"] = (
-        figures[f"free_all_ms_{large}_blocks"] / figures[f"free_all_ms_{small}_blocks"]
+def growth(steps: int) -> dict[str, float]:
+    """One block per allocate on an empty growing pool: mean ns, and first vs last window."""
+    pool = BlockPoolAllocator(PoolConfig(n_blocks=0, grow_on_exhaustion=True))
+    allocate = pool.allocate
+    windows = []
+    total_start = time.perf_counter_ns()
+    for window_start in range(0, steps, GROWTH_WINDOW):
+        start = time.perf_counter_ns()
+        for owner in range(window_start, window_start + GROWTH_WINDOW):
+            allocate("k", 16, owner)
+        windows.append((time.perf_counter_ns() - start) / GROWTH_WINDOW)
+    return {
+        "growth_ns_per_block": (time.perf_counter_ns() - total_start) / steps,
+        "growth_first_10k_ns": windows[0],
+        "growth_last_10k_ns": windows[-1],
+    }
+
+
+def grow_blocks(n: int) -> None:
+    allocate = BlockPoolAllocator(PoolConfig(n_blocks=0, grow_on_exhaustion=True)).allocate
+    for owner in range(n):
+        allocate("k", 16, owner)
+
+
+def make_figures() -> tuple[Figure, ...]:
+    small, large = (lambda: pool_names(SMALL_POOL)), (lambda: pool_names(LARGE_POOL))
+    pair = "allocate('k', 16, 1); free_all(1)"
+    figures = [
+        Figure(
+            "pair_ns_pool_1024",
+            "allocate + free_all of 1 block, 1K-block pool",
+            "<= 1/3",
+            *timed_statement("pair_ns_pool_1024", pair, small, 1, 20_000),
+        ),
+        Figure(
+            "pair_ns_pool_1048576",
+            "the same on a 1M-block pool (no operation scans the pool)",
+            "",
+            *timed_statement("pair_ns_pool_1048576", pair, large, 1, 20_000),
+        ),
+        Figure(
+            "allocate_16_free_all_ns",
+            "allocate of 16 blocks + free_all",
+            "<= 1/5",
+            *timed_statement(
+                "allocate_16_free_all_ns", "allocate('k', 256, 1); free_all(1)", small, 1, 5_000
+            ),
+        ),
+        Figure(
+            "mark_used_ns",
+            "mark_used on a live handle, fill level alternating 5 and 16",
+            "<= 1/3",
+            *timed_statement(
+                "mark_used_ns", "mark_used(block, 5); mark_used(block, 16)", small, 2, 20_000
+            ),
+        ),
+        Figure(
+            "stats_read_ns",
+            "pool.stats, a consistent snapshot",
+            "<= 1/2",
+            *timed_statement("stats_read_ns", "pool.stats", small, 1, 20_000),
+        ),
+        Figure(
+            "kv_allocate_pair_ns",
+            "K and V allocate of 1 block each for a new owner (upstream's figure)",
+            "",
+            lambda quick: {"kv_allocate_pair_ns": kv_allocate_pairs(4 if quick else 40)},
+            _kv_pairs_for_callgrind,
+        ),
+    ]
+    figures += [free_all_figure(n_blocks) for n_blocks in FREE_ALL_SIZES]
+    figures.append(
+        Figure(
+            "growth_ns_per_block",
+            "allocate of 1 block per new owner on a pool growing from empty",
+            "<= 1/3",
+            lambda quick: growth(2 * GROWTH_WINDOW if quick else 10 * GROWTH_WINDOW),
+            grow_blocks,
+        )
     )
-    return figures
+    return tuple(figures)
 
 
-def bench_mark_used_and_stats(calls: int, repeats: int) -> dict[str, float]:
-    """mark_used on a live handle, and a stats snapshot read."""
-    pool = BlockPoolAllocator(PoolConfig(n_blocks=SMALL_POOL))
-    block = pool.allocate("k", 10, 1)[0]
-    fills = iter(range(1 << 62))
+def free_all_figure(n_blocks: int) -> Figure:
+    key = f"free_all_ms_{n_blocks}_blocks"
 
-    def mark() -> None:
-        pool.mark_used(block, next(fills) & 15)
+    def sample(quick: bool) -> dict[str, float]:
+        return {key: free_all_ms(n_blocks, 3 if quick else 7)}
 
+    def run(n: int) -> None:
+        pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=2 * n_blocks))
+        for _ in range(n):
+            pool.allocate("k", 16 * n_blocks, 1)
+            pool.free_all(1)
+
+    target = "<= 1/3" if n_blocks == FREE_ALL_SIZES[0] else ""
+    what = f"free_all of one owner holding {n_blocks} blocks"
+    counted = f"allocate + free_all of {n_blocks} blocks (the allocate cannot be left out)"
+    return Figure(key, what, target, sample, run, counted)
+
+
+def _kv_pairs_for_callgrind(n: int) -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=16, n_blocks=2 * n))
+    for owner in range(n):
+        pool.allocate("k", 16, owner)
+        pool.allocate("v", 16, owner)
+
+
+FIGURES = make_figures()
+FIGURES_BY_KEY = {figure.key: figure for figure in FIGURES}
+
+#: Issue 2's targets for one build (interpreted when they were set).
+ISSUE_2_TARGETS = {
+    "pair_ns_pool_1024": "<= 2500",
+    "large_over_small_ratio": "<= 1.15",
+    "free_all_ms_16384_blocks": "<= 1.5",
+    "double_over_single_ratio": "<= 2.2",
+    "mark_used_ns": "<= 500",
+    "stats_read_ns": "<= 1000",
+    "growth_ns_per_block": "<= 3000",
+    "last_over_first_ratio": "<= 1.2",
+}
+
+
+def scaling_ratios(values: dict[str, float]) -> dict[str, float]:
+    """The scaling claims, each a ratio of two figures of one build."""
+    small, large = FREE_ALL_SIZES
     return {
-        "mark_used_ns": _median_ns_per_call(mark, calls, repeats),
-        "stats_read_ns": _median_ns_per_call(lambda: pool.stats, calls, repeats),
+        "large_over_small_ratio": values["pair_ns_pool_1048576"] / values["pair_ns_pool_1024"],
+        "double_over_single_ratio": (
+            values[f"free_all_ms_{large}_blocks"] / values[f"free_all_ms_{small}_blocks"]
+        ),
+        "last_over_first_ratio": values["growth_last_10k_ns"] / values["growth_first_10k_ns"],
     }
 
 
-def bench_growth(steps: int, repeats: int) -> dict[str, float]:
-    """Allocate one block at a time on an empty growing pool; compare first and last windows."""
-    firsts, lasts, means = [], [], []
-    for _ in range(repeats):
-        pool = BlockPoolAllocator(PoolConfig(n_blocks=0, grow_on_exhaustion=True))
-        window_ns = []
-        total_start = time.perf_counter_ns()
-        for window_start in range(0, steps, GROWTH_WINDOW):
-            start = time.perf_counter_ns()
-            for owner in range(window_start, window_start + GROWTH_WINDOW):
-                pool.allocate("k", 16, owner)
-            window_ns.append((time.perf_counter_ns() - start) / GROWTH_WINDOW)
-        means.append((time.perf_counter_ns() - total_start) / steps)
-        firsts.append(window_ns[0])
-        lasts.append(window_ns[-1])
-    first, last = statistics.median(firsts), statistics.median(lasts)
-    return {
-        "growth_ns_per_block": statistics.median(means),
-        "growth_first_10k_ns": first,
-        "growth_last_10k_ns": last,
-        "last_over_first_ratio": last / first,
-    }
-
-
-def bench_memory() -> dict[str, float]:
+def memory() -> dict[str, float]:
     """Python heap bytes per managed block (tracemalloc), free and all checked out."""
     gc.collect()
     tracemalloc.start()
@@ -138,36 +279,120 @@ def bench_memory() -> dict[str, float]:
     }
 
 
-TARGETS = {
-    "pair_ns_pool_1024": "<= 2500",
-    "large_over_small_ratio": "<= 1.15",
-    "free_all_ms_16384_blocks": "<= 1.5",
-    "double_over_single_ratio": "<= 2.2",
-    "mark_used_ns": "<= 500",
-    "stats_read_ns": "<= 1000",
-    "growth_ns_per_block": "<= 3000",
-    "last_over_first_ratio": "<= 1.2",
-}
+def medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    return {key: statistics.median(sample[key] for sample in samples) for key in samples[0]}
+
+
+def one_build(quick: bool) -> dict[str, Any]:
+    """Every figure of the installed build, issue 2's targets beside them."""
+    repeats = 3 if quick else 9
+    values: dict[str, float] = {}
+    for figure in FIGURES:
+        print(f"running {figure.key} ...", file=sys.stderr, flush=True)
+        values.update(medians([figure.sample(quick) for _ in range(repeats)]))
+    values.update(scaling_ratios(values))
+    values.update(memory())
+    return {
+        "build": "compiled" if block_pool.COMPILED else "interpreted",
+        "module": block_pool.__file__,
+        "figures": {key: round(value, 3) for key, value in values.items()},
+        "targets": ISSUE_2_TARGETS,
+    }
+
+
+def compare(quick: bool, callgrind: bool, site: Path | None) -> dict[str, Any]:
+    """Every figure in both builds, samples alternating between them; ratios and targets."""
+    repeats = 3 if quick else 9
+    site = _two_builds.compiled_site(site)
+    samples: dict[str, list[dict[str, float]]] = {build: [] for build in _two_builds.BUILDS}
+    with _two_builds.workers(site) as workers:
+        for figure in FIGURES:
+            print(f"running {figure.key} ...", file=sys.stderr, flush=True)
+            for repeat in range(repeats):
+                order = _two_builds.BUILDS[:: 1 if repeat % 2 == 0 else -1]
+                for build in order:
+                    samples[build].append(workers[build].sample(figure.key, quick))
+        modules = {build: worker.module_file for build, worker in workers.items()}
+    by_build: dict[str, dict[str, float]] = {
+        build: merged_medians(samples[build]) for build in _two_builds.BUILDS
+    }
+    report: dict[str, Any] = {"python": sys.version.split()[0], "quick": quick, "modules": modules}
+    report["figures"] = side_by_side(by_build)
+    report["upstream"] = {
+        "kv_allocate_pair_ns": UPSTREAM_KV_ALLOCATE_PAIR_NS,
+        "source": "VeloxQuant-MLX#510, as published (interpreted); not measured here",
+    }
+    if callgrind:
+        report["instructions_per_op"] = instruction_counts(site)
+    return report
+
+
+def merged_medians(samples: list[dict[str, float]]) -> dict[str, float]:
+    """Medians per key over samples that each hold some of the keys."""
+    keys = {key for sample in samples for key in sample}
+    values = {
+        key: statistics.median(sample[key] for sample in samples if key in sample) for key in keys
+    }
+    values.update(scaling_ratios(values))
+    return values
+
+
+def side_by_side(by_build: dict[str, dict[str, float]]) -> dict[str, dict[str, Any]]:
+    interpreted, compiled = by_build["interpreted"], by_build["compiled"]
+    targets = {figure.key: figure.issue_13_target for figure in FIGURES}
+    table = {}
+    for key in sorted(interpreted):
+        row: dict[str, Any] = {
+            "interpreted": round(interpreted[key], 3),
+            "compiled": round(compiled[key], 3),
+        }
+        if not key.endswith("_ratio"):
+            row["compiled_over_interpreted"] = round(compiled[key] / interpreted[key], 3)
+        if targets.get(key):
+            row["target"] = targets[key]
+        table[key] = row
+    return table
+
+
+def instruction_counts(site: Path | None) -> dict[str, dict[str, float | str]]:
+    """Instructions per operation of each figure in each build (callgrind; slow, exact)."""
+    sizes = {"free_all_ms_16384_blocks": 2, "free_all_ms_32768_blocks": 2}
+    counts: dict[str, dict[str, float | str]] = {}
+    for figure in FIGURES:
+        if figure.key == "pair_ns_pool_1048576":
+            continue  # the 1M-block pool's set-up alone takes minutes under valgrind
+        n = sizes.get(figure.key, 2_000)
+        print(f"callgrind {figure.key} ...", file=sys.stderr, flush=True)
+        row: dict[str, float] = {
+            build: _two_builds.instructions_per_op(build, figure.key, n, site)
+            for build in _two_builds.BUILDS
+        }
+        row["compiled_over_interpreted"] = row["compiled"] / row["interpreted"]
+        counts[figure.key] = {key: round(value, 3) for key, value in row.items()}
+        if figure.counted:
+            counts[figure.key]["counted"] = figure.counted
+    return counts
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
+    parser.add_argument(
+        "--compare", action="store_true", help="interpreted vs compiled, side by side"
+    )
+    parser.add_argument(
+        "--callgrind", action="store_true", help="with --compare: instruction counts too"
+    )
+    parser.add_argument(
+        "--compiled-site",
+        type=Path,
+        help="with --compare: a directory holding a compiled build to use",
+    )
     args = parser.parse_args(argv)
-    calls, repeats = (2_000, 3) if args.quick else (50_000, 9)
-    steps = 2 * GROWTH_WINDOW if args.quick else GROWTH_STEPS
-    report: dict[str, Any] = {"python": sys.version.split()[0], "quick": args.quick}
-    sections: list[tuple[str, Callable[[], dict[str, float]]]] = [
-        ("allocate_free_all_pair", lambda: bench_allocate_free_all_pair(calls, repeats)),
-        ("free_all", lambda: bench_free_all(repeats)),
-        ("mark_used_and_stats", lambda: bench_mark_used_and_stats(calls, repeats)),
-        ("growth", lambda: bench_growth(steps, 3 if args.quick else 5)),
-        ("memory", bench_memory),
-    ]
-    for name, run in sections:
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        report[name] = {key: round(value, 3) for key, value in run().items()}
-    report["targets"] = TARGETS
+    if args.compare:
+        report = compare(args.quick, args.callgrind, args.compiled_site)
+    else:
+        report = {"python": sys.version.split()[0], "quick": args.quick, **one_build(args.quick)}
     print(json.dumps(report, indent=2))
     return 0
 

@@ -1,36 +1,44 @@
-"""Benchmark of the pool-backed KV cache against mlx-lm's caches; prints one JSON document.
+"""Benchmark of the pool-backed KV cache against mlx-lm's ``KVCache``; prints one JSON document.
 
-Two questions, each answered side by side in one run so that the machine's
-speed cancels out (the targets come from the project's issue 5-7; nothing
-here passes or fails):
+Every figure is measured side by side in one run, so that the machine's speed
+cancels out (the targets come from the project's issue 9; nothing here
+passes or fails):
 
-- **Memory.** A mixed batch of requests (prompt lengths lognormal, decode
-  lengths geometric, seeded) is prefilled and decoded token by token
-  through :class:`PoolBackedKVCache` and through mlx-lm's ``KVCache``. The
-  bytes each holds at the end are summed (``nbytes``, the figure mlx-lm
-  reports), with the worst per-request, per-layer idle slots: ours must
-  stay below ``block_size`` (the target is ``block_size - 1``), ``KVCache``
-  grows in 256-token steps.
-- **Decode speed.** A mid-size llama built in code (random weights) decodes
-  at each context length with ours, with ``KVCache`` (one preallocated
-  buffer, a slice per step), and with ``KVCache`` growing by one block at a
-  time (``step = block_size``: the upstream design of a contiguous buffer
-  extended by concatenation). Rounds rotate the variants and every round
-  trims back to the same context; each figure is a median over rounds and
-  each ratio a median of same-round ratios. Target: ours >= 0.8x ``KVCache``.
+- **Decode speed.** A mid-size llama built in code (random weights, float32)
+  decodes greedily at each context (256, 1K, 4K, 16K, 32K by default), with
+  one request and with ``--concurrent`` requests at once (one thread; each
+  request's token is scheduled as soon as its graph is built, and a step waits
+  for the previous step's tokens, as mlx-lm's ``generate_step`` does). Variants:
+  mlx-lm's ``KVCache`` (one cache list per request); ours over one fixed pool
+  and store shared by the requests, with ``lazy_writes`` and gathered
+  attention (``pool_backed``); the same with the fused paged-attention
+  kernel (``pool_backed_fused``, only where MLX's CUDA back-end runs); and a
+  store without ``lazy_writes`` (``pool_backed_async_writes``: every write
+  scheduled with ``mx.async_eval``, the thread-safe default). Rounds rotate
+  the variants; a figure is a median over rounds, a ratio the median of
+  same-round ratios. Targets: ours >= 0.9x ``KVCache`` on a GPU, >= 0.95x
+  on a CPU; the concurrent aggregate >= 1x.
+- **Host time per token**: microseconds spent building a step's graph (the
+  Python side, before it is scheduled), per token; and, of that, the time
+  inside the caches' own calls (``cache_host_us_per_token``), the part the
+  cache design decides. Target: the same at 256 .. 16K (within 1.2x), i.e.
+  no per-block work.
+- **Resident memory**: bytes held by the store (``resident_bytes``) beside
+  the bytes ``KVCache`` holds (``nbytes``) for the same requests; and, for a
+  mixed batch of 32 requests, a growing store against a fixed pool sized from
+  a memory budget (``make_serving_storage``), the serving default.
 
 MLX's CPU backend keeps freed buffers for reuse only up to its cache limit
-(32 MB by default there). A long context's per-step gathers exceed it, so
-the buffers go back to the C allocator and, in a fresh process, each step
-page-faults fresh memory (``page_faults_per_token``). The decode section
-therefore raises the limit (``--mlx-cache-limit-mb``) for every variant;
-the full run first measures the longest context at MLX's default, in the
-fresh process, to show the effect.
+(32 MB by default there); a long context's per-step buffers exceed it and
+each step would page-fault fresh memory, so the run raises the limit
+(``--mlx-cache-limit-mb``) for every variant.
 
-    python benchmarks/bench_kv_cache.py            # full run, a few minutes on a CPU
-    python benchmarks/bench_kv_cache.py --quick    # small and short, smoke only
+    python benchmarks/bench_kv_cache.py                      # full run
+    python benchmarks/bench_kv_cache.py --quick              # small and short, smoke only
+    python benchmarks/bench_kv_cache.py --contexts 256 4096  # some contexts only
 
-Thread safety: single-threaded. Runs unchanged on Metal or CUDA (no NumPy).
+Progress goes to stderr, the JSON document to stdout. Thread safety:
+single-threaded. Runs unchanged on Metal or CUDA (no NumPy).
 """
 
 from __future__ import annotations
@@ -41,7 +49,6 @@ import json
 import math
 import platform
 import random
-import resource
 import statistics
 import sys
 import time
@@ -51,13 +58,19 @@ from typing import Any
 
 import mlx.core as mx
 from mlx.nn.layers.base import Module
-from mlx.utils import tree_map
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache, make_pool_backed_cache
+from veloxquant_mlx.memory.attention_hook import (
+    install_paged_attention,
+    uninstall_paged_attention,
+)
+from veloxquant_mlx.memory.block_table import schedule
+from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+from veloxquant_mlx.memory.model_kv_layout import kv_layout, make_serving_storage
+from veloxquant_mlx.memory.paged_attention import cuda_unavailable_reason
 
 BLOCK_SIZE = 16
 N_LAYERS = 8
@@ -68,12 +81,12 @@ HEAD_DIM = HIDDEN // N_HEADS
 INTERMEDIATE = 1408
 VOCAB = 4096
 SEED = 0
+TARGET_GPU = 0.9
+#: The contexts whose host time per token must agree within 1.2x (the quick run's too).
+SPREAD_CONTEXTS = (64, 256, 1024, 4096, 16384)
+TARGET_CPU = 0.95
 
-
-class ConcatPerBlockKVCache(KVCache):
-    """mlx-lm's ``KVCache`` grown by one block at a time: a concatenation every block."""
-
-    step = BLOCK_SIZE
+Caches = list[Any]
 
 
 @dataclass(frozen=True)
@@ -83,88 +96,30 @@ class Options:
     quick: bool
     n_requests: int
     contexts: tuple[int, ...]
+    concurrent: int
     rounds: int
     steps_per_round: int
     mlx_cache_limit_mb: int
+    fused: bool
 
 
-def mlx_lm_caches(cache_class: type[KVCache]) -> list[KVCache]:
-    """One of mlx-lm's caches of ``cache_class`` per layer."""
-    return [cache_class() for _ in range(N_LAYERS)]
+@dataclass
+class Variant:
+    """One way to hold the KV cache: how to make a request's caches, and its store."""
+
+    make: Callable[[], Caches]
+    storage: MLXBlockStorage | None = None
+    fused: bool = False
 
 
-# -- memory ---------------------------------------------------------------------------------
+def progress(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
 
 
-def request_lengths(n_requests: int, seed: int) -> list[tuple[int, int]]:
-    """(prompt, decode) lengths: prompts lognormal around 512, decodes geometric, mean 128."""
-    rng = random.Random(seed)
-    lengths = []
-    for _ in range(n_requests):
-        prompt = min(8192, max(8, round(rng.lognormvariate(math.log(512), 1.0))))
-        decode = 1 + int(math.log(1.0 - rng.random()) / math.log(1.0 - 1.0 / 128))
-        lengths.append((prompt, decode))
-    return lengths
+# -- the model --------------------------------------------------------------------------------
 
 
-def _feed(cache: Sequence[Any], prompt: int, decode: int) -> None:
-    """Prefill ``prompt`` positions in one update per layer, then decode one by one."""
-    for n_tokens in [prompt] + [1] * decode:
-        chunk = mx.zeros((1, N_KV_HEADS, n_tokens, HEAD_DIM), dtype=mx.float16)
-        for layer in cache:
-            layer.update_and_fetch(chunk, chunk)  # the fetch is lazy and never evaluated
-    mx.eval([layer.state for layer in cache])
-
-
-def bench_memory(options: Options) -> dict[str, object]:
-    """Bytes held by a mixed batch with ours vs mlx-lm's ``KVCache``, all requests alive."""
-    pool = BlockPoolAllocator(
-        PoolConfig(block_size=BLOCK_SIZE, n_blocks=0, grow_on_exhaustion=True)
-    )
-    storage = MLXBlockStorage(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float16)
-    model = _model(n_layers=N_LAYERS, scale=1.0)
-    lengths = request_lengths(options.n_requests, SEED)
-    ours: list[PoolBackedPromptCache] = []
-    theirs: list[list[Any]] = []
-    for owner, (prompt, decode) in enumerate(lengths):
-        ours.append(make_pool_backed_cache(model, storage, owner=owner))
-        theirs.append(mlx_lm_caches(KVCache))
-        _feed(ours[-1], prompt, decode)
-        _feed(theirs[-1], prompt, decode)
-    ours_bytes = sum(layer.nbytes for cache in ours for layer in cache)
-    theirs_bytes = sum(layer.nbytes for cache in theirs for layer in cache)
-    slot_bytes = N_KV_HEADS * HEAD_DIM * mx.float16.size
-    figures: dict[str, object] = {
-        "requests": len(lengths),
-        "tokens_total": sum(prompt + decode for prompt, decode in lengths),
-        "prompt_lengths": [prompt for prompt, _ in lengths],
-        "decode_lengths": [decode for _, decode in lengths],
-        "block_size": BLOCK_SIZE,
-        "layers": N_LAYERS,
-        "pool_backed_bytes": ours_bytes,
-        "kv_cache_bytes": theirs_bytes,
-        "pool_backed_over_kv_cache": ours_bytes / theirs_bytes,
-        "pool_blocks_in_use_bytes": pool.stats.blocks_in_use() * BLOCK_SIZE * slot_bytes * N_LAYERS,
-        "pool_backed_max_idle_slots_per_request_per_layer": max(
-            cache.book.slots_wasted() for cache in ours
-        ),
-        "target_max_idle_slots": BLOCK_SIZE - 1,
-        "kv_cache_max_idle_slots_per_request_per_layer": max(
-            cache[0].keys.shape[2] - cache[0].offset for cache in theirs
-        ),
-        "storage_resident_bytes": storage.resident_bytes(),
-        "storage_resident_note": "slabs grow geometrically: up to 2x the blocks ever in use",
-    }
-    for cache in ours:
-        cache.release()
-    figures["blocks_in_use_after_release"] = pool.stats.blocks_in_use()
-    return figures
-
-
-# -- decode speed ---------------------------------------------------------------------------
-
-
-def _model(n_layers: int, scale: float) -> Module:
+def make_model(n_layers: int = N_LAYERS) -> Module:
     mx.random.seed(SEED)
     model = llama.Model(
         llama.ModelArgs(
@@ -178,13 +133,23 @@ def _model(n_layers: int, scale: float) -> Module:
             vocab_size=VOCAB,
         )
     )
-    if scale != 1.0:
-        model.update(tree_map(lambda weight: weight * scale, model.parameters()))
     mx.eval(model.parameters())
     return model
 
 
-def _fill(cache: Sequence[Any], context: int) -> None:
+def kv_cache_list() -> Caches:
+    return [KVCache() for _ in range(N_LAYERS)]  # type: ignore[no-untyped-call]
+
+
+def kv_cache_bytes(caches: Sequence[Caches]) -> int:
+    """Bytes mlx-lm's caches hold: their whole buffers, as ``nbytes`` reports them."""
+    return sum(layer.nbytes for cache in caches for layer in cache)
+
+
+# -- decode speed -----------------------------------------------------------------------------
+
+
+def fill(cache: Caches, context: int) -> None:
     """Put ``context`` random positions in every layer, as a prefill would."""
     for layer in cache:
         keys = mx.random.normal((1, N_KV_HEADS, context, HEAD_DIM))
@@ -192,99 +157,184 @@ def _fill(cache: Sequence[Any], context: int) -> None:
         mx.eval(layer.update_and_fetch(keys, values))
 
 
-def _decode_step_figures(model: Module, cache: Sequence[Any], steps: int) -> tuple[float, float]:
-    """Greedy decode ``steps`` tokens, evaluating each (as a server streams them).
+class CacheClock:
+    """Time spent inside the caches' own calls (``update_and_fetch``, ``attend_in_place``).
+
+    Installed per layer as instance attributes, so the model's call of a cache
+    method goes through the clock; the rest of a step (the model, MLX) is not
+    counted. This is the host work the cache design decides.
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def install(self, caches: Caches) -> None:
+        for layer in caches:
+            for name in ("update_and_fetch", "attend_in_place"):
+                method = getattr(layer, name, None)
+                if method is not None:
+                    setattr(layer, name, self._timed(method))
+
+    def _timed(self, method: Callable[..., Any]) -> Callable[..., Any]:
+        def timed(*args: Any) -> Any:
+            started = time.perf_counter()
+            try:
+                return method(*args)
+            finally:
+                self.seconds += time.perf_counter() - started
+
+        return timed
+
+
+def decode_round(model: Module, requests: list[Caches], steps: int) -> tuple[float, float]:
+    """Greedy decode ``steps`` tokens for every request, pipelined as mlx-lm does it.
+
+    As in ``mlx_lm.generate.generate_step``, a token is scheduled
+    (``mx.async_eval``) as soon as its graph is built and the previous step's
+    tokens are waited for only then, so building step ``t + 1`` overlaps the
+    device running step ``t``. Each request's graph is scheduled before the
+    next request's is built (a server loop does the same): a write then never
+    waits on another request's unscheduled read of the same slab.
 
     Returns:
-        Tokens per second, and minor page faults per token (fresh memory touched).
+        Aggregate tokens per second, and host microseconds per token spent
+        building the step's graph (the Python side; not scheduling or waiting).
     """
-    token = mx.array([1])
-    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    tokens = [mx.array([1]) for _ in requests]
+    host = 0.0
+    previous: list[mx.array] = []
     start = time.perf_counter()
     for _ in range(steps):
-        logits = model(token[:, None], cache=cache)
-        token = mx.argmax(logits[:, -1], axis=-1)
-        mx.eval(token)
+        for index, cache in enumerate(requests):
+            building = time.perf_counter()
+            logits = model(tokens[index][:, None], cache=cache)
+            tokens[index] = mx.argmax(logits[:, -1], axis=-1)
+            host += time.perf_counter() - building
+            schedule(tokens[index])
+        mx.eval(previous)  # the previous step's tokens, streamed while this one runs
+        previous = list(tokens)
+    mx.eval(previous)
     elapsed = time.perf_counter() - start
-    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before
-    return steps / elapsed, faults / steps
+    n_tokens = steps * len(requests)
+    return n_tokens / elapsed, host / n_tokens * 1e6
+
+
+def make_variants(
+    model: Module, n_requests: int, positions: int, *, fused: bool
+) -> dict[str, Variant]:
+    """The variants for ``n_requests`` of up to ``positions`` positions each.
+
+    Each pool-backed variant has its own fixed pool, sized for its requests
+    (two streams, a spare block each), and its own store covering it.
+    """
+    n_blocks = 2 * n_requests * (positions // BLOCK_SIZE + 2)
+
+    def paged(**store_options: bool) -> MLXBlockStorage:
+        pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks))
+        return MLXBlockStorage(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, **store_options)
+
+    lazy, eager = paged(lazy_writes=True), paged()
+    variants = {
+        "kv_cache": Variant(kv_cache_list),
+        "pool_backed": Variant(
+            lambda: make_pool_backed_cache(model, lazy, attention="gather"), lazy
+        ),
+        "pool_backed_async_writes": Variant(
+            lambda: make_pool_backed_cache(model, eager, attention="gather"), eager
+        ),
+    }
+    if fused and cuda_unavailable_reason() is None:
+        fused_store = paged(lazy_writes=True)
+        variants["pool_backed_fused"] = Variant(
+            lambda: make_pool_backed_cache(model, fused_store, attention="fused"),
+            fused_store,
+            fused=True,
+        )
+    return variants
 
 
 def bench_decode_at(
-    model: Module, context: int, options: Options, variants: dict[str, Callable[[], Sequence[Any]]]
+    model: Module, context: int, n_requests: int, options: Options
 ) -> dict[str, object]:
-    """Median tokens/s of each variant at ``context``, and same-round ratios to ours.
-
-    Caches are not trimmed between rounds (a trimmed ``KVCache`` would keep its
-    grown buffer and never concatenate again): the context drifts up by
-    ``rounds * steps_per_round`` tokens, the same for every variant.
-    """
-    caches = {name: make() for name, make in variants.items()}
-    for cache in caches.values():
-        _fill(cache, context)
-    speeds: dict[str, list[float]] = {name: [] for name in caches}
-    faults: dict[str, list[float]] = {name: [] for name in caches}
-    names = list(caches)
+    """Tokens/s, host time and resident bytes of every variant at ``context``."""
+    positions = context + options.rounds * options.steps_per_round + 1
+    variants = make_variants(model, n_requests, positions, fused=options.fused)
+    requests = {
+        name: [variant.make() for _ in range(n_requests)] for name, variant in variants.items()
+    }
+    clocks = {name: CacheClock() for name in variants}
+    for name, caches in requests.items():
+        for cache in caches:
+            fill(cache, context)
+            clocks[name].install(cache)
+    uninstall_paged_attention(model)
+    speeds: dict[str, list[float]] = {name: [] for name in variants}
+    hosts: dict[str, list[float]] = {name: [] for name in variants}
+    cache_hosts: dict[str, list[float]] = {name: [] for name in variants}
+    names = list(variants)
     for round_index in range(options.rounds):
-        rotation = names[round_index % len(names) :] + names[: round_index % len(names)]
-        for name in rotation:
-            speed, fault_rate = _decode_step_figures(model, caches[name], options.steps_per_round)
+        shift = round_index % len(names)
+        for name in names[shift:] + names[:shift]:
+            if variants[name].fused:
+                install_paged_attention(model)
+            clocks[name].seconds = 0.0
+            speed, host = decode_round(model, requests[name], options.steps_per_round)
+            uninstall_paged_attention(model)
             speeds[name].append(speed)
-            faults[name].append(fault_rate)
-    for cache in caches.values():
-        if isinstance(cache, PoolBackedPromptCache):
-            cache.release()
-    result: dict[str, object] = {
+            hosts[name].append(host)
+            n_tokens = options.steps_per_round * n_requests
+            cache_hosts[name].append(clocks[name].seconds / n_tokens * 1e6)
+    row: dict[str, object] = {
         "context": context,
+        "requests": n_requests,
         "tokens_per_s": {name: statistics.median(values) for name, values in speeds.items()},
-        "page_faults_per_token": {
-            name: statistics.median(values) for name, values in faults.items()
+        "host_us_per_token": {name: statistics.median(values) for name, values in hosts.items()},
+        "cache_host_us_per_token": {
+            name: statistics.median(values) for name, values in cache_hosts.items()
+        },
+        "resident_bytes": {
+            name: (
+                variant.storage.resident_bytes()
+                if variant.storage is not None
+                else kv_cache_bytes(requests[name])
+            )
+            for name, variant in variants.items()
         },
     }
-    for name in names:
-        if name != "pool_backed":
-            ratios = [
-                ours / theirs
-                for ours, theirs in zip(speeds["pool_backed"], speeds[name], strict=True)
-            ]
-            result[f"pool_backed_over_{name}"] = statistics.median(ratios)
-    return result
+    for name in names[1:]:
+        ratios = [
+            ours / theirs for ours, theirs in zip(speeds[name], speeds["kv_cache"], strict=True)
+        ]
+        row[f"{name}_over_kv_cache"] = statistics.median(ratios)
+    for caches in requests.values():
+        for cache in caches:
+            if hasattr(cache, "release"):
+                cache.release()
+    return row
 
 
 def bench_decode(options: Options) -> dict[str, object]:
-    """Decode speed at every context, ours vs ``KVCache`` vs one concatenation per block."""
-    model = _model(n_layers=N_LAYERS, scale=1.0)
-    n_positions = max(options.contexts) + options.rounds * options.steps_per_round
-
-    def paged(**kw: bool) -> Callable[[], Sequence[Any]]:
-        # Each pool-backed variant gets its own pool: two streams, a block to spare.
-        pool = BlockPoolAllocator(
-            PoolConfig(block_size=BLOCK_SIZE, n_blocks=2 * (n_positions // BLOCK_SIZE + 2))
-        )
-        storage = MLXBlockStorage(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, **kw)
-        return lambda: make_pool_backed_cache(model, storage)
-
-    variants: dict[str, Callable[[], Sequence[Any]]] = {
-        "pool_backed": paged(lazy_writes=True),
-        "kv_cache": lambda: mlx_lm_caches(KVCache),
-        "concat_per_block": lambda: mlx_lm_caches(ConcatPerBlockKVCache),
-    }
-    if not options.quick:
-        variants["pool_backed_eager_writes"] = paged()
-    at_default_limit = None
-    if not options.quick:
-        # First, in a fresh process, at MLX's default cache limit.
-        two = {name: variants[name] for name in ("pool_backed", "kv_cache")}
-        at_default_limit = bench_decode_at(model, max(options.contexts), options, two)
+    model = make_model()
     default_limit = mx.set_cache_limit(options.mlx_cache_limit_mb << 20)
+    rows = []
     try:
-        rows = []
-        for context in options.contexts:
-            mx.clear_cache()
-            rows.append(bench_decode_at(model, context, options, variants))
+        for n_requests in sorted({1, options.concurrent}):
+            for context in options.contexts:
+                mx.clear_cache()
+                started = time.perf_counter()
+                row = bench_decode_at(model, context, n_requests, options)
+                rows.append(row)
+                speeds = row["tokens_per_s"]
+                assert isinstance(speeds, dict)
+                figures = ", ".join(f"{name} {speed:.0f}" for name, speed in speeds.items())
+                progress(
+                    f"decode: {n_requests} request(s) at {context}: {figures} tokens/s "
+                    f"({time.perf_counter() - started:.0f} s)"
+                )
     finally:
         mx.set_cache_limit(default_limit)
-    figures: dict[str, object] = {
+    on_gpu = mx.default_device() == mx.gpu
+    return {
         "model": {
             "architecture": "llama",
             "layers": N_LAYERS,
@@ -296,39 +346,146 @@ def bench_decode(options: Options) -> dict[str, object]:
             "dtype": "float32",
         },
         "block_size": BLOCK_SIZE,
-        "pool_backed_storage": "MLXBlockStorage(lazy_writes=True), head-major gather_heads",
+        "fused_kernel": cuda_unavailable_reason() or "available",
         "mlx_cache_limit_mb": options.mlx_cache_limit_mb,
-        "mlx_default_cache_limit_mb": default_limit / 2**20,
         "rounds": options.rounds,
         "steps_per_round": options.steps_per_round,
-        "target_pool_backed_over_kv_cache": 0.8,
+        "target_pool_backed_over_kv_cache": TARGET_GPU if on_gpu else TARGET_CPU,
         "by_context": rows,
+        "host_us_per_token_spread": host_spread(rows, "host_us_per_token"),
+        "cache_host_us_per_token_spread": host_spread(rows, "cache_host_us_per_token"),
     }
-    if at_default_limit is not None:
-        figures["at_mlx_default_cache_limit"] = at_default_limit
+
+
+def host_spread(rows: list[dict[str, object]], key: str) -> dict[str, float]:
+    """Per variant, the largest over the smallest single-request ``key`` (a host time
+    per token) across the contexts of ``SPREAD_CONTEXTS`` that were run."""
+    single: list[dict[str, float]] = [
+        row[key]  # type: ignore[misc]  # built as dict[str, float] above
+        for row in rows
+        if row["requests"] == 1 and row["context"] in SPREAD_CONTEXTS
+    ]
+    names = single[0].keys() if single else ()
+    return {
+        name: max(host[name] for host in single) / min(host[name] for host in single)
+        for name in names
+    }
+
+
+# -- memory -----------------------------------------------------------------------------------
+
+
+def request_lengths(n_requests: int, seed: int) -> list[tuple[int, int]]:
+    """(prompt, decode) lengths: prompts lognormal around 512, decodes geometric, mean 128."""
+    rng = random.Random(seed)
+    lengths = []
+    for _ in range(n_requests):
+        prompt = min(8192, max(8, round(rng.lognormvariate(math.log(512), 1.0))))
+        decode = 1 + int(math.log(1.0 - rng.random()) / math.log(1.0 - 1.0 / 128))
+        lengths.append((prompt, decode))
+    return lengths
+
+
+def feed(cache: Caches, prompt: int, decode: int) -> None:
+    """Prefill ``prompt`` positions in one update per layer, then decode one by one."""
+    for n_tokens in [prompt] + [1] * decode:
+        chunk = mx.zeros((1, N_KV_HEADS, n_tokens, HEAD_DIM))
+        for layer in cache:
+            layer.update_and_fetch(chunk, chunk)  # the fetch is lazy and never evaluated
+    mx.eval([layer.state for layer in cache])
+
+
+def bench_memory(options: Options) -> dict[str, object]:
+    """Bytes held by a mixed batch: growing store and fixed pool vs mlx-lm's ``KVCache``."""
+    model = make_model()
+    lengths = request_lengths(options.n_requests, SEED)
+    growing_pool = BlockPoolAllocator(
+        PoolConfig(block_size=BLOCK_SIZE, n_blocks=0, grow_on_exhaustion=True)
+    )
+    growing = MLXBlockStorage(growing_pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32)
+    block_bytes = kv_layout(model).block_bytes(BLOCK_SIZE)
+    blocks_needed = sum(2 * -(-(prompt + decode) // BLOCK_SIZE) for prompt, decode in lengths)
+    # The budget a server would set for this batch: what it needs, plus 5% headroom.
+    budget = math.ceil(blocks_needed * 1.05) * block_bytes
+    fixed = make_serving_storage(model, budget, block_size=BLOCK_SIZE)
+    ours: dict[str, list[Any]] = {"growing": [], "fixed": []}
+    theirs: list[Caches] = []
+    for owner, (prompt, decode) in enumerate(lengths):
+        for name, store in (("growing", growing), ("fixed", fixed)):
+            ours[name].append(make_pool_backed_cache(model, store, owner=owner, attention="gather"))
+            feed(ours[name][-1], prompt, decode)
+        theirs.append(kv_cache_list())
+        feed(theirs[-1], prompt, decode)
+    in_use = growing_pool.stats.blocks_in_use() * block_bytes
+    theirs_bytes = kv_cache_bytes(theirs)
+    figures: dict[str, object] = {
+        "requests": len(lengths),
+        "tokens_total": sum(prompt + decode for prompt, decode in lengths),
+        "block_size": BLOCK_SIZE,
+        "layers": N_LAYERS,
+        "dtype": "float32",
+        "blocks_in_use_bytes": in_use,
+        "kv_cache_bytes": theirs_bytes,
+        "growing_store_resident_bytes": growing.resident_bytes(),
+        "growing_store_resident_over_in_use": growing.resident_bytes() / in_use,
+        "fixed_pool_budget_bytes": budget,
+        "fixed_pool_resident_bytes": fixed.resident_bytes(),
+        "fixed_pool_resident_over_in_use": fixed.resident_bytes() / in_use,
+        "fixed_pool_resident_over_kv_cache": fixed.resident_bytes() / theirs_bytes,
+        "pool_backed_max_idle_slots_per_request_per_layer": max(
+            cache.book.slots_wasted() for cache in ours["fixed"]
+        ),
+        "kv_cache_max_idle_slots_per_request_per_layer": max(
+            cache[0].keys.shape[2] - cache[0].offset for cache in theirs
+        ),
+    }
+    for caches in ours.values():
+        for cache in caches:
+            cache.release()
+    figures["blocks_in_use_after_release"] = growing_pool.stats.blocks_in_use()
     return figures
+
+
+# -- the run ----------------------------------------------------------------------------------
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small and short: a smoke run")
+    parser.add_argument("--contexts", type=int, nargs="+", help="context lengths to decode at")
+    parser.add_argument(
+        "--concurrent", type=int, default=4, help="requests decoded at once (default: 4)"
+    )
+    parser.add_argument("--rounds", type=int, help="rounds per context (default: 5; quick: 2)")
+    parser.add_argument("--steps", type=int, help="tokens per round (default: 16; quick: 3)")
     parser.add_argument(
         "--mlx-cache-limit-mb",
         type=int,
-        default=1024,
-        help="MLX buffer-cache limit during the decode section (default: 1024)",
+        default=4096,
+        help="MLX buffer-cache limit during the decode section (default: 4096)",
+    )
+    parser.add_argument("--skip-memory", action="store_true", help="leave out the memory section")
+    parser.add_argument(
+        "--no-fused", action="store_true", help="leave out the fused-kernel variant"
     )
     arguments = parser.parse_args(argv)
+    quick = arguments.quick
     options = Options(
-        quick=arguments.quick,
-        n_requests=8 if arguments.quick else 32,
-        contexts=(64, 256) if arguments.quick else (256, 1024, 4096),
-        rounds=2 if arguments.quick else 7,
-        steps_per_round=3 if arguments.quick else 8,
+        quick=quick,
+        n_requests=8 if quick else 32,
+        contexts=tuple(
+            arguments.contexts or ((64, 256) if quick else (256, 1024, 4096, 16384, 32768))
+        ),
+        concurrent=arguments.concurrent,
+        rounds=arguments.rounds or (2 if quick else 5),
+        steps_per_round=arguments.steps or (3 if quick else 16),
         mlx_cache_limit_mb=arguments.mlx_cache_limit_mb,
+        fused=not arguments.no_fused,
     )
+    if min(options.contexts) < 1 or options.concurrent < 1 or options.rounds < 1:
+        parser.error("contexts, --concurrent and --rounds must be positive")
     started = time.perf_counter()
-    report = {
+    report: dict[str, object] = {
         "benchmark": "kv_cache",
         "quick": options.quick,
         "platform": {
@@ -338,11 +495,10 @@ def main(argv: list[str] | None = None) -> int:
             "mlx_lm": importlib.metadata.version("mlx-lm"),
             "device": str(mx.default_device()),
         },
-        # Decode first: how MLX's CPU allocator behaves at its default cache limit
-        # depends on what the process allocated and freed before.
         "decode": bench_decode(options),
-        "memory": bench_memory(options),
     }
+    if not arguments.skip_memory:
+        report["memory"] = bench_memory(options)
     report["seconds"] = time.perf_counter() - started
     json.dump(report, sys.stdout, indent=2)
     sys.stdout.write("\n")

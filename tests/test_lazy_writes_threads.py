@@ -10,12 +10,12 @@ threads, before anything changes.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 
 import mlx.core as mx
 import pytest
 from conftest import pool_unchanged
+from threads import in_thread
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache
@@ -42,27 +42,11 @@ def _lazy_store() -> tuple[BlockPoolAllocator, MLXBlockStorage, Block]:
     return pool, store, block
 
 
-def _in_thread(name: str, call: Callable[[], object]) -> BaseException | None:
-    """Run ``call`` on a new thread called ``name``; the exception it raised, if any."""
-    raised: list[BaseException] = []
-
-    def body() -> None:
-        try:
-            call()
-        except BaseException as error:  # handed to the main thread
-            raised.append(error)
-
-    thread = threading.Thread(target=body, name=name)
-    thread.start()
-    thread.join()
-    return raised[0] if raised else None
-
-
 @pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
 def test_a_second_thread_is_refused_by_name_and_nothing_changes(call: Call) -> None:
     pool, store, block = _lazy_store()
     with pool_unchanged(pool, owners=[1], handles=[block]):
-        error = _in_thread("intruder", lambda: call(store, block))
+        error = in_thread("intruder", lambda: call(store, block))
     assert isinstance(error, RuntimeError)
     message = str(error)
     assert "lazy_writes" in message
@@ -73,7 +57,7 @@ def test_a_second_thread_is_refused_by_name_and_nothing_changes(call: Call) -> N
 @pytest.mark.parametrize("call", CALLS.values(), ids=CALLS.keys())
 def test_the_store_stays_usable_from_its_own_thread(call: Call) -> None:
     _, store, block = _lazy_store()
-    _in_thread("intruder", lambda: call(store, block))
+    in_thread("intruder", lambda: call(store, block))
     store.write(0, block, 1, mx.full((1, 1, 2), 2.0))
     gathered = store.gather(0, [block], 2)
     assert gathered.reshape(-1).tolist() == [1.0, 1.0, 2.0, 2.0]
@@ -89,7 +73,7 @@ def test_the_first_thread_to_call_owns_the_store() -> None:
         store.write(0, block, 0, mx.ones((1, 1, 2)))
         mx.eval(store.gather(0, [block], 1))
 
-    assert _in_thread("decoder", decode_loop) is None
+    assert in_thread("decoder", decode_loop) is None
     with pytest.raises(RuntimeError, match=r"'decoder'.*'MainThread'"):
         store.sync()
 
@@ -100,7 +84,7 @@ def test_a_pool_backed_cache_on_a_second_thread_is_refused_and_keeps_its_positio
     [cache] = PoolBackedPromptCache(store, PooledKVCache(pool))
     one = mx.ones((1, 1, 1, 2))
     cache.update_and_fetch(one, one)
-    error = _in_thread("intruder", lambda: cache.update_and_fetch(one, one))
+    error = in_thread("intruder", lambda: cache.update_and_fetch(one, one))
     assert isinstance(error, RuntimeError)
     assert "lazy_writes" in str(error)
     assert cache.offset == 1
@@ -114,5 +98,5 @@ def test_a_store_without_lazy_writes_serves_every_thread() -> None:
     pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
     store = MLXBlockStorage(pool, 1, 1, 2, mx.float32)
     [block] = pool.allocate("k", 4, owner=1)
-    assert _in_thread("writer", lambda: store.write(0, block, 0, mx.ones((1, 1, 2)))) is None
+    assert in_thread("writer", lambda: store.write(0, block, 0, mx.ones((1, 1, 2)))) is None
     assert store.gather(0, [block], 1).reshape(-1).tolist() == [1.0, 1.0]

@@ -7,7 +7,8 @@ downloaded. Each test decodes with mlx-lm's own generators
 ``KVCache`` and once with :func:`make_pool_backed_cache`, and asserts the
 same tokens, log-probabilities within float32 noise, and every block back
 in the pool at the end. A block size of 4 makes a 64-step decode cross
-many block boundaries.
+many block boundaries. The caches use gathered attention, the exact drop-in
+path (the fused kernel's decode is checked in test_paged_attention).
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ def test_greedy_decode_matches_mlx_lm_kv_cache(architecture: str, paging: Paging
     prompt = _prompt(seed=2)
     upstream = make_prompt_cache(model)
     reference = _greedy(model, prompt, upstream, DECODE_STEPS)
-    with make_pool_backed_cache(model, paging.storage) as cache:
+    with make_pool_backed_cache(model, paging.storage, attention="gather") as cache:
         ours = _greedy(model, prompt, cache, DECODE_STEPS)
         assert [layer.offset for layer in cache] == [layer.offset for layer in upstream]
         cache.book.check_invariants()
@@ -101,7 +102,10 @@ def test_four_concurrent_requests_share_one_pool(paging: Paging) -> None:
     prompts = [_prompt(seed, length) for seed, length in ((10, 5), (11, 9), (12, 14), (13, 3))]
     steps = 32
     references = [_greedy(model, prompt, make_prompt_cache(model), steps) for prompt in prompts]
-    caches = [make_pool_backed_cache(model, paging.storage, owner=100 + i) for i in range(4)]
+    caches = [
+        make_pool_backed_cache(model, paging.storage, owner=100 + i, attention="gather")
+        for i in range(4)
+    ]
     generators = [
         generate_step(prompt, model, prompt_cache=cache, max_tokens=steps)
         for prompt, cache in zip(prompts, caches, strict=True)
@@ -137,8 +141,8 @@ def test_speculative_decoding_rewinds_by_trim(paging: Paging) -> None:
 
     reference = speculate(make_prompt_cache(model) + make_prompt_cache(draft))
     with (
-        make_pool_backed_cache(model, paging.storage) as ours,
-        make_pool_backed_cache(draft, paging.storage) as drafts,
+        make_pool_backed_cache(model, paging.storage, attention="gather") as ours,
+        make_pool_backed_cache(draft, paging.storage, attention="gather") as drafts,
     ):
         result = speculate([*ours, *drafts])
         assert paging.pool.stats.n_frees > 0  # rewinds gave whole blocks back on the way
@@ -154,7 +158,10 @@ def test_abort_mid_generation_returns_every_block(paging: Paging) -> None:
     class AbortError(Exception):
         pass
 
-    with pytest.raises(AbortError), make_pool_backed_cache(model, paging.storage) as cache:
+    with (
+        pytest.raises(AbortError),
+        make_pool_backed_cache(model, paging.storage, attention="gather") as cache,
+    ):
         for step, _ in enumerate(
             generate_step(_prompt(seed=8), model, prompt_cache=cache, max_tokens=50)
         ):

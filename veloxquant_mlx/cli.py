@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from veloxquant_mlx import __version__
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.interrupts import run_command
+from veloxquant_mlx.memory import block_pool
 from veloxquant_mlx.simulate import command as simulate_command
 from veloxquant_mlx.simulate import options as simulate_options
 from veloxquant_mlx.stress import cli as stress_command
@@ -97,13 +98,20 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
 )
 
 
+def version_text() -> str:
+    """What ``--version`` prints: the version, and which build of the allocator runs."""
+    build = "compiled by mypyc" if block_pool.COMPILED else "interpreted (pure Python)"
+    return f"%(prog)s {__version__}\nblock_pool: {build}, {block_pool.__file__}"
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's parser, by name."""
     parser = OneLineParser(
         prog=PROG,
         description="Tools around the veloxquant_mlx KV-cache block pool.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,  # keeps --version's two lines
     )
-    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    parser.add_argument("--version", action="version", version=version_text())
     subparsers = parser.add_subparsers(
         title="subcommands", dest="subcommand", required=True, metavar="SUBCOMMAND"
     )

@@ -37,19 +37,23 @@ from __future__ import annotations
 import heapq
 import threading
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from importlib.machinery import EXTENSION_SUFFIXES
+from typing import Final, TypeAlias, TypeGuard
 
-from veloxquant_mlx.memory import _invariants, _prometheus
+from veloxquant_mlx.memory import _prometheus
 from veloxquant_mlx.memory._arguments import (
     require_bool,
     require_format,
     require_int,
     resolve_stream,
 )
+from veloxquant_mlx.memory._history import StatsHistory
+from veloxquant_mlx.memory._mypyc import AsGiven, mypyc_attr
 
 __all__ = [
+    "COMPILED",
     "AllocationStats",
     "Block",
     "BlockPoolAllocator",
@@ -67,27 +71,41 @@ _SHARED_STREAMS: Final = {"k": "kv", "v": "kv", "kv": "kv"}
 
 DEFAULT_HISTORY_LEN: Final = 1024
 
+#: Whether this module runs compiled by mypyc (``pip install .`` where a C compiler
+#: was found) rather than interpreted (the editable install, or no compiler).
+COMPILED: Final[bool] = __file__.endswith(tuple(EXTENSION_SUFFIXES))
 
+#: A block id on its way through the free lists, owner maps and handles: an ``int``,
+#: kept boxed by mypyc (see ``AsGiven``), so that moving one allocates nothing.
+BlockId: TypeAlias = AsGiven[int]
+
+
+@mypyc_attr(native_class=False)
 class BlockPoolError(RuntimeError):
     """Base class of every error the block pool raises on purpose."""
 
 
+@mypyc_attr(native_class=False)
 class BlockPoolExhaustedError(BlockPoolError):
     """An allocation needs more free blocks than the stream has or may grow to."""
 
 
+@mypyc_attr(native_class=False)
 class OwnerAlreadyActiveError(BlockPoolError):
     """``register_owner()`` was called for an owner that is already active."""
 
 
+@mypyc_attr(native_class=False)
 class InvalidFreeError(BlockPoolError, ValueError):
     """``free()`` got something that is not a live handle of this pool, or one twice."""
 
 
+@mypyc_attr(native_class=False)
 class InvariantViolationError(AssertionError):
     """``check_invariants()`` found the pool's books inconsistent; names the invariant."""
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(frozen=True, slots=True)
 class PoolConfig:
     """Configuration of a :class:`BlockPoolAllocator`; validated on construction.
@@ -107,26 +125,33 @@ class PoolConfig:
             ``None`` is unbounded. Ignored when not growing.
     """
 
-    block_size: int = 16
-    n_blocks: int = 1024
-    separate_kv: bool = True
-    grow_on_exhaustion: bool = False
-    max_blocks: int | None = None
+    # AsGiven: mypyc must not convert or refuse a value before __post_init__ checks it.
+    block_size: AsGiven[int] = 16
+    n_blocks: AsGiven[int] = 1024
+    separate_kv: AsGiven[bool] = True
+    grow_on_exhaustion: AsGiven[bool] = False
+    max_blocks: AsGiven[int | None] = None
 
     def __post_init__(self) -> None:
-        require_int("block_size", self.block_size)
-        require_int("n_blocks", self.n_blocks)
-        require_bool("separate_kv", self.separate_kv)
-        require_bool("grow_on_exhaustion", self.grow_on_exhaustion)
-        if self.max_blocks is not None:
-            require_int("max_blocks", self.max_blocks)
-        require_int("block_size", self.block_size, minimum=1)
-        require_int("n_blocks", self.n_blocks, minimum=0)
-        if self.grow_on_exhaustion and self.max_blocks is not None:
-            require_int("max_blocks", self.max_blocks, minimum=self.n_blocks)
+        block_size = _as_given(self, "block_size")
+        n_blocks = _as_given(self, "n_blocks")
+        max_blocks = _as_given(self, "max_blocks")
+        require_int("block_size", block_size)
+        require_int("n_blocks", n_blocks)
+        require_bool("separate_kv", _as_given(self, "separate_kv"))
+        grow_on_exhaustion = require_bool(
+            "grow_on_exhaustion", _as_given(self, "grow_on_exhaustion")
+        )
+        if max_blocks is not None:
+            require_int("max_blocks", max_blocks)
+        require_int("block_size", block_size, minimum=1)
+        minimum_cap = require_int("n_blocks", n_blocks, minimum=0)
+        if grow_on_exhaustion and max_blocks is not None:
+            require_int("max_blocks", max_blocks, minimum=minimum_cap)
 
 
-@dataclass(slots=True, eq=False)
+@mypyc_attr(allow_interpreted_subclasses=True, acyclic=True)
+@dataclass(slots=True, eq=False, init=False)
 class Block:
     """A handle of one fixed-size block of KV-cache storage, for one checkout.
 
@@ -146,15 +171,37 @@ class Block:
             ``allocate()`` (true on every handle ``allocate()`` returns).
     """
 
-    block_id: int
-    stream: str = "kv"
-    format: str = "fp16"
-    n_used: int = 0
-    owner: int | None = None
-    ever_allocated: bool = False
+    # AsGiven, and no defaults here (they are __init__'s): compiled by mypyc, a
+    # field then holds and reads back whatever it was given, as in Python, so a
+    # handle built by hand reaches the contract's checks unconverted.
+    block_id: AsGiven[int]
+    stream: AsGiven[str]
+    format: AsGiven[str]
+    n_used: AsGiven[int]
+    owner: AsGiven[int | None]
+    ever_allocated: AsGiven[bool]
+
+    # Written out rather than generated by @dataclass: mypyc compiles a written
+    # __init__ (a generated one stays interpreted) and every checkout calls it.
+    def __init__(  # noqa: PLR0917 (the reference's positional signature)
+        self,
+        block_id: AsGiven[int],
+        stream: AsGiven[str] = "kv",
+        format: AsGiven[str] = "fp16",
+        n_used: AsGiven[int] = 0,
+        owner: AsGiven[int | None] = None,
+        ever_allocated: AsGiven[bool] = False,
+    ) -> None:
+        self.block_id = block_id
+        self.stream = stream
+        self.format = format
+        self.n_used = n_used
+        self.owner = owner
+        self.ever_allocated = ever_allocated
 
 
-@dataclass(slots=True)
+@mypyc_attr(allow_interpreted_subclasses=True, acyclic=True)
+@dataclass(slots=True, init=False)
 class AllocationStats:
     """Running counters of a :class:`BlockPoolAllocator`, cumulative since construction.
 
@@ -175,16 +222,40 @@ class AllocationStats:
     """
 
     n_blocks: int
-    n_allocations: int = 0
-    n_frees: int = 0
-    n_reused: int = 0
-    n_exhausted: int = 0
-    n_grown: int = 0
-    n_retired: int = 0
-    peak_blocks_in_use: int = 0
-    _fragmented_count: int = 0
+    n_allocations: int
+    n_frees: int
+    n_reused: int
+    n_exhausted: int
+    n_grown: int
+    n_retired: int
+    peak_blocks_in_use: int
+    _fragmented_count: int
     # Kept by the allocator only, so that blocks_in_use() is O(1).
-    _blocks_in_use: int = field(default=0, init=False, repr=False)
+    _blocks_in_use: int = field(init=False, repr=False)
+
+    # Written out for mypyc, as Block's: every stats read and history entry calls it.
+    def __init__(  # noqa: PLR0917 (the reference's positional signature)
+        self,
+        n_blocks: int,
+        n_allocations: int = 0,
+        n_frees: int = 0,
+        n_reused: int = 0,
+        n_exhausted: int = 0,
+        n_grown: int = 0,
+        n_retired: int = 0,
+        peak_blocks_in_use: int = 0,
+        _fragmented_count: int = 0,
+    ) -> None:
+        self.n_blocks = n_blocks
+        self.n_allocations = n_allocations
+        self.n_frees = n_frees
+        self.n_reused = n_reused
+        self.n_exhausted = n_exhausted
+        self.n_grown = n_grown
+        self.n_retired = n_retired
+        self.peak_blocks_in_use = peak_blocks_in_use
+        self._fragmented_count = _fragmented_count
+        self._blocks_in_use = 0
 
     def blocks_in_use(self) -> int:
         """Number of blocks currently checked out, between 0 and ``n_blocks``."""
@@ -215,7 +286,20 @@ class AllocationStats:
         copy._blocks_in_use = self._blocks_in_use
         return copy
 
-    def to_prometheus(self, prefix: str = "veloxquant_block_pool") -> str:
+    def _copy_from(self, other: AllocationStats) -> None:
+        """Overwrite every field with ``other``'s (a compiled history reuses its entries)."""
+        self.n_blocks = other.n_blocks
+        self.n_allocations = other.n_allocations
+        self.n_frees = other.n_frees
+        self.n_reused = other.n_reused
+        self.n_exhausted = other.n_exhausted
+        self.n_grown = other.n_grown
+        self.n_retired = other.n_retired
+        self.peak_blocks_in_use = other.peak_blocks_in_use
+        self._fragmented_count = other._fragmented_count
+        self._blocks_in_use = other._blocks_in_use
+
+    def to_prometheus(self, prefix: AsGiven[str] = "veloxquant_block_pool") -> str:
         """Render these stats as Prometheus text-exposition gauges and counters.
 
         Args:
@@ -282,6 +366,7 @@ class AllocationStats:
         return stats
 
 
+@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockPoolAllocator:
     """Thread-safe bookkeeping for a pool of fixed-size KV-cache blocks.
 
@@ -315,7 +400,10 @@ class BlockPoolAllocator:
     """
 
     def __init__(
-        self, config: PoolConfig | None = None, *, history_len: int = DEFAULT_HISTORY_LEN
+        self,
+        config: AsGiven[PoolConfig | None] = None,
+        *,
+        history_len: AsGiven[int] = DEFAULT_HISTORY_LEN,
     ) -> None:
         """Build a pool with every initial block free.
 
@@ -331,32 +419,32 @@ class BlockPoolAllocator:
             config = PoolConfig()
         if not isinstance(config, PoolConfig):
             raise TypeError(f"config must be a PoolConfig or None, got {config!r}")
-        require_int("history_len", history_len, minimum=0)
+        history_len = require_int("history_len", history_len, minimum=0)
         self._config: Final = config
-        self._block_size: Final = config.block_size
+        self._block_size: Final[int] = config.block_size
         self._lock: Final = threading.Lock()
         # Stream name accepted from callers -> name of the free list serving it.
         self._stream_names: Final = _SEPARATE_STREAMS if config.separate_kv else _SHARED_STREAMS
         # Per free list, a stack of block ids: the top (next handed out) is the end.
         self._free_lists: Final = _initial_free_lists(config)
         # Owner -> {block_id: live handle}, in allocation order; never empty.
-        self._owner_blocks: Final[dict[int, dict[int, Block]]] = {}
+        self._owner_blocks: Final[dict[int, dict[BlockId, Block]]] = {}
         # Owners registered by register_owner() and not released since.
         self._registered_owners: Final[set[int]] = set()
         # Min-heap of retired ids, re-issued lowest first by growth.
-        self._retired_ids: Final[list[int]] = []
+        self._retired_ids: Final[list[BlockId]] = []
         # The same ids as a set, to find the retired tail of the id range.
         self._retired_set: Final[set[int]] = set()
         # 1 + the highest id that is free or checked out: what a slab must cover.
-        self._id_bound = config.n_blocks
+        self._id_bound: int = config.n_blocks
         # Every id below this has been issued at some point.
-        self._next_new_id = config.n_blocks
+        self._next_new_id: int = config.n_blocks
         # Per id ever issued: 1 once handed out by allocate(), reset when re-issued by growth.
         self._ever_allocated: Final = bytearray(config.n_blocks)
         # The live counters; callers only ever see snapshots.
         self._stats: Final = AllocationStats(n_blocks=config.n_blocks)
-        # Compact snapshots (AllocationStats._counters()), materialised on read.
-        self._history: Final[deque[tuple[int, ...]]] = deque(maxlen=history_len)
+        # The stats after each counted call; recorded by the build's cheapest means.
+        self._history: Final = StatsHistory(history_len)
         self._history_on: Final = history_len > 0
         # Bound push of each free list (stable: free lists are only ever changed in place).
         self._push_onto: Final = {name: ids.append for name, ids in self._free_lists.items()}
@@ -385,10 +473,10 @@ class BlockPoolAllocator:
         ``free_all`` and ``shrink`` call that changed a counter.
         """
         with self._lock:
-            compact = list(self._history)
-        return deque(map(AllocationStats._from_counters, compact), maxlen=self._history.maxlen)
+            entries = self._history.copy()
+        return deque(map(_stats_from_history, entries), maxlen=self._history.capacity)
 
-    def n_free(self, stream: str = "k") -> int:
+    def n_free(self, stream: AsGiven[str] = "k") -> int:
         """Number of free blocks of ``stream`` (``"k"``/``"v"``, or any in a shared pool).
 
         Raises:
@@ -398,7 +486,7 @@ class BlockPoolAllocator:
         with self._lock:
             return len(self._free_lists[free_list_name])
 
-    def blocks_for(self, owner: int) -> list[Block]:
+    def blocks_for(self, owner: AsGiven[int]) -> list[Block]:
         """The live handles checked out to ``owner``, in allocation order (a new list).
 
         Raises:
@@ -438,7 +526,7 @@ class BlockPoolAllocator:
 
     # -- owners ------------------------------------------------------------------
 
-    def register_owner(self, owner: int) -> None:
+    def register_owner(self, owner: AsGiven[int]) -> None:
         """Mark ``owner`` active, so that a second registration of it raises.
 
         Raises:
@@ -455,7 +543,7 @@ class BlockPoolAllocator:
                 )
             self._registered_owners.add(owner)
 
-    def release_owner(self, owner: int) -> None:
+    def release_owner(self, owner: AsGiven[int]) -> None:
         """Clear ``owner``'s registration without freeing its blocks.
 
         Raises:
@@ -467,7 +555,13 @@ class BlockPoolAllocator:
 
     # -- allocation --------------------------------------------------------------
 
-    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+    def allocate(
+        self,
+        stream: AsGiven[str],
+        n_tokens: AsGiven[int],
+        owner: AsGiven[int],
+        format: AsGiven[str] = "fp16",
+    ) -> list[Block]:
         """Check out ``ceil(n_tokens / block_size)`` blocks of ``stream`` to ``owner``.
 
         Every block is full except the last, which holds the remainder. All or
@@ -492,9 +586,9 @@ class BlockPoolAllocator:
             free_list_name = resolve_stream(stream, self._stream_names)
         # Exact-type fast paths; the helpers raise the errors (and accept int subclasses).
         if type(n_tokens) is not int or n_tokens < 1:
-            require_int("n_tokens", n_tokens, minimum=1)
+            n_tokens = require_int("n_tokens", n_tokens, minimum=1)
         if type(owner) is not int:
-            require_int("owner", owner)
+            require_int("owner", owner)  # owner and format stay as given (AsGiven)
         if type(format) is not str or not format:
             require_format(format)
         n_needed = -(-n_tokens // self._block_size)
@@ -505,22 +599,23 @@ class BlockPoolAllocator:
             if n_needed == 1 and free_list:  # the decode loop's case, worth its own path
                 block_ids = [free_list.pop()]
             elif n_needed <= len(free_list):
-                block_ids = [free_list.pop() for _ in range(n_needed)]
+                block_ids = free_list[: -n_needed - 1 : -1]  # the top n_needed, top first
+                del free_list[-n_needed:]
             else:
-                grown_ids = self._grow_or_raise(n_needed - len(free_list), stream, n_tokens)
-                block_ids = free_list[::-1] + grown_ids  # every free id, top first
-                free_list.clear()
+                block_ids = self._grow_or_raise(n_needed - len(free_list), stream, n_tokens)
+                if free_list:  # every free id, top first, then the grown ones
+                    block_ids[:0] = free_list[::-1]
+                    free_list.clear()
             return self._check_out(block_ids, free_list_name, owner, format, n_tokens)
         finally:
             self._lock.release()
 
-    def _grow_or_raise(self, n_missing: int, stream: str, n_tokens: int) -> list[int]:
+    def _grow_or_raise(self, n_missing: int, stream: str, n_tokens: int) -> list[BlockId]:
         """Create ``n_missing`` new block ids (ascending), or record exhaustion and raise."""
         config = self._config
         total_after = self._stats.n_blocks + n_missing
-        if not config.grow_on_exhaustion or (
-            config.max_blocks is not None and total_after > config.max_blocks
-        ):
+        cap = config.max_blocks  # read at each call: a planted-bug test moves it
+        if not config.grow_on_exhaustion or (cap is not None and total_after > cap):
             self._stats.n_exhausted += 1
             self._record_history()
             raise BlockPoolExhaustedError(
@@ -537,10 +632,10 @@ class BlockPoolAllocator:
             f"(it has {self._stats.n_blocks})"
         )
 
-    def _issue_new_ids(self, count: int) -> list[int]:
-        """Issue ``count`` ids: lowest retired first, then above the highest ever issued."""
+    def _issue_new_ids(self, count: int) -> list[BlockId]:
+        """Issue ``count`` ids, ascending: lowest retired first, then above all ever issued."""
         retired = self._retired_ids
-        new_ids: list[int] = []
+        new_ids: list[BlockId] = []
         while retired and len(new_ids) < count:
             block_id = heapq.heappop(retired)
             self._retired_set.remove(block_id)
@@ -548,16 +643,27 @@ class BlockPoolAllocator:
             new_ids.append(block_id)
         fresh_start = self._next_new_id
         fresh_end = fresh_start + count - len(new_ids)
-        new_ids.extend(range(fresh_start, fresh_end))
-        self._ever_allocated.extend(bytes(fresh_end - fresh_start))
+        if fresh_end - fresh_start == 1:  # growth block by block, worth its own path
+            new_ids.append(fresh_start)
+            self._ever_allocated.append(0)
+        else:
+            new_ids.extend(range(fresh_start, fresh_end))
+            self._ever_allocated.extend(bytes(fresh_end - fresh_start))
         self._next_new_id = fresh_end
-        self._id_bound = max(self._id_bound, max(new_ids) + 1)
+        top: int = new_ids[-1]  # ascending: the last is the highest
+        if top >= self._id_bound:
+            self._id_bound = top + 1
         self._stats.n_blocks += count
         self._stats.n_grown += count
         return new_ids
 
     def _check_out(
-        self, block_ids: list[int], stream: str, owner: int, format: str, n_tokens: int
+        self,
+        block_ids: list[BlockId],
+        stream: str,
+        owner: AsGiven[int],
+        format: AsGiven[str],
+        n_tokens: int,
     ) -> list[Block]:
         """Hand ``block_ids`` to ``owner`` as new handles holding ``n_tokens``; count it."""
         owned = self._owner_blocks.get(owner)
@@ -565,12 +671,15 @@ class BlockPoolAllocator:
             owned = self._owner_blocks[owner] = {}
         ever_allocated = self._ever_allocated
         block_size = self._block_size
+        full: AsGiven[int] = block_size  # compiled: boxed once here, not once per handle
         blocks = []
         n_reused = 0
         for block_id in block_ids:
-            n_reused += ever_allocated[block_id]
-            ever_allocated[block_id] = 1
-            block = Block(block_id, stream, format, block_size, owner, True)
+            if ever_allocated[block_id]:
+                n_reused += 1
+            else:
+                ever_allocated[block_id] = 1
+            block = Block(block_id, stream, format, full, owner, True)
             owned[block_id] = block
             blocks.append(block)
         last_n_used = n_tokens - (len(blocks) - 1) * block_size
@@ -582,13 +691,17 @@ class BlockPoolAllocator:
         in_use = stats._blocks_in_use = stats._blocks_in_use + len(blocks)
         if in_use > stats.peak_blocks_in_use:  # noqa: PLR1730 (an if is cheaper than max())
             stats.peak_blocks_in_use = in_use
-        if self._history_on:
-            self._history.append(stats._counters())
+        if not self._history_on:
+            pass
+        elif COMPILED:
+            self._history.record(stats)
+        else:  # inline, not _record_history(): interpreted, the call costs as much as this
+            self._history.entries.append(stats._counters())
         return blocks
 
     # -- freeing -----------------------------------------------------------------
 
-    def free(self, blocks: list[Block]) -> None:
+    def free(self, blocks: AsGiven[list[Block]]) -> None:
         """Return ``blocks`` to their streams' free lists, pushed in list order.
 
         The whole list is checked before anything changes. An owner whose last
@@ -617,29 +730,29 @@ class BlockPoolAllocator:
                     self._registered_owners.discard(owner)
             self._return_to_free_lists(blocks)
 
-    def _require_freeable(self, blocks: list[Block] | tuple[Block, ...]) -> None:
-        seen_ids: set[int] = set()
+    def _require_freeable(self, blocks: Sequence[object]) -> None:
+        seen_ids: set[BlockId] = set()
         for position, block in enumerate(blocks):
             if not self._is_live(block):
                 raise InvalidFreeError(
                     f"blocks[{position}] = {block!r} is not a live handle of this pool; "
                     "expected a block checked out from this pool and not yet freed"
                 )
-            if block.block_id in seen_ids:
+            if block.block_id in seen_ids:  # a live handle: its fields are the pool's
                 raise InvalidFreeError(
                     f"blocks[{position}] = {block!r} appears more than once in the list; "
                     "expected each block once"
                 )
             seen_ids.add(block.block_id)
 
-    def _is_live(self, block: object) -> bool:
+    def _is_live(self, block: object) -> TypeGuard[Block]:
         """Whether ``block`` is the current handle of a block checked out from this pool."""
         if not isinstance(block, Block) or not isinstance(block.owner, int):
             return False
         owned = self._owner_blocks.get(block.owner)
         return owned is not None and owned.get(block.block_id) is block
 
-    def free_all(self, owner: int) -> None:
+    def free_all(self, owner: AsGiven[int]) -> None:
         """Free every block checked out to ``owner`` and release it.
 
         A no-op (apart from the release) for an owner holding nothing.
@@ -664,9 +777,14 @@ class BlockPoolAllocator:
         block_size = self._block_size
         n_freed = 0
         n_fragmented = 0
+        stream = ""  # no free list's name: the first block looks its push up
         for block in blocks:
-            push_onto[block.stream](block.block_id)
-            if 0 < block.n_used < block_size:
+            if block.stream is not stream:  # once per run of blocks of one stream
+                stream = block.stream
+                push = push_onto[stream]
+            push(block.block_id)
+            n_used: int = block.n_used
+            if 0 < n_used < block_size:
                 n_fragmented += 1
             block.owner = None
             block.n_used = 0
@@ -675,12 +793,16 @@ class BlockPoolAllocator:
         stats._blocks_in_use -= n_freed
         stats._fragmented_count -= n_fragmented
         stats.n_frees += 1
-        if self._history_on:
-            self._history.append(stats._counters())
+        if not self._history_on:
+            pass
+        elif COMPILED:
+            self._history.record(stats)
+        else:  # inline, not _record_history(): interpreted, the call costs as much as this
+            self._history.entries.append(stats._counters())
 
     # -- fill level and shrinking ------------------------------------------------
 
-    def mark_used(self, block: Block, n_used: int) -> None:
+    def mark_used(self, block: AsGiven[Block], n_used: AsGiven[int]) -> None:
         """Set ``block.n_used`` and keep the fragmentation count exact.
 
         On a handle whose ``owner`` is ``None`` (free, stale or hand-built) it
@@ -693,30 +815,33 @@ class BlockPoolAllocator:
         """
         if not isinstance(block, Block):
             raise TypeError(f"block must be a Block, got {type(block).__name__}: {block!r}")
+        handle: Block = block  # typed from here on: mypyc reads its fields directly
         block_size = self._block_size
         if type(n_used) is not int or not 0 <= n_used <= block_size:
             require_int("n_used", n_used, minimum=0)
             if n_used > block_size:
                 raise ValueError(f"n_used must be an int in 0..{block_size}, got {n_used}")
+        new_fill: int = n_used  # for the count; the handle keeps n_used as given
         self._lock.acquire()
         try:
-            owner = block.owner
+            owner = handle.owner
             if owner is not None:
                 # _is_live(), inlined: this is the per-token decode path.
                 owned = self._owner_blocks.get(owner) if isinstance(owner, int) else None
-                if owned is None or owned.get(block.block_id) is not block:
+                if owned is None or owned.get(handle.block_id) is not handle:
                     raise ValueError(
-                        f"block {block!r} has an owner but is not a live handle of this pool; "
+                        f"block {handle!r} has an owner but is not a live handle of this pool; "
                         "expected a block checked out from this pool"
                     )
-                was_fragmented = 0 < block.n_used < block_size
-                is_fragmented = 0 < n_used < block_size
-                self._stats._fragmented_count += is_fragmented - was_fragmented
-            block.n_used = n_used
+                old_fill: int = handle.n_used  # a live handle: the pool wrote it
+                self._stats._fragmented_count += (0 < new_fill < block_size) - (
+                    0 < old_fill < block_size
+                )
+            handle.n_used = n_used
         finally:
             self._lock.release()
 
-    def shrink(self, stream: str, target_free: int) -> int:
+    def shrink(self, stream: AsGiven[str], target_free: AsGiven[int]) -> int:
         """Retire free blocks of ``stream``, highest ids first, until ``target_free`` remain.
 
         In-use blocks are never touched. Retired ids leave every count and may
@@ -752,8 +877,12 @@ class BlockPoolAllocator:
     # -- history and checks ------------------------------------------------------
 
     def _record_history(self) -> None:
-        if self._history_on:
-            self._history.append(self._stats._counters())
+        if not self._history_on:
+            return
+        if COMPILED:
+            self._history.record(self._stats)
+        else:
+            self._history.entries.append(self._stats._counters())
 
     def check_invariants(self) -> None:
         """Verify every invariant of the class docstring by a full recount. O(n).
@@ -761,6 +890,10 @@ class BlockPoolAllocator:
         Raises:
             InvariantViolationError: Naming the invariant that is broken and how.
         """
+        # Imported here, not at the top: _invariants names this module's classes, and
+        # compiled by mypyc its PoolBooks needs them to exist when it is imported.
+        from veloxquant_mlx.memory import _invariants  # noqa: PLC0415
+
         with self._lock:
             problem = _invariants.first_violation(
                 _invariants.PoolBooks(
@@ -779,7 +912,25 @@ class BlockPoolAllocator:
             raise InvariantViolationError(problem)
 
 
-def _initial_free_lists(config: PoolConfig) -> dict[str, list[int]]:
+def _stats_from_history(entry: tuple[int, ...] | AllocationStats) -> AllocationStats:
+    """An entry of ``StatsHistory.copy()`` as the AllocationStats it stands for."""
+    if isinstance(entry, AllocationStats):
+        return entry  # already a copy
+    return AllocationStats._from_counters(entry)
+
+
+def _as_given(record: object, field_name: str) -> object:
+    """``record.field_name`` exactly as stored, whatever its type.
+
+    Compiled by mypyc, a dataclass field with a default (``PoolConfig``'s) is
+    converted to its declared type on the way out, and refused with mypyc's own
+    ``TypeError`` if it is anything else; ``__post_init__`` must see the value
+    as given to name it in the contract's error.
+    """
+    return getattr(record, field_name)
+
+
+def _initial_free_lists(config: PoolConfig) -> dict[str, list[BlockId]]:
     """Free stacks holding every initial id, so that the lowest id is on top."""
     # Plain lists, not array("q"): pushes and pops are ~30% cheaper, which is
     # the difference that keeps a 16K-block free_all() under its budget.

@@ -11,13 +11,14 @@ every layer of every concurrent request. No per-request buffer exists, so
 a request holds whole blocks only: at most ``block_size - 1`` idle slots
 per stream per layer, against up to 255 for ``KVCache``'s 256-token steps.
 
-``make_pool_backed_cache(model, storage)`` builds a model's list of caches
-the way ``make_prompt_cache`` does; the list releases every block on
-``release()`` or when used as a context manager, also when generation is
-aborted by an exception. A list that is simply dropped, as mlx-lm code
-does, cannot leak either: its block table's finaliser queues the release
-and the pool gets the blocks back at the next store call
-(:mod:`~veloxquant_mlx.memory.deferred_release` says exactly when).
+``make_pool_backed_cache(model, storage)`` (in
+:mod:`~veloxquant_mlx.memory.prompt_cache`, re-exported here) builds a
+model's list of caches the way ``make_prompt_cache`` does; the list
+releases every block on ``release()`` or when used as a context manager,
+also when generation is aborted by an exception. A list that is simply
+dropped, as mlx-lm code does, cannot leak either: its block table's
+finaliser queues the release and the pool gets the blocks back at the next
+store call (:mod:`~veloxquant_mlx.memory.deferred_release` says exactly when).
 
 Drop-in, exactly: a store sized from the model
 (:func:`~veloxquant_mlx.memory.model_kv_layout.make_pool_backed_storage`)
@@ -31,21 +32,39 @@ positions): quantized keys would leave the pool. A cache saved with
 layers, which :meth:`PoolBackedPromptCache.copy_from` pages again;
 :mod:`~veloxquant_mlx.memory.mlx_lm_protocol` explains both.
 
-Complexity (``T`` = positions of the layer, ``n`` = new ones, ``b`` =
-``block_size``): ``update_and_fetch`` O(n) to write plus O(T) to gather
-(one ``mx.take`` per stream and a copy into the ``(1, heads, T, head_dim)``
-layout attention reads; a store with ``gather_heads`` saves the copy).
-``KVCache`` returns a slice of its buffer instead, so its fetch is free;
-the gather is the price of paging without a paged-attention kernel.
-``trim`` O(layers + blocks freed); ``state`` O(T); ``make_mask`` O(1),
-O(n * T) for an array mask; ``offset``, ``size``, ``nbytes`` O(1).
+The decode step over a store with the block-table path
+(:class:`~veloxquant_mlx.memory.cache_storage.ServesBlockTables`,
+``MLXBlockStorage``): the layers of a request share one
+:class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable`, the block ids
+as ``mx.array`` s checked live once per change of the table (and again
+after any free in the pool), so a step costs O(layers) host work whatever
+the context, and a stale or foreign block is still never read or written.
+Attention then reads the positions either through a gathered copy
+(``attention="gather"``, the default: exact, bit for bit ``KVCache``'s
+output) or in place with the fused CUDA kernel (``"fused"``: logits within
+float tolerance; faster per call, slower per step on the models measured so
+far, see :data:`~veloxquant_mlx.memory.cache_storage.AUTO_PREFERS_FUSED`).
+
+Complexity (``T`` = positions of the layer, ``n`` = new ones, ``k`` =
+blocks of the request): ``update_and_fetch`` O(n) host work to write plus
+O(1) to build the gather (one ``mx.take`` of rows every layer of a step
+shares), O(T) device work for it; O(k) once after the table changed by a
+free. ``KVCache`` returns a slice of its buffer instead, so its fetch is free
+on the device; the gather is the price of paging without the kernel.
+``attend_in_place`` O(1) host, O(T) device, no copy. ``trim`` O(layers +
+blocks freed); ``state`` O(T); ``make_mask`` O(1), O(n * T) for an array
+mask; ``offset``, ``size``, ``nbytes`` O(1).
 
 Running it well: a single-threaded decode loop wants
 ``MLXBlockStorage(..., lazy_writes=True)`` (no evaluation inside the
-forward pass; the store then serves only the first thread that calls it).
-On MLX's CPU backend the buffer cache is capped at 32 MB by default, below
-a long context's per-step gathers: raise it (``mx.set_cache_limit``) or
-steps page-fault fresh memory.
+forward pass; the store then serves only the first thread that calls it);
+without it every write is scheduled with ``mx.async_eval`` (no sync, but
+host work per write). Schedule (``mx.async_eval``) or evaluate each
+request's step before building the next request's: a write to a layer whose
+slab another request's pending gather still reads copies the slab. On MLX's
+CPU backend the buffer cache is capped at 32 MB by default, below a long
+context's per-step gathers: raise it (``mx.set_cache_limit``) or steps
+page-fault fresh memory.
 
 Limits: batch size 1 (one request per cache; run concurrent requests with
 one cache list each over the shared pool and storage); keys and values of
@@ -60,13 +79,21 @@ thread at a time; the pool and the storage are shared and lock themselves.
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
-from types import TracebackType
-from typing import TYPE_CHECKING, Final, NoReturn, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import mlx.core as mx
 
 from veloxquant_mlx.memory.block_pool import Block
+from veloxquant_mlx.memory.block_table import DeviceBlockTable
+from veloxquant_mlx.memory.cache_storage import (
+    AttentionMode,
+    GathersHeadMajor,
+    MLXStorage,
+    ServesBlockTables,
+    resolve_attention,
+)
 from veloxquant_mlx.memory.mlx_lm_protocol import (
     MaskT,
     causal_mask,
@@ -75,50 +102,29 @@ from veloxquant_mlx.memory.mlx_lm_protocol import (
     split_state,
 )
 from veloxquant_mlx.memory.mlx_storage import dtype_name
-from veloxquant_mlx.memory.model_kv_layout import attention_layers
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
-from veloxquant_mlx.memory.storage import BlockStorage
 
 if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache
 
+    from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache, make_pool_backed_cache
+
 __all__ = [
+    "AttentionMode",
     "GathersHeadMajor",
     "MLXStorage",
     "PoolBackedKVCache",
     "PoolBackedPromptCache",
     "PooledKVCache",
+    "ServesBlockTables",
     "causal_mask",
     "make_pool_backed_cache",
+    "resolve_attention",
 ]
 
-#: Block format tags for the usual storage dtypes; others use the dtype's name.
-_FORMAT_OF_DTYPE: Final = {mx.float16: "fp16", mx.bfloat16: "bf16", mx.float32: "fp32"}
-
-
-class MLXStorage(BlockStorage[mx.array], Protocol):
-    """A block store of ``mx.array`` slabs that names its element type."""
-
-    @property
-    def dtype(self) -> mx.Dtype:
-        """Element type of the stored slots."""
-        ...
-
-
-@runtime_checkable
-class GathersHeadMajor(Protocol):
-    """A store that can gather straight into the layout attention reads (optional).
-
-    ``BlockStorage.gather`` returns ``(n_tokens, heads, head_dim)``, which the
-    cache must transpose and copy into ``(heads, n_tokens, head_dim)`` every
-    step; a store that keeps its slabs head-major can return that layout from
-    a single ``take``, and the cache then uses it instead.
-    """
-
-    def gather_heads(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
-        """The first ``n_tokens`` slots of ``blocks`` in ``layer`` as ``(heads, n_tokens,
-        head_dim)``; never changed by later writes."""
-        ...
+#: Names this module has always offered that now live in prompt_cache (which imports
+#: this module, so they are looked up on first use rather than imported here).
+_IN_PROMPT_CACHE: Final = ("PoolBackedPromptCache", "make_pool_backed_cache")
 
 
 class PoolBackedKVCache:
@@ -130,12 +136,31 @@ class PoolBackedKVCache:
     no array of its own.
     """
 
-    def __init__(self, storage: MLXStorage, book: PooledKVCache, layer: int) -> None:
+    def __init__(
+        self,
+        storage: MLXStorage,
+        book: PooledKVCache,
+        layer: int,
+        *,
+        table: DeviceBlockTable | None = None,
+        attention: AttentionMode = "gather",
+    ) -> None:
         """Bind ``layer`` of ``storage`` to the block table ``book``.
 
+        Args:
+            storage: The shared store.
+            book: The request's block table.
+            layer: Which layer of both this cache serves.
+            table: The device copy of ``book`` that every layer of the request shares
+                (made here if ``None``); used when the store serves block tables.
+            attention: As :func:`resolve_attention`; ``"fused"`` answers
+                :meth:`attend_in_place` (once :mod:`~veloxquant_mlx.memory.attention_hook`
+                routes the model's attention here).
+
         Raises:
-            ValueError: ``book`` draws from another pool than ``storage`` follows, or
-                ``layer`` is outside both the storage's and the book's layers.
+            ValueError: ``book`` draws from another pool than ``storage`` follows,
+                ``layer`` is outside both the storage's and the book's layers, ``table``
+                follows another book, or ``attention`` is not a mode the store serves.
         """
         if book.pool is not storage.pool:
             raise ValueError("book and storage must share one pool; got two different pools")
@@ -154,6 +179,20 @@ class PoolBackedKVCache:
         self._heads, self._head_dim = storage.slot_shape
         # The store's attention-layout gather if it has one: it saves a copy per step.
         self._gather_heads = storage.gather_heads if isinstance(storage, GathersHeadMajor) else None
+        self._dtype: Final = storage.dtype
+        if table is not None and table.book is not book:
+            raise ValueError("table must follow the same book as the cache")
+        # The store again, if it has the decode path through a block table; else None,
+        # and each call hands the store the blocks (O(blocks) liveness checks).
+        self._table_store: Final = storage if isinstance(storage, ServesBlockTables) else None
+        # The book's ids on the device, checked live in O(1) per call (table path only).
+        self._table: Final = (
+            (table if table is not None else DeviceBlockTable(book))
+            if self._table_store is not None
+            else None
+        )
+        # Whether attend_in_place() answers (fused mode) or defers to the gathered path.
+        self._fused: Final = resolve_attention(storage, attention) == "fused"
 
     # -- mlx-lm protocol: the hot path -------------------------------------------------
 
@@ -176,6 +215,14 @@ class PoolBackedKVCache:
             BlockPoolExhaustedError: The pool has too few free blocks; nothing changed.
         """
         n_tokens = self._require_update(keys, values)
+        store, table = self._table_store, self._table
+        if store is not None and table is not None:
+            start = self._book.append(n_tokens, layer=self._layer) if n_tokens else self.offset
+            try:
+                return store.update_through_table(self._layer, table, start, keys, values)
+            except BaseException:
+                self._book.trim(n_tokens, layer=self._layer)
+                raise
         if n_tokens:
             start = self._book.append(n_tokens, layer=self._layer)
             try:
@@ -199,6 +246,29 @@ class PoolBackedKVCache:
         if window_size is None and not (return_array and N > 1):
             return None if N == 1 else "causal"
         return causal_mask(N, self.offset, window_size)
+
+    def attend_in_place(self, queries: mx.array, scale: float) -> mx.array | None:
+        """Decode attention over every held position, read in place (fused mode).
+
+        Called by the dispatcher of :mod:`~veloxquant_mlx.memory.attention_hook`
+        after ``update_and_fetch``, for one query position with no mask.
+
+        Returns:
+            ``(1, n_q_heads, 1, head_dim)``; ``None`` when this cache is in gather mode
+            or the call is not a one-position decode of the store's dtype (the model's
+            attention then reads what ``update_and_fetch`` returned).
+        """
+        store, table, shape = self._table_store, self._table, queries.shape
+        if not self._fused or store is None or table is None:
+            return None
+        if shape[0] != 1 or shape[2] != 1 or queries.dtype != self._dtype:
+            return None
+        return store.attend_through_table(self._layer, table, self.offset, queries, scale)
+
+    @property
+    def attention(self) -> str:
+        """``"fused"`` or ``"gather"``: how this cache's attention reads its positions."""
+        return "fused" if self._fused else "gather"
 
     # -- mlx-lm protocol: state and sizes ----------------------------------------------
 
@@ -350,6 +420,8 @@ class PoolBackedKVCache:
     def _fetch(self) -> tuple[mx.array, mx.array]:
         """Gather this layer's positions into ``(1, heads, offset, head_dim)`` arrays."""
         n_tokens = self.offset
+        if self._table_store is not None and self._table is not None:
+            return self._table_store.fetch_through_table(self._layer, self._table, n_tokens)
         n_blocks = -(-n_tokens // self._block_size)
         return (
             self._gather(self._book.key_blocks, n_blocks, n_tokens),
@@ -368,108 +440,10 @@ class PoolBackedKVCache:
         return mx.contiguous(tokens.transpose(1, 0, 2))[None]
 
 
-class PoolBackedPromptCache(list[PoolBackedKVCache]):
-    """A model's per-layer caches for one request, which returns its blocks on release.
-
-    A plain list to mlx-lm (``generate_step(prompt_cache=...)``,
-    ``trim_prompt_cache``, ``save_prompt_cache``); also a context manager.
-    Dropped without ``release()``, its blocks still come back (module docstring).
-    """
-
-    def __init__(self, storage: MLXStorage, book: PooledKVCache) -> None:
-        """One :class:`PoolBackedKVCache` per layer of ``book``, all over ``storage``."""
-        super().__init__(PoolBackedKVCache(storage, book, layer) for layer in range(book.n_layers))
-        # The one block table every cache of the list appends to; release() frees it.
-        self._book: Final = book
-
-    @property
-    def book(self) -> PooledKVCache:
-        """The request's block table."""
-        return self._book
-
-    def release(self) -> None:
-        """Return every block of the request to the pool. Idempotent."""
-        self._book.release()
-
-    def copy_from(self, caches: Sequence[object]) -> None:
-        """Fill this empty list with the positions of ``caches``, one mlx-lm cache per layer.
-
-        For instance the ``KVCache`` list that ``load_prompt_cache`` returns for a
-        saved cache: decoding then goes on exactly as from ``caches``. Every layer's
-        state is checked before any block is taken.
-
-        Raises:
-            ValueError: This list already holds positions, ``caches`` has another number
-                of layers, or a state's shape is not the storage's; nothing changes.
-            TypeError: A state is not ``(keys, values[, offset])`` of the storage's dtype;
-                nothing changes.
-            BlockPoolExhaustedError: Too few free blocks; the list is left empty.
-        """
-        if not self._book.empty():
-            raise ValueError(
-                f"copy_from fills an empty cache list; this one holds {self._book.offset} positions"
-            )
-        if len(caches) != len(self):
-            raise ValueError(f"expected one cache per layer ({len(self)}), got {len(caches)}")
-        states = [split_state(getattr(cache, "state", None)) for cache in caches]
-        slices = [(keys[..., :end, :], values[..., :end, :]) for keys, values, end in states]
-        for layer, (keys, values) in zip(self, slices, strict=True):
-            if keys.size:
-                layer._require_update(keys, values)
-        try:
-            for layer, (keys, values) in zip(self, slices, strict=True):
-                if keys.size:
-                    layer.update_and_fetch(keys, values)
-        except BaseException:
-            self._book.trim(self._book.offset)
-            raise
-
-    def __enter__(self) -> PoolBackedPromptCache:
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self.release()
-
-
-def make_pool_backed_cache(
-    model: object,
-    storage: MLXStorage,
-    *,
-    owner: int | None = None,
-    format: str | None = None,
-) -> PoolBackedPromptCache:
-    """Build ``model``'s caches for one request, paged in ``storage``'s pool.
-
-    Like mlx-lm's ``make_prompt_cache``: one cache per layer of
-    ``model.layers``; a model with ``make_cache()`` is accepted when every
-    cache it makes is a plain ``KVCache`` (its full-attention layers).
-
-    Args:
-        model: An mlx-lm model.
-        storage: The shared store; its pool lends the blocks.
-        owner: Request id for the blocks; ``None`` picks an unused one.
-        format: Format tag on the blocks; by default from the storage dtype
-            (``"fp16"``, ``"bf16"``, ``"fp32"``).
-
-    Raises:
-        ValueError: The model has more layers than the storage, or a layer needs
-            a cache other than ``KVCache`` (sliding window, state space, ...).
-        OwnerAlreadyActiveError: ``owner`` is in use.
-    """
-    n_layers = attention_layers(model)
-    if n_layers > storage.n_layers:
-        raise ValueError(
-            f"the model has {n_layers} layers but the storage only {storage.n_layers}; "
-            "expected a storage with a slab per layer"
-        )
-    tag = format if format is not None else _FORMAT_OF_DTYPE.get(storage.dtype, str(storage.dtype))
-    book = PooledKVCache(storage.pool, owner, n_layers=n_layers, format=tag)
-    return PoolBackedPromptCache(storage, book)
-
-
 register_for_loading(PoolBackedKVCache)
+
+
+def __getattr__(name: str) -> object:
+    if name in _IN_PROMPT_CACHE:
+        return getattr(importlib.import_module("veloxquant_mlx.memory.prompt_cache"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

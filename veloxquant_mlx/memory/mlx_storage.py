@@ -14,6 +14,15 @@ Because the row stride is the capacity, a resize re-lays every slab out
 The store follows its pool through :meth:`MLXBlockStorage.sync`, which every
 public method calls first (the rule is spelled out in the class docstring).
 
+Two ways in. The storage protocol's ``write`` / ``gather`` / ``gather_heads``
+take ``Block`` handles and check each against the pool (a whole gather with
+one ``all_live``). The decode path of a pool-backed cache
+(``update_through_table``, ``fetch_through_table``, ``attend_through_table``)
+takes a request's :class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable`
+instead, whose liveness check is O(1) while neither the request's blocks nor
+the pool's free count moved: a decode step then costs O(1) host work per
+layer, not O(blocks). Its writes are static slices, as ``KVCache``'s are.
+
 MLX semantics this relies on (checked by the storage conformance suite and
 the aliasing replay): arrays are values. ``slice_update`` returns a new slab
 and never changes an array computed earlier, even one still unevaluated;
@@ -25,7 +34,9 @@ does) before writing again and writes cost O(slots written).
 
 Since MLX 0.31.2 streams are per thread: a lazy graph built on one thread
 cannot be evaluated on another. So by default every ``write`` evaluates the
-slab it produced before it returns, and any thread may then use the store.
+slab it produced before it returns, and the decode path's writes schedule
+it (``mx.async_eval``: no sync point, but host work per write); any thread
+may then use the store.
 ``lazy_writes=True`` leaves writes lazy (no sync point per write, which a
 GPU decode loop may want) at the cost of thread affinity: such a store
 belongs to the first thread that calls one of its methods, and a call from
@@ -41,7 +52,11 @@ Nothing here converts to NumPy or calls ``.item()``: ``write`` and the gathers
 only build MLX graphs (and evaluate them as just said), so the module runs
 unchanged on Metal or CUDA.
 
-Complexity: ``write`` O(slots written) (amortised, see above);
+Complexity: ``update_through_table`` O(slots written) plus O(1) host work
+to build the gather (O(blocks) device work), ``fetch_through_table`` the
+latter, ``attend_through_table`` O(1) host, O(tokens) device; all three
+O(blocks) once after the request's table changed by a free;
+``write`` O(slots written) (amortised, see above);
 ``gather_heads`` O(tokens gathered) plus one pool call (``all_live``) that
 checks the O(blocks) handles under one lock; ``gather`` the same plus a
 lazy transpose; ``sync`` O(1) unless it resizes, then O(capacity) per
@@ -77,7 +92,14 @@ from veloxquant_mlx.memory._storage_checks import (
     require_token_shape,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_table import DeviceBlockTable, schedule
 from veloxquant_mlx.memory.deferred_release import deferred_releases_for
+from veloxquant_mlx.memory.paged_attention import (
+    PagedKV,
+    gather_kv_heads,
+    kv_slab_rows,
+    paged_decode_attention,
+)
 
 __all__ = ["MLXBlockStorage"]
 
@@ -274,6 +296,99 @@ class MLXBlockStorage:
         by_head = picked.reshape(heads, len(block_list) * self._block_size, head_dim)
         return by_head[:, :n_tokens]
 
+    # -- the decode path: through a request's DeviceBlockTable ------------------------
+
+    def update_through_table(
+        self, layer: int, table: DeviceBlockTable, start: int, keys: mx.array, values: mx.array
+    ) -> tuple[mx.array, mx.array]:
+        """Store keys and values at positions ``start ..`` of ``table``'s request, then
+        return every position ``0 .. start + n - 1`` as :meth:`fetch_through_table` does.
+
+        ``keys`` and ``values`` are ``(1, n_kv_heads, n, head_dim)``, as a model hands
+        them to its cache: the decode step of one layer, in one call. Safety comes from
+        ``table.require_live()`` (O(1) while nothing changed), not from asking the
+        pool about each block. No sync: the slab is left lazy with ``lazy_writes``,
+        else scheduled with ``mx.async_eval`` (any thread may use the store after).
+
+        Raises:
+            TypeError, ValueError: Tokens of another dtype or shape than the store's,
+                positions outside the table's blocks, a layer out of range, or a
+                table of another pool. Nothing changes.
+            StaleBlockTableError: A block of the table was freed behind its back.
+            RuntimeError: A ``lazy_writes`` store called from another thread.
+        """
+        n_tokens = self._require_head_tokens(keys, values)
+        with self._lock:
+            self._open_table_locked(layer, table)
+            held = len(table.key_blocks) * self._block_size
+            if type(start) is not int or start < 0 or start + n_tokens > held:
+                raise ValueError(
+                    f"positions {start!r}..{start}+{n_tokens} fall outside the table's "
+                    f"{held} slots; expected 0 <= start and start + n <= {held}"
+                )
+            if n_tokens:
+                self._write_locked(layer, table, start, keys, values)
+            return self._fetch_locked(layer, table, start + n_tokens)
+
+    def fetch_through_table(
+        self, layer: int, table: DeviceBlockTable, n_tokens: int
+    ) -> tuple[mx.array, mx.array]:
+        """Keys and values of positions ``0 .. n_tokens - 1`` of ``table``'s request.
+
+        Returns lazy arrays, each ``(1, n_kv_heads, n_tokens, head_dim)`` (the layout
+        attention reads), from one ``mx.take`` whose row indices every layer of a step
+        shares (``table.memo``); never changed by later writes.
+
+        Raises:
+            ValueError: ``n_tokens`` beyond the table's slots, a layer out of range, or
+                a table of another pool.
+            StaleBlockTableError: A block of the table was freed behind its back.
+            RuntimeError: A ``lazy_writes`` store called from another thread.
+        """
+        with self._lock:
+            self._open_table_locked(layer, table)
+            require_n_tokens(n_tokens, len(table.key_blocks) * self._block_size)
+            return self._fetch_locked(layer, table, n_tokens)
+
+    def attend_through_table(
+        self, layer: int, table: DeviceBlockTable, n_tokens: int, queries: mx.array, scale: float
+    ) -> mx.array:
+        """Decode attention of ``queries`` over positions ``0 .. n_tokens - 1``, read in
+        place (:func:`~veloxquant_mlx.memory.paged_attention.paged_decode_attention`:
+        the fused CUDA kernel where it runs, the gathered reference elsewhere).
+
+        Args:
+            queries: ``(1, n_q_heads, 1, head_dim)`` of the store's dtype.
+
+        Raises:
+            ValueError: ``n_tokens`` not in ``1 ..`` the table's slots, queries of
+                another shape, a layer out of range, or a table of another pool.
+            TypeError: Queries of another dtype than the store's.
+            StaleBlockTableError: A block of the table was freed behind its back.
+            RuntimeError: A ``lazy_writes`` store called from another thread.
+        """
+        heads, head_dim = self._slot_shape
+        shape = tuple(queries.shape)
+        if (
+            len(shape) != 4
+            or shape[0] != 1
+            or shape[2] != 1
+            or shape[3] != head_dim
+            or (shape[1] % heads)
+        ):
+            raise ValueError(
+                f"queries must have shape (1, k * {heads}, 1, {head_dim}), got {shape}"
+            )
+        require_token_dtype(queries.dtype, self._dtype, dtype_name)
+        with self._lock:
+            self._open_table_locked(layer, table)
+            require_n_tokens(n_tokens, len(table.key_blocks) * self._block_size)
+            if n_tokens == 0:
+                raise ValueError("n_tokens must be >= 1: attention needs a position to attend to")
+            slab = self._slabs[layer]
+        paged = PagedKV(slab, table.key_ids, table.value_ids)
+        return paged_decode_attention(queries, paged, n_tokens, scale=scale)
+
     # -- protocol: sizing --------------------------------------------------------------
 
     def capacity(self) -> int:
@@ -304,6 +419,88 @@ class MLXBlockStorage:
         target = next_capacity(self._capacity, self._pool.id_bound())
         if target != self._capacity:
             self._resize_locked(target)
+
+    def _write_locked(
+        self, layer: int, table: DeviceBlockTable, start: int, keys: mx.array, values: mx.array
+    ) -> None:
+        """Write positions ``start ..`` (checked) into the table's blocks, block by block.
+
+        Static slices, as ``KVCache`` writes: no index array per write. The slab
+        object is updated in place (``__setitem__``), which rebinds it to a new
+        value; arrays computed from the old value keep it.
+        """
+        slab = self._slabs[layer]
+        # (1, heads, n, dim) -> (heads, 1 block, n, dim): the slab's axes.
+        key_heads, value_heads = keys.swapaxes(0, 1), values.swapaxes(0, 1)
+        n_tokens, done = keys.shape[2], 0
+        while done < n_tokens:
+            index, slot = divmod(start + done, self._block_size)
+            upto = min(done + self._block_size - slot, n_tokens)
+            key_id = table.key_blocks[index].block_id
+            value_id = table.value_blocks[index].block_id
+            whole = upto - done == n_tokens
+            slab[:, key_id : key_id + 1, slot : slot + upto - done] = (
+                key_heads if whole else key_heads[:, :, done:upto]
+            )
+            slab[:, value_id : value_id + 1, slot : slot + upto - done] = (
+                value_heads if whole else value_heads[:, :, done:upto]
+            )
+            done = upto
+        if not self._lazy_writes:
+            schedule(slab)
+
+    def _fetch_locked(
+        self, layer: int, table: DeviceBlockTable, n_tokens: int
+    ) -> tuple[mx.array, mx.array]:
+        if n_tokens == 0:
+            heads, head_dim = self._slot_shape
+            empty = mx.zeros((1, heads, 0, head_dim), dtype=self._dtype)
+            return empty, empty
+        n_blocks = -(-n_tokens // self._block_size)
+        capacity = self._capacity
+        rows = table.memo(
+            (id(self), capacity, n_blocks), lambda: self._kv_rows(table, n_blocks, capacity)
+        )
+        return gather_kv_heads(self._slabs[layer], rows, n_tokens)
+
+    def _open_table_locked(self, layer: int, table: DeviceBlockTable) -> None:
+        """What every table method does first, under the lock: O(1) while nothing moved."""
+        require_layer(layer, len(self._slabs))
+        if table.pool is not self._pool:
+            raise ValueError("the table's blocks come from another pool than this store's")
+        self._sync_locked()
+        table.require_live()
+
+    def _kv_rows(self, table: DeviceBlockTable, n_blocks: int, capacity: int) -> mx.array:
+        """The slab rows of the table's first ``n_blocks`` (every layer of a step shares
+        them through ``table.memo``); scheduled unless lazy_writes, as a write is."""
+        rows = kv_slab_rows(table.key_ids, table.value_ids, n_blocks, self._slot_shape[0], capacity)
+        if not self._lazy_writes:
+            schedule(rows)
+        return rows
+
+    def _require_head_tokens(self, keys: mx.array, values: mx.array) -> int:
+        """``n`` if keys and values are ``(1, n_kv_heads, n, head_dim)`` of the store's dtype."""
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise TypeError(
+                f"keys and values must be mlx.core.array, got {type(keys).__name__} and "
+                f"{type(values).__name__}"
+            )
+        require_token_dtype(keys.dtype, self._dtype, dtype_name)
+        require_token_dtype(values.dtype, self._dtype, dtype_name)
+        heads, head_dim = self._slot_shape
+        shape = tuple(keys.shape)
+        if (
+            len(shape) != 4
+            or shape != tuple(values.shape)
+            or shape[:2] != (1, heads)
+            or (shape[3] != head_dim)
+        ):
+            raise ValueError(
+                f"keys and values must both have shape (1, {heads}, n, {head_dim}), got "
+                f"{shape} and {tuple(values.shape)}"
+            )
+        return shape[2]
 
     def _require_owning_thread(self) -> None:
         """Bind a lazy_writes store to its first caller; refuse every other thread."""

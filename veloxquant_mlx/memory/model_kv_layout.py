@@ -15,9 +15,19 @@ is building that graph once (Python work, O(layers)).
 that :func:`~veloxquant_mlx.memory.kv_cache.make_pool_backed_cache` then
 serves every request of that model from.
 
+``make_serving_storage(model, memory_bytes)`` is the serving default: a
+fixed pool sized from a memory budget, and its store. The store's slabs
+cover the pool's ids from the start and never grow, so the memory a server
+holds for KV is exactly the pool (at most the budget), known before the
+first request; a full pool refuses an append with ``BlockPoolExhaustedError``,
+the signal for admission control. (A pool that grows on exhaustion has its
+store follow it geometrically, up to twice the ids in use: the price of
+amortised O(1) growth.)
+
 Complexity: ``attention_layers`` O(layers); ``kv_layout`` one graph build
-of a one-token forward pass, O(layers); ``make_pool_backed_storage`` that
-plus the store's allocation. Thread safety: pure functions of the model,
+of a one-token forward pass, O(layers); ``make_pool_backed_storage`` and
+``make_serving_storage`` that plus the store's allocation; ``KVLayout``'s
+``block_bytes`` O(1). Thread safety: pure functions of the model,
 which they do not change.
 """
 
@@ -30,10 +40,17 @@ from typing import Protocol
 
 import mlx.core as mx
 
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
+from veloxquant_mlx.memory._arguments import require_int
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name
 
-__all__ = ["KVLayout", "attention_layers", "kv_layout", "make_pool_backed_storage"]
+__all__ = [
+    "KVLayout",
+    "attention_layers",
+    "kv_layout",
+    "make_pool_backed_storage",
+    "make_serving_storage",
+]
 
 
 @dataclass(frozen=True)
@@ -47,6 +64,10 @@ class KVLayout:
     n_kv_heads: int
     head_dim: int
     dtype: mx.Dtype
+
+    def block_bytes(self, block_size: int) -> int:
+        """Bytes one block id takes in a store: ``block_size`` slots of every layer."""
+        return self.n_layers * block_size * self.n_kv_heads * self.head_dim * self.dtype.size
 
 
 def attention_layers(model: object) -> int:
@@ -124,6 +145,56 @@ def make_pool_backed_storage(
             for the pool.
     """
     layout = kv_layout(model)
+    return MLXBlockStorage(
+        pool,
+        layout.n_layers,
+        layout.n_kv_heads,
+        layout.head_dim,
+        layout.dtype,
+        lazy_writes=lazy_writes,
+    )
+
+
+def make_serving_storage(
+    model: object,
+    memory_bytes: int,
+    *,
+    block_size: int = 16,
+    lazy_writes: bool = True,
+) -> MLXBlockStorage:
+    """A fixed pool that fits ``memory_bytes`` and its store, sized for ``model``.
+
+    The serving default: resident memory is the pool, allocated here and never
+    grown, ``floor(memory_bytes / block bytes)`` blocks (even, split evenly between
+    the key and value streams). ``storage.pool`` is the pool. Writes are lazy by
+    default, for one decode thread (mlx-lm's generators, a server's decode loop):
+    no evaluation per write; a call from a second thread is refused by name.
+
+    Args:
+        model: An mlx-lm model whose layers all use a plain ``KVCache``.
+        memory_bytes: The KV budget; the store holds at most this many bytes.
+        block_size: Token slots per block.
+        lazy_writes: As for ``MLXBlockStorage``; ``False`` lets any thread decode
+            through the store, at the price of scheduling every write.
+
+    Raises:
+        TypeError: ``memory_bytes`` or ``block_size`` is not an int.
+        ValueError: ``block_size < 1``, or the budget holds fewer than one key and one
+            value block; or as :func:`kv_layout`.
+    """
+    require_int("memory_bytes", memory_bytes, minimum=0)
+    require_int("block_size", block_size, minimum=1)
+    layout = kv_layout(model)
+    per_block = layout.block_bytes(block_size)
+    n_blocks = memory_bytes // per_block // 2 * 2
+    if n_blocks < 2:
+        raise ValueError(
+            f"memory_bytes={memory_bytes} holds {memory_bytes // per_block} blocks of "
+            f"{per_block} bytes (block_size={block_size}, {layout.n_layers} layers, "
+            f"{layout.n_kv_heads} KV heads of {layout.head_dim} {dtype_name(layout.dtype)}); "
+            "expected room for at least one key and one value block"
+        )
+    pool = BlockPoolAllocator(PoolConfig(block_size=block_size, n_blocks=n_blocks))
     return MLXBlockStorage(
         pool,
         layout.n_layers,

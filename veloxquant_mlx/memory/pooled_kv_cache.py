@@ -125,6 +125,9 @@ class PooledKVCache:
         # The block table, one handle per block_size positions; tuples, rebuilt on change.
         self._key_blocks: tuple[Block, ...] = ()
         self._value_blocks: tuple[Block, ...] = ()
+        # Bumped whenever the block tuples change (blocks added, freed, released), so a
+        # device copy of the table (block_table.DeviceBlockTable) rebuilds only then.
+        self._table_version = 0
         # Positions covered by the table: the furthest layer offset.
         self._n_tokens = 0
         # Per layer, positions appended and not trimmed.
@@ -178,6 +181,13 @@ class PooledKVCache:
     def value_blocks(self) -> tuple[Block, ...]:
         """The value blocks, in position order, parallel to :attr:`key_blocks`."""
         return self._value_blocks
+
+    @property
+    def table_version(self) -> int:
+        """A counter that changes whenever :attr:`key_blocks` or :attr:`value_blocks`
+        changes (blocks checked out, freed or released); equal values mean the same
+        table. O(1)."""
+        return self._table_version
 
     def layer_offset(self, layer: int) -> int:
         """Positions ``layer`` has appended and not trimmed."""
@@ -268,6 +278,7 @@ class PooledKVCache:
             return
         self._released = True
         self._key_blocks = self._value_blocks = ()
+        self._table_version += 1
         self._n_tokens = 0
         self._offsets[:] = [0] * len(self._offsets)
         self._pool.free_all(self._owner)
@@ -351,6 +362,7 @@ class PooledKVCache:
                 pool.mark_used(self._value_blocks[-1], block_size)
             self._key_blocks += tuple(new_keys)
             self._value_blocks += tuple(new_values)
+            self._table_version += 1
         else:
             last_fill = n_tokens - (len(self._key_blocks) - 1) * block_size
             pool.mark_used(self._key_blocks[-1], last_fill)
@@ -364,6 +376,8 @@ class PooledKVCache:
         tail = [*self._key_blocks[n_kept:], *self._value_blocks[n_kept:]]
         self._key_blocks = self._key_blocks[:n_kept]
         self._value_blocks = self._value_blocks[:n_kept]
+        if tail:
+            self._table_version += 1
         self._n_tokens = n_tokens
         if n_kept:
             last_fill = n_tokens - (n_kept - 1) * block_size

@@ -1,0 +1,233 @@
+"""DeviceBlockTable: a request's block table as MLX index arrays, proven live in O(1).
+
+A decode step reads every block of a request in every layer. The store
+needs the block ids as an ``mx.array`` (to gather, or to hand to a
+paged-attention kernel), and the guarantee that each of those blocks is
+still a live handle of the pool: a stale or foreign block must never be read
+or written. Building that array and asking the pool about every handle in
+every layer of every step is O(blocks) host work per layer, which on a GPU
+decides the speed of a step. This table keeps both and re-checks only what
+can have changed since it last checked:
+
+- the request's own blocks change only through its
+  :class:`~veloxquant_mlx.memory.pooled_kv_cache.PooledKVCache`, which bumps
+  ``table_version`` when they do; after blocks were added, only the new
+  handles are checked (``pool.all_live`` of those) and their ids appended;
+- a handle stops being live only when ``free()`` or ``free_all()`` frees it,
+  and the pool counts every such call in ``stats.n_frees`` (CONTRACT.md:
+  every call that freed at least one block). When that count moved, some
+  block somewhere was freed, perhaps one of this table's (a foreign
+  ``free_all`` of the request's owner, say), so every handle is checked
+  again, once.
+
+Only the pool's public API is used; the pool needs no version counter.
+Growth and shrink of a store's slabs do not concern the table: it holds
+ids, and a live id is always inside its store's slabs.
+
+Complexity (``k`` = blocks of the request): :meth:`require_live` O(1)
+while neither the book nor the pool's free count moved (two attribute reads
+and one ``pool.stats`` snapshot, one pool lock); after the book added ``a``
+blocks with no free anywhere, O(a) amortised, since the ids array grows by
+concatenation; after any free, O(k) once. :meth:`memo` O(1).
+
+Thread safety: like the book, a table belongs to one request and is used
+from one thread at a time; the pool it asks locks itself. A block freed by
+another thread *while* a store reads it is the caller's race, as for the
+store's own liveness check: the check runs at the start of each call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import Final, TypeVar, cast
+
+import mlx.core as mx
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+
+__all__ = ["DeviceBlockTable", "StaleBlockTableError", "schedule"]
+
+MemoT = TypeVar("MemoT")
+
+#: ``mx.async_eval``, typed: start computing arrays without waiting for them. An
+#: array scheduled so may be used by any thread (MLX streams are per thread, and a
+#: graph left lazy can only be evaluated by the thread that built it).
+schedule: Final = cast(Callable[..., None], mx.async_eval)
+
+
+class StaleBlockTableError(ValueError):
+    """A block of the table is no longer a live handle of the pool (freed behind its back)."""
+
+
+class DeviceBlockTable:
+    """The key and value block ids of one book as ``int32`` arrays, checked live.
+
+    Invariants, whenever :meth:`require_live` has returned and until the book
+    or the pool's free count moves again:
+
+    - ``key_blocks`` / ``value_blocks`` are the book's tuples, every handle in
+      them a live handle of the book's pool;
+    - ``key_ids[i] == key_blocks[i].block_id`` (likewise for values), one
+      entry per block, in position order;
+    - the memo holds only values computed from the current ids.
+    """
+
+    def __init__(self, book: PooledKVCache) -> None:
+        """An empty table that follows ``book``; the first check fills it."""
+        if not isinstance(book, PooledKVCache):
+            raise TypeError(f"book must be a PooledKVCache, got {type(book).__name__}")
+        self._book: Final = book
+        self._pool: Final = book.pool
+        # The book's table_version and the pool's n_frees when last checked; -1: never.
+        self._checked_version = -1
+        self._checked_frees = -1
+        # The handles checked live, as the book held them then.
+        self._keys: tuple[Block, ...] = ()
+        self._values: tuple[Block, ...] = ()
+        # Their ids on the device, (n_blocks,) int32 each.
+        self._key_ids = _NO_IDS
+        self._value_ids = _NO_IDS
+        # Handles passed to pool.all_live so far: what the O(1) claim is tested by.
+        self._handles_checked = 0
+        # One value derived from the ids by a store (memo()), dropped when they change.
+        self._memo_key: Hashable = None
+        self._memo_value: object = None
+
+    @property
+    def book(self) -> PooledKVCache:
+        """The block table this follows."""
+        return self._book
+
+    @property
+    def pool(self) -> BlockPoolAllocator:
+        """The pool every block comes from."""
+        return self._pool
+
+    @property
+    def key_blocks(self) -> tuple[Block, ...]:
+        """The key handles as of the last :meth:`require_live`."""
+        return self._keys
+
+    @property
+    def value_blocks(self) -> tuple[Block, ...]:
+        """The value handles as of the last :meth:`require_live`."""
+        return self._values
+
+    @property
+    def key_ids(self) -> mx.array:
+        """Key block ids, ``(n_blocks,)`` int32, as of the last :meth:`require_live`."""
+        return self._key_ids
+
+    @property
+    def value_ids(self) -> mx.array:
+        """Value block ids, ``(n_blocks,)`` int32, as of the last :meth:`require_live`."""
+        return self._value_ids
+
+    @property
+    def handles_checked(self) -> int:
+        """How many handles this table has asked the pool about, in all: each block
+        once when it joins, every block again after a free anywhere in the pool."""
+        return self._handles_checked
+
+    def require_live(self) -> None:
+        """Make the table match the book, every handle live; O(1) when nothing moved.
+
+        Raises:
+            StaleBlockTableError: A handle of the book is not live in the pool (a
+                block was freed behind the book's back); the table is left empty,
+                so nothing can read or write through it until the book changes.
+        """
+        version = self._book.table_version
+        n_frees = self._pool.stats.n_frees
+        if version == self._checked_version and n_frees == self._checked_frees:
+            return
+        keys, values = self._book.key_blocks, self._book.value_blocks
+        if n_frees == self._checked_frees and self._extends_checked(keys, values):
+            self._append_checked(keys, values)
+        else:
+            self._check_all(keys, values)
+        # Recorded last, with n_frees read *before* the check: a free that raced the
+        # check moves the count again and forces the next call to look once more.
+        self._checked_version = version
+        self._checked_frees = n_frees
+
+    def memo(self, key: Hashable, make: Callable[[], MemoT]) -> MemoT:
+        """``make()``, computed once per ``key`` while the ids stay the same.
+
+        A store derives per-step index arrays from the ids (slab rows for its
+        layout, say); every layer of a step then shares one. One entry is kept.
+        """
+        if key != self._memo_key:
+            self._memo_value = make()
+            self._memo_key = key
+        return cast(MemoT, self._memo_value)  # make() made it for this key
+
+    # -- internals ---------------------------------------------------------------------
+
+    def _extends_checked(self, keys: tuple[Block, ...], values: tuple[Block, ...]) -> bool:
+        """Whether the book only appended to the checked handles (O(1): with no free
+        in the pool, a book can only have grown; the last checked handle confirms it)."""
+        n_checked = len(self._keys)
+        if len(keys) < n_checked or len(values) != len(keys):
+            return False
+        return n_checked == 0 or (
+            keys[n_checked - 1] is self._keys[-1] and values[n_checked - 1] is self._values[-1]
+        )
+
+    def _append_checked(self, keys: tuple[Block, ...], values: tuple[Block, ...]) -> None:
+        n_checked = len(self._keys)
+        new_keys, new_values = keys[n_checked:], values[n_checked:]
+        if not new_keys:
+            return
+        self._require_all_live(new_keys + new_values)
+        self._keys, self._values = keys, values
+        self._key_ids = _concat_ids(self._key_ids, new_keys)
+        self._value_ids = _concat_ids(self._value_ids, new_values)
+        self._schedule_ids()
+
+    def _check_all(self, keys: tuple[Block, ...], values: tuple[Block, ...]) -> None:
+        self._require_all_live(keys + values)
+        self._keys, self._values = keys, values
+        self._key_ids = _ids(keys)
+        self._value_ids = _ids(values)
+        self._schedule_ids()
+
+    def _require_all_live(self, blocks: tuple[Block, ...]) -> None:
+        self._handles_checked += len(blocks)
+        if self._pool.all_live(blocks):
+            return
+        stale = next((block for block in blocks if not self._pool.is_live(block)), None)
+        self._keys = self._values = ()
+        self._key_ids = self._value_ids = _NO_IDS
+        self._checked_version = self._checked_frees = -1
+        self._forget_memo()
+        culprit = "a block" if stale is None else f"block {stale!r}"
+        raise StaleBlockTableError(
+            f"{culprit} of owner {self._book.owner}'s table is not a live handle of the pool: "
+            "it was freed behind the cache's back (free or free_all of its owner); expected "
+            "every block of a cache to stay checked out until the cache frees it"
+        )
+
+    def _schedule_ids(self) -> None:
+        # Scheduled, not left lazy: MLX streams are per thread, and a store without
+        # lazy_writes may be called from another thread than the one that built them.
+        schedule(self._key_ids, self._value_ids)
+        self._forget_memo()
+
+    def _forget_memo(self) -> None:
+        self._memo_key = self._memo_value = None
+
+
+#: The ids of no block: a constant (no graph, so no thread owns it).
+_NO_IDS: Final = mx.array([], dtype=mx.int32)
+
+
+def _ids(blocks: tuple[Block, ...]) -> mx.array:
+    return mx.array([block.block_id for block in blocks], dtype=mx.int32)
+
+
+def _concat_ids(ids: mx.array, new_blocks: tuple[Block, ...]) -> mx.array:
+    if ids.size == 0:
+        return _ids(new_blocks)
+    return mx.concatenate([ids, _ids(new_blocks)])

@@ -1,0 +1,156 @@
+"""A model's pool-backed caches for one request, and ``make_pool_backed_cache``.
+
+:class:`PoolBackedPromptCache` is the list of per-layer
+:class:`~veloxquant_mlx.memory.kv_cache.PoolBackedKVCache` that mlx-lm's
+generators take as ``prompt_cache``: all its layers share one block table
+(:class:`~veloxquant_mlx.memory.pooled_kv_cache.PooledKVCache`) and one
+device copy of it; it returns every block on ``release()`` or as a context
+manager, and a dropped list still returns them (the book's finaliser).
+:func:`make_pool_backed_cache` builds one for a model, the way mlx-lm's
+``make_prompt_cache`` does, and in fused mode routes the model's decode
+attention to the caches (:mod:`~veloxquant_mlx.memory.attention_hook`).
+
+Complexity: construction O(layers); ``release`` O(blocks held); ``copy_from``
+O(positions copied). Thread safety: a list belongs to one request, used
+from one thread at a time; the pool and the store lock themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from types import TracebackType
+from typing import Final
+
+import mlx.core as mx
+
+from veloxquant_mlx.memory.attention_hook import install_paged_attention
+from veloxquant_mlx.memory.block_table import DeviceBlockTable
+from veloxquant_mlx.memory.cache_storage import AttentionMode, MLXStorage, resolve_attention
+from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache
+from veloxquant_mlx.memory.mlx_lm_protocol import split_state
+from veloxquant_mlx.memory.model_kv_layout import attention_layers
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+
+__all__ = ["PoolBackedPromptCache", "make_pool_backed_cache"]
+
+#: Block format tags for the usual storage dtypes; others use the dtype's name.
+_FORMAT_OF_DTYPE: Final = {mx.float16: "fp16", mx.bfloat16: "bf16", mx.float32: "fp32"}
+
+
+class PoolBackedPromptCache(list[PoolBackedKVCache]):
+    """A model's per-layer caches for one request, which returns its blocks on release.
+
+    A plain list to mlx-lm (``generate_step(prompt_cache=...)``,
+    ``trim_prompt_cache``, ``save_prompt_cache``); also a context manager.
+    Dropped without ``release()``, its blocks still come back (module docstring).
+    """
+
+    def __init__(
+        self, storage: MLXStorage, book: PooledKVCache, *, attention: AttentionMode = "gather"
+    ) -> None:
+        """One :class:`PoolBackedKVCache` per layer of ``book``, all over ``storage``, all
+        sharing one :class:`DeviceBlockTable` and the ``attention`` mode."""
+        table = DeviceBlockTable(book)
+        super().__init__(
+            PoolBackedKVCache(storage, book, layer, table=table, attention=attention)
+            for layer in range(book.n_layers)
+        )
+        # The one block table every cache of the list appends to; release() frees it.
+        self._book: Final = book
+
+    @property
+    def book(self) -> PooledKVCache:
+        """The request's block table."""
+        return self._book
+
+    def release(self) -> None:
+        """Return every block of the request to the pool. Idempotent."""
+        self._book.release()
+
+    def copy_from(self, caches: Sequence[object]) -> None:
+        """Fill this empty list with the positions of ``caches``, one mlx-lm cache per layer.
+
+        For instance the ``KVCache`` list that ``load_prompt_cache`` returns for a
+        saved cache: decoding then goes on exactly as from ``caches``. Every layer's
+        state is checked before any block is taken.
+
+        Raises:
+            ValueError: This list already holds positions, ``caches`` has another number
+                of layers, or a state's shape is not the storage's; nothing changes.
+            TypeError: A state is not ``(keys, values[, offset])`` of the storage's dtype;
+                nothing changes.
+            BlockPoolExhaustedError: Too few free blocks; the list is left empty.
+        """
+        if not self._book.empty():
+            raise ValueError(
+                f"copy_from fills an empty cache list; this one holds {self._book.offset} positions"
+            )
+        if len(caches) != len(self):
+            raise ValueError(f"expected one cache per layer ({len(self)}), got {len(caches)}")
+        states = [split_state(getattr(cache, "state", None)) for cache in caches]
+        slices = [(keys[..., :end, :], values[..., :end, :]) for keys, values, end in states]
+        for layer, (keys, values) in zip(self, slices, strict=True):
+            if keys.size:
+                layer._require_update(keys, values)
+        try:
+            for layer, (keys, values) in zip(self, slices, strict=True):
+                if keys.size:
+                    layer.update_and_fetch(keys, values)
+        except BaseException:
+            self._book.trim(self._book.offset)
+            raise
+
+    def __enter__(self) -> PoolBackedPromptCache:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.release()
+
+
+def make_pool_backed_cache(
+    model: object,
+    storage: MLXStorage,
+    *,
+    owner: int | None = None,
+    format: str | None = None,
+    attention: AttentionMode = "auto",
+) -> PoolBackedPromptCache:
+    """Build ``model``'s caches for one request, paged in ``storage``'s pool.
+
+    Like mlx-lm's ``make_prompt_cache``: one cache per layer of
+    ``model.layers``; a model with ``make_cache()`` is accepted when every
+    cache it makes is a plain ``KVCache`` (its full-attention layers).
+
+    Args:
+        model: An mlx-lm model.
+        storage: The shared store; its pool lends the blocks.
+        owner: Request id for the blocks; ``None`` picks an unused one.
+        format: Format tag on the blocks; by default from the storage dtype
+            (``"fp16"``, ``"bf16"``, ``"fp32"``).
+        attention: How attention reads the positions (:func:`resolve_attention`). In
+            fused mode the model's decode attention is routed to the caches
+            (:func:`~veloxquant_mlx.memory.attention_hook.install_paged_attention`).
+
+    Raises:
+        ValueError: The model has more layers than the storage, a layer needs
+            a cache other than ``KVCache`` (sliding window, state space, ...), or
+            ``attention`` is not a mode the storage serves.
+        OwnerAlreadyActiveError: ``owner`` is in use.
+    """
+    n_layers = attention_layers(model)
+    if n_layers > storage.n_layers:
+        raise ValueError(
+            f"the model has {n_layers} layers but the storage only {storage.n_layers}; "
+            "expected a storage with a slab per layer"
+        )
+    mode = resolve_attention(storage, attention)
+    tag = format if format is not None else _FORMAT_OF_DTYPE.get(storage.dtype, str(storage.dtype))
+    book = PooledKVCache(storage.pool, owner, n_layers=n_layers, format=tag)
+    if mode == "fused":
+        install_paged_attention(model)
+    return PoolBackedPromptCache(storage, book, attention=mode)
