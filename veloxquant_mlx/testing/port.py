@@ -67,14 +67,17 @@ _OURS: Final = PoolConfig
 
 
 def _takes_history_len(factory: Callable[..., object]) -> bool | None:
-    """Whether ``factory`` takes ``history_len``: by name or ``**kwargs`` (True), positionally
-    as its second parameter (None), or not at all (False)."""
+    """Whether ``factory`` takes ``history_len``: optionally, by name or ``**kwargs`` (True),
+    always, by name or as its second parameter (None), or not at all (False)."""
     try:
         signature = inspect.signature(factory)
     except (TypeError, ValueError):  # a compiled class without a signature: config only
         return False
     parameters = list(signature.parameters.values())
-    if any(p.name == "history_len" or p.kind is p.VAR_KEYWORD for p in parameters):
+    named = [p for p in parameters if p.name == "history_len"]
+    if named and named[0].default is inspect.Parameter.empty:
+        return None  # required: always passed (the default when none is asked for)
+    if named or any(p.kind is p.VAR_KEYWORD for p in parameters):
         return True
     positional = [p for p in parameters if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(positional) >= 2 or any(p.kind is p.VAR_POSITIONAL for p in parameters):
@@ -153,8 +156,9 @@ class Port:
                 f"{DEFAULT_HISTORY_LEN} can be checked, got {history_len}"
             )
         made = None if self.config_class is None else self.make_config(**values)
-        if self._history is None and history_len is not None:  # (config, history_len)
-            return self.factory(values if made is None else made, history_len)  # type: ignore[no-any-return]
+        if self._history is None:  # (config, history_len): always given
+            length = DEFAULT_HISTORY_LEN if history_len is None else history_len
+            return self.factory(values if made is None else made, length)  # type: ignore[no-any-return]
         keywords: dict[str, object] = {}
         if self._history and history_len is not None:
             keywords["history_len"] = history_len
