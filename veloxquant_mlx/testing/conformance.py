@@ -72,6 +72,8 @@ class PoolConformanceMachine(RuleBasedStateMachine):
     capabilities: ClassVar[frozenset[str]] = ALL_CALLS
     #: The port under test with its own classes; ``None``: ``allocator_factory`` as it is.
     port: ClassVar[Port | None] = None
+    #: What drives the pool and the spec (a report's records failures and goes on).
+    lockstep_class: ClassVar[type[Lockstep]] = Lockstep
 
     def oracles(self, config: model.SpecConfig, history_len: int) -> Sequence[Oracle]:
         """Third parties compared with the spec after every call (none by default)."""
@@ -91,7 +93,7 @@ class PoolConformanceMachine(RuleBasedStateMachine):
         port = type(self).port or Port(type(self).allocator_factory)
         if not port.takes_history_len:  # such a factory keeps the default length only
             history_len = DEFAULT_HISTORY_LEN
-        self.lockstep = Lockstep(
+        self.lockstep = self.lockstep_class(
             port,
             config,
             history_len,

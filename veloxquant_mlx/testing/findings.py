@@ -228,23 +228,25 @@ def _outcome_rule(discrepancy: Discrepancy, call: str) -> tuple[str, str, str]:
     if discrepancy.field:  # a new handle reused, a hand-made block left unchanged
         rule = "C-MARK-USED-FREE" if isinstance(op, MarkUsed) else "C-HANDLE-PER-CHECKOUT"
         return (rule, name, discrepancy.field)
+    bad_input = isinstance(want, Raised) and want.kind in ("TypeError", "ValueError")
     if isinstance(got, Raised) and isinstance(want, Raised):
-        kinds = {got.kind, want.kind}
-        rule = "C-TYPE-VS-VALUE" if kinds == {"TypeError", "ValueError"} else "C-ERROR-CLASSES"
-        return (rule, name, "error class")
-    if isinstance(want, Raised) and want.kind in ("TypeError", "ValueError"):
-        return (_argument_rule(op, want), name, "bad input accepted")
+        if {got.kind, want.kind} == {"TypeError", "ValueError"}:
+            return ("C-TYPE-VS-VALUE", name, "error class")
+        if not bad_input:
+            return ("C-ERROR-CLASSES", name, "error class")
+    if bad_input:  # refused late (another error) or not at all
+        return (_argument_rule(op), name, "bad input not refused")
     if isinstance(got, Returned) and isinstance(want, Returned):
         return (_returned_rule(op, got.value, want.value), name, "returned")
     return (_refusal_rule(op, got, want), name, "raised" if isinstance(got, Raised) else "returned")
 
 
-def _argument_rule(op: object, want: Raised) -> str:
-    """The rule a bad argument the pool accepted breaks."""
+def _argument_rule(op: object) -> str:
+    """The rule a bad argument the pool did not refuse breaks."""
     declaration = declaration_of(op)
     for parameter, value in zip(declaration.parameters, declaration.arguments(op), strict=True):
         domain = declaration.domains.get(parameter.name)
-        if domain is None or value in domain.good(model.SpecConfig(n_blocks=0)):
+        if domain is None or _among(value, domain.good(model.SpecConfig(n_blocks=0))):
             continue
         if isinstance(value, bool) and parameter.name != "prefix":
             return "C-INT-NOT-BOOL"
@@ -252,6 +254,11 @@ def _argument_rule(op: object, want: Raised) -> str:
             if call in (declaration.name, "*") and name in (parameter.name, "*"):
                 return rule
     return "C-MARK-USED-FOREIGN" if isinstance(op, MarkUsed) else declaration.rules[0]
+
+
+def _among(value: object, values: tuple[object, ...]) -> bool:
+    """``value in values``, where ``True`` is not ``1`` (C-INT-NOT-BOOL)."""
+    return any(type(v) is type(value) and v == value for v in values)
 
 
 def _returned_rule(op: object, got: object, want: object) -> str:

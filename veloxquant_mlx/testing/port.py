@@ -32,7 +32,7 @@ from types import ModuleType
 from typing import Any, Final
 
 from veloxquant_mlx.memory.block_pool import Block, PoolConfig
-from veloxquant_mlx_spec.operations import BlockPool
+from veloxquant_mlx_spec.operations import BlockPool, CheckedBlockPool
 from veloxquant_mlx_spec.table import declarations
 
 __all__ = [
@@ -170,6 +170,16 @@ class Port:
         """``(PoolConfig, history_len) -> pool``: what ``Lockstep`` calls."""
         return self.build
 
+    def with_declared_capabilities(self) -> Port:
+        """This port offering what its pools declare: the reference's and the contract's
+        calls, and the project's additions if a pool is a ``CheckedBlockPool``."""
+        try:
+            pool = self.build(PoolConfig(block_size=2, n_blocks=2))
+        except Exception:  # the checks report a factory that fails; offer the reference's
+            return replace(self, capabilities=REFERENCE_CALLS)
+        checked = isinstance(pool, CheckedBlockPool)
+        return replace(self, capabilities=ALL_CALLS if checked else REFERENCE_CALLS)
+
     def error_classes(self, pool: object) -> dict[str, type[BaseException] | None]:
         """The port's class for each contract error name (``None``: it has none by that name)."""
         source: object = self.errors
@@ -203,5 +213,6 @@ def as_port(
         if capabilities is not None:
             classes["capabilities"] = frozenset(capabilities)
         return replace(factory, **classes) if classes else factory
-    offered = ALL_CALLS if capabilities is None else frozenset(capabilities)
-    return Port(factory, capabilities=offered, **classes)
+    if capabilities is None:
+        return Port(factory, **classes).with_declared_capabilities()
+    return Port(factory, capabilities=frozenset(capabilities), **classes)

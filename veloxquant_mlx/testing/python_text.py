@@ -29,7 +29,7 @@ from veloxquant_mlx_spec.table import (
     declaration_of,
 )
 
-__all__ = ["as_python", "said"]
+__all__ = ["as_python", "read_line", "said"]
 
 #: The reference's defaults, left out of a config shown (docs/API.md, PoolConfig).
 _DEFAULTS = {
@@ -126,6 +126,16 @@ def _observed(writer: _Writer, discrepancy: Discrepancy) -> str:
     return f"{text}.{name}" if name else text
 
 
+def _read_line(writer: _Writer, discrepancy: Discrepancy) -> str:
+    shown = _observed(writer, discrepancy)
+    return f"{shown}  # pool: {said(discrepancy.actual)}; spec: {said(discrepancy.predicted)}"
+
+
+def read_line(port: Port, discrepancy: Discrepancy) -> str:
+    """The line that reads an observation that differs, with both values."""
+    return _read_line(_Writer(port), discrepancy)
+
+
 def as_python(
     port: Port,
     calls: Sequence[object],
@@ -158,10 +168,7 @@ def as_python(
             text = f"with suppress({predicted.kind}): {text}"
         lines.append(text)
     if discrepancy is not None and discrepancy.kind == "observation":
-        shown = _observed(writer, discrepancy)
-        lines.append(
-            f"{shown}  # pool: {said(discrepancy.actual)}; spec: {said(discrepancy.predicted)}"
-        )
+        lines.append(_read_line(writer, discrepancy))
     if writer.uses_other:
         lines.insert(0, f"other = {port.name}({_config(port, {**_DEFAULTS, **OTHER_POOL})})")
     if any(line.startswith("with suppress(") for line in lines):

@@ -34,7 +34,8 @@ from typing import Any, Final
 from veloxquant_mlx.testing.findings import Finding, finding_from_error
 from veloxquant_mlx.testing.lockstep import Check, ConformanceError, Lockstep
 from veloxquant_mlx.testing.port import DEFAULT_HISTORY_LEN, Port
-from veloxquant_mlx.testing.sides import HANDLE_FIELDS
+from veloxquant_mlx.testing.python_text import read_line
+from veloxquant_mlx.testing.sides import HANDLE_FIELDS, parse_prometheus
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.operations import (
     DEFAULT_PROMETHEUS_PREFIX,
@@ -157,17 +158,18 @@ def check_names(port: Port) -> list[Finding]:
 def check_stats_snapshot(port: Port) -> list[Finding]:
     """``stats`` and history entries do not change after the call that returned them."""
     pool = port.build(SMALL, DEFAULT_HISTORY_LEN)
+    found: list[Finding] = []
     try:
-        before = pool.stats
-        seen = stats_values(before)
+        stats = pool.stats
+        seen = stats_values(stats)
         pool.allocate("k", 1, 0)
         entry = pool.history[-1]
         entry_seen = stats_values(entry)
+        after = stats_values(stats)
         pool.allocate("k", 1, 0)
-        after, entry_after = stats_values(before), stats_values(entry)
+        entry_after = stats_values(entry)
     except (AttributeError, IndexError):  # missing names are check_names' findings
         return []
-    found: list[Finding] = []
     if after != seen:
         field, a, b = _differing(after, seen)
         found.append(
@@ -215,62 +217,64 @@ def _metric_types() -> dict[str, str]:
 
 
 def check_prometheus(port: Port) -> list[Finding]:
-    """The exposition text (default and another prefix): HELP, TYPE, prefix, newline, parse."""
+    """The exposition text (default and another prefix): HELP, TYPE, prefix, newline, parse.
+
+    One finding per kind of problem (``# HELP`` lines, ``# TYPE`` lines, ...), naming
+    the metrics it concerns.
+    """
     pool = port.build(SMALL)
-    found: list[Finding] = []
+    problems: dict[str, list[tuple[str, object, object]]] = {}
+    calls: dict[str, str] = {}
     for prefix in (DEFAULT_PROMETHEUS_PREFIX, "vq:pool_2"):
-        call = (
-            "pool.stats.to_prometheus()"
-            if prefix == DEFAULT_PROMETHEUS_PREFIX
-            else (f"pool.stats.to_prometheus({prefix!r})")
-        )
+        given = "" if prefix == DEFAULT_PROMETHEUS_PREFIX else repr(prefix)
+        call = f"pool.stats.to_prometheus({given})"
         try:
             text = pool.stats.to_prometheus(prefix)
         except Exception as error:  # any error is the finding
-            found.append(
-                _finding(
-                    port,
-                    "C-PROMETHEUS",
-                    ("to_prometheus", "call"),
-                    (f"raises {type(error).__name__}", "text"),
-                    call,
-                )
+            problems.setdefault("call", []).append(
+                (prefix, f"raises {type(error).__name__}", "text")
             )
+            calls.setdefault("call", call)
             continue
-        for problem, actual, expected in _prometheus_problems(text, prefix):
-            found.append(
-                _finding(
-                    port,
-                    "C-PROMETHEUS",
-                    ("to_prometheus", problem),
-                    (actual, expected),
-                    f"print({call})",
-                )
+        for kind, name, actual, expected in _prometheus_problems(text, prefix):
+            problems.setdefault(kind, []).append((name, actual, expected))
+            calls.setdefault(kind, call)
+    found = []
+    for kind, listed in problems.items():
+        names = [name for name, _, _ in listed]
+        _, actual, expected = listed[0]
+        shown = names[0] if len(names) == 1 else f"{names[0]} and {len(names) - 1} more"
+        found.append(
+            _finding(
+                port,
+                "C-PROMETHEUS",
+                ("to_prometheus", kind),
+                (actual, expected),
+                f"print({calls[kind]})  # {kind}: {shown}: pool {actual}; spec {expected}",
             )
+        )
     return found
 
 
-def _prometheus_problems(text: object, prefix: str) -> Iterator[tuple[str, object, object]]:
-    """``(what, pool's, spec's)`` for each way ``text`` misses C-PROMETHEUS."""
+def _prometheus_problems(text: object, prefix: str) -> Iterator[tuple[str, str, object, object]]:
+    """``(kind, where, pool's, spec's)`` for each way ``text`` misses C-PROMETHEUS."""
     if not isinstance(text, str):
-        yield "type", type(text).__name__, "str"
+        yield "type", "text", type(text).__name__, "str"
         return
     if not text.endswith("\n"):
-        yield "final newline", "missing", "present"
+        yield "final newline", "text", "missing", "present"
     types = {m.group(1): m.group(2) for m in map(_TYPE_LINE.match, text.splitlines()) if m}
     helps = {m.group(1) for m in map(_HELP_LINE.match, text.splitlines()) if m}
     for suffix, kind in _metric_types().items():
         name = f"{prefix}_{suffix}"
         if name not in helps:
-            yield f"# HELP {name}", "missing", "present"
+            yield "# HELP line", name, "missing", "present"
         if types.get(name) != kind:
-            yield f"# TYPE {name}", types.get(name, "missing"), kind
+            yield "# TYPE line", name, types.get(name, "missing"), kind
     try:
-        from veloxquant_mlx.testing.sides import parse_prometheus  # noqa: PLC0415
-
         parse_prometheus(text)
     except ValueError as error:
-        yield "parses", f"rejected: {error}", "parses"
+        yield "parses", "text", f"rejected: {error}", "parses"
 
 
 def check_error_classes(port: Port) -> list[Finding]:
@@ -369,7 +373,7 @@ def check_default_history(port: Port) -> list[Finding]:
         finding = finding_from_error(error, "default history")
         loop = f"for _ in range({rounds}): pool.allocate('k', 1, 0); pool.free_all(0)"
         text = f"pool = {port.name}({_config_call(port, config)})"
-        where = "len(pool.history)" if finding.discrepancy is None else _history_read(finding)
+        where = "pool.history" if finding.discrepancy is None else _history_read(port, finding)
         return [replace(finding, calls=(), python=(text, loop, where))]
     return []
 
@@ -381,12 +385,12 @@ def _config_call(port: Port, config: model.SpecConfig) -> str:
     return f"{getattr(port.config_class, '__name__', 'PoolConfig')}({shown})"
 
 
-def _history_read(finding: Finding) -> str:
+def _history_read(port: Port, finding: Finding) -> str:
     discrepancy = finding.discrepancy
-    assert discrepancy is not None, "a history that differs"
-    field = discrepancy.field
-    read = "len(pool.history)" if field == "len" else f"pool.history{field}"
-    return f"{read}  # pool: {discrepancy.actual!r}; spec: {discrepancy.predicted!r}"
+    assert discrepancy is not None, "an observation that differs"
+    if discrepancy.kind == "observation":
+        return read_line(port, discrepancy)
+    return f"# {finding.detail.splitlines()[0]}"
 
 
 def bad_argument_calls(port: Port) -> Iterator[Finding]:
