@@ -74,7 +74,8 @@ class DeviantPort(MyPool):
             self.books._stats.n_frees += max(0, len(blocks) - 1)
 
     def mark_used(self, block: object, n_used: int) -> None:
-        if getattr(block, "owner", 0) is None:  # C-MARK-USED-FREE: it refuses a freed block
+        valid = type(n_used) is int and 0 <= n_used <= self.config.block_size
+        if valid and getattr(block, "owner", 0) is None:  # C-MARK-USED-FREE: refuses a freed block
             raise ValueError("mark_used needs a live block")
         super().mark_used(block, n_used)
 

@@ -90,7 +90,7 @@ class PoolConformanceMachine(RuleBasedStateMachine):
 
     @initialize(config=spec_configs(), history_len=st.sampled_from([0, 1, 3, 1024]))
     def build_pool(self, config: model.SpecConfig, history_len: int) -> None:
-        port = type(self).port or Port(type(self).allocator_factory)
+        port = type(self).port or Port(type(self).allocator_factory, capabilities=ALL_CALLS)
         if not port.takes_history_len:  # such a factory keeps the default length only
             history_len = DEFAULT_HISTORY_LEN
         self.lockstep = self.lockstep_class(
@@ -100,6 +100,11 @@ class PoolConformanceMachine(RuleBasedStateMachine):
             capabilities=self.capabilities,
             oracles=self.oracles(config, history_len),
         )
+
+    def stopped(self) -> bool:
+        """Whether the rest of this run draws and makes no calls (a report's, once it
+        has recorded a failure or run out of time); never, here."""
+        return False
 
     def offered(self, candidates: Iterable[Declaration]) -> list[Declaration]:
         """The calls among ``candidates`` that this pool offers."""
@@ -112,11 +117,15 @@ class PoolConformanceMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def call_a_query(self, data: st.DataObject) -> None:
+        if self.stopped():
+            return
         queries = self.offered(d for d in declarations() if not d.changes_state)
         self.runner.apply(self.draw_call(data, data.draw(st.sampled_from(queries))))
 
     @rule(data=st.data())
     def call_with_a_bad_argument(self, data: st.DataObject) -> None:
+        if self.stopped():
+            return
         spec = self.runner.spec
         offered = self.offered(declarations())
         names = {"live": spec.live_names(), "issued": spec.names}
@@ -131,7 +140,7 @@ class PoolConformanceMachine(RuleBasedStateMachine):
 
 def _rule_for(declaration: Declaration) -> Callable[[PoolConformanceMachine, st.DataObject], None]:
     def make_the_call(self: PoolConformanceMachine, data: st.DataObject) -> None:
-        if declaration.name in self.capabilities:
+        if declaration.name in self.capabilities and not self.stopped():
             self.runner.apply(self.draw_call(data, declaration))
 
     make_the_call.__name__ = f"call_{declaration.name}"
@@ -179,7 +188,7 @@ def conformance_test_case(
         allocator_factory: ClassVar[AllocatorFactory] = staticmethod(port.allocator_factory())
 
     PortConformanceMachine.port = port
-    PortConformanceMachine.capabilities = port.capabilities
+    PortConformanceMachine.capabilities = port.offered
     test_case: type[unittest.TestCase] = PortConformanceMachine.TestCase
     test_case.settings = settings(  # type: ignore[attr-defined]
         profile_settings(), deadline=None, suppress_health_check=list(HealthCheck)

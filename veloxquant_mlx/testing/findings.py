@@ -53,11 +53,11 @@ STATS_RULES = {
 }
 #: The rule a bad value of each parameter breaks, per call ("*": any call).
 ARGUMENT_RULES = {
-    ("allocate", "*"): "C-ALLOC-ARGS",
-    ("shrink", "target_free"): "C-SHRINK-ARGS",
-    ("mark_used", "*"): "C-MARK-USED-ARGS",
     ("*", "stream"): "C-STREAM-NAMES",
     ("*", "prefix"): "C-PROMETHEUS",
+    ("shrink", "target_free"): "C-SHRINK-ARGS",
+    ("allocate", "*"): "C-ALLOC-ARGS",
+    ("mark_used", "*"): "C-MARK-USED-ARGS",
     ("*", "owner"): "C-TYPE-VS-VALUE",
 }
 #: A handle field that differs, and the rule about it.
@@ -139,7 +139,7 @@ def finding_from_error(error: ConformanceError, source: str) -> Finding:
     discrepancy = error.discrepancy
     calls = relabelled(error.trace)
     last = calls[-1] if calls else None
-    rule, call, where = rule_of(discrepancy, last)
+    rule, call, where = rule_of(discrepancy, last, error.config or model.SpecConfig())
     actual = expected = None
     if discrepancy is not None:
         actual, expected = discrepancy.actual, discrepancy.predicted
@@ -158,8 +158,10 @@ def finding_from_error(error: ConformanceError, source: str) -> Finding:
     )
 
 
-def rule_of(discrepancy: Discrepancy | None, last: object | None) -> tuple[str, str, str]:
-    """``(rule, call, field)`` for what differed after the call ``last``."""
+def rule_of(
+    discrepancy: Discrepancy | None, last: object | None, config: model.SpecConfig
+) -> tuple[str, str, str]:
+    """``(rule, call, field)`` for what differed after the call ``last`` on a pool of ``config``."""
     call = "" if last is None else declaration_of(last).name
     if discrepancy is None:
         return ("KIT", call, "message")
@@ -170,7 +172,7 @@ def rule_of(discrepancy: Discrepancy | None, last: object | None) -> tuple[str, 
         return ("C-NAMES", _name(discrepancy.where), "attribute")
     if discrepancy.kind == "observation":
         return _observation_rule(discrepancy, last, call)
-    return _outcome_rule(discrepancy, call)
+    return _outcome_rule(discrepancy, config)
 
 
 def _name(op: object) -> str:
@@ -222,7 +224,7 @@ def _state_rule(last: object, discrepancy: Discrepancy) -> str:
     return "C-SHRINK-HIGHEST-FIRST"
 
 
-def _outcome_rule(discrepancy: Discrepancy, call: str) -> tuple[str, str, str]:
+def _outcome_rule(discrepancy: Discrepancy, config: model.SpecConfig) -> tuple[str, str, str]:
     op, got, want = discrepancy.where, discrepancy.actual, discrepancy.predicted
     name = _name(op)
     if discrepancy.field:  # a new handle reused, a hand-made block left unchanged
@@ -235,24 +237,26 @@ def _outcome_rule(discrepancy: Discrepancy, call: str) -> tuple[str, str, str]:
         if not bad_input:
             return ("C-ERROR-CLASSES", name, "error class")
     if bad_input:  # refused late (another error) or not at all
-        return (_argument_rule(op), name, "bad input not refused")
+        return (_argument_rule(op, config), name, "bad input not refused")
     if isinstance(got, Returned) and isinstance(want, Returned):
         return (_returned_rule(op, got.value, want.value), name, "returned")
     return (_refusal_rule(op, got, want), name, "raised" if isinstance(got, Raised) else "returned")
 
 
-def _argument_rule(op: object) -> str:
-    """The rule a bad argument the pool did not refuse breaks."""
+def _argument_rule(op: object, config: model.SpecConfig) -> str:
+    """The rule a bad argument the pool did not refuse breaks (a bool first: C-INT-NOT-BOOL)."""
     declaration = declaration_of(op)
+    bad: list[str] = []
     for parameter, value in zip(declaration.parameters, declaration.arguments(op), strict=True):
         domain = declaration.domains.get(parameter.name)
-        if domain is None or _among(value, domain.good(model.SpecConfig(n_blocks=0))):
+        if domain is None or _among(value, domain.good(config)):
             continue
         if isinstance(value, bool) and parameter.name != "prefix":
             return "C-INT-NOT-BOOL"
-        for (call, name), rule in ARGUMENT_RULES.items():
-            if call in (declaration.name, "*") and name in (parameter.name, "*"):
-                return rule
+        bad.append(parameter.name)
+    for (call, name), rule in ARGUMENT_RULES.items():
+        if call in (declaration.name, "*") and any(name in (b, "*") for b in bad):
+            return rule
     return "C-MARK-USED-FOREIGN" if isinstance(op, MarkUsed) else declaration.rules[0]
 
 

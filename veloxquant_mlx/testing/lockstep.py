@@ -187,7 +187,9 @@ class Lockstep:
             config.grow_on_exhaustion,
             config.max_blocks,
         )
-        port = factory if isinstance(factory, Port) else Port(factory)
+        if not isinstance(factory, Port):  # a bare factory offers every call unless told
+            factory = Port(factory, capabilities=ALL_CALLS)
+        port = factory
         make = port.allocator_factory()
         pool = make(pool_config, history_len)
         self.spec: Final = SpecSide(state)
@@ -198,9 +200,7 @@ class Lockstep:
             error_names=port.error_names(pool) if port.errors is not None else None,
         )
         self.check: Final = check
-        self.capabilities: Final = frozenset(
-            port.capabilities if capabilities is None else capabilities
-        )
+        self.capabilities: Final = frozenset(port.offered if capabilities is None else capabilities)
         self.oracles: Final = tuple(oracles)
         self.trace: list[tuple[int, object]] = []
         self.owners_named: set[int] = set()
@@ -403,6 +403,7 @@ def _first_difference(
         assert isinstance(got, Outcome) and isinstance(want, Outcome), "query outcomes"
         name, a, b = _field(key, got, want)
         shown = {"Stats()": "stats.", "History()": "history"}.get(key, "") + name
+        shown = "len(history)" if shown == "historylen" else shown
         said = f" ({shown} is {a!r}; the spec predicts {b!r})" if name else ""
         message = f"{key} {describe(got)}; the spec predicts it {describe(want)}{said}"
         return message, Discrepancy("observation", place, name, a, b)

@@ -99,7 +99,9 @@ class Port:
             ``None``: the factory takes the five plain values itself.
         block_class: Builds a block by hand from a block id (the port's ``Block``).
         errors: Contract error name -> the port's class, or the module holding them.
-        capabilities: The calls the pool offers (names in the table).
+        capabilities: The calls the pool offers (names in the table); ``None``: the
+            reference's and the contract's, and the project's additions if a pool
+            is a ``CheckedBlockPool`` (one pool is built to see).
         name: How reports call the factory (default: its ``__name__``).
     """
 
@@ -107,13 +109,15 @@ class Port:
     config_class: Callable[..., object] | None = _OURS
     block_class: Callable[[int], object] = Block
     errors: Mapping[str, type[BaseException]] | ModuleType | None = None
-    capabilities: frozenset[str] = ALL_CALLS
+    capabilities: frozenset[str] | None = None  # None: what its pools declare
     name: str = ""
     _history: bool | None = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_history", _takes_history_len(self.factory))
-        unknown = set(self.capabilities) - ALL_CALLS
+        if self.capabilities is None:
+            object.__setattr__(self, "capabilities", self._declared_capabilities())
+        unknown = set(self.offered) - ALL_CALLS
         if unknown:
             raise ValueError(
                 f"capabilities must be names of the operation table, got {sorted(unknown)}"
@@ -170,15 +174,20 @@ class Port:
         """``(PoolConfig, history_len) -> pool``: what ``Lockstep`` calls."""
         return self.build
 
-    def with_declared_capabilities(self) -> Port:
-        """This port offering what its pools declare: the reference's and the contract's
-        calls, and the project's additions if a pool is a ``CheckedBlockPool``."""
+    @property
+    def offered(self) -> frozenset[str]:
+        """The calls the pool offers (names in the table)."""
+        assert self.capabilities is not None, "set in __post_init__"
+        return self.capabilities
+
+    def _declared_capabilities(self) -> frozenset[str]:
+        """The reference's and the contract's calls, and the project's additions if a pool
+        is a ``CheckedBlockPool``."""
         try:
             pool = self.build(PoolConfig(block_size=2, n_blocks=2))
         except Exception:  # the checks report a factory that fails; offer the reference's
-            return replace(self, capabilities=REFERENCE_CALLS)
-        checked = isinstance(pool, CheckedBlockPool)
-        return replace(self, capabilities=ALL_CALLS if checked else REFERENCE_CALLS)
+            return REFERENCE_CALLS
+        return ALL_CALLS if isinstance(pool, CheckedBlockPool) else REFERENCE_CALLS
 
     def error_classes(self, pool: object) -> dict[str, type[BaseException] | None]:
         """The port's class for each contract error name (``None``: it has none by that name)."""
@@ -206,13 +215,11 @@ def as_port(
 
     Args:
         factory: A port, or a factory (module docstring).
-        capabilities: The calls the pool offers (default: all).
+        capabilities: The calls the pool offers (default: what its pools declare).
         classes: ``config_class``, ``block_class``, ``errors``, ``name`` (see :class:`Port`).
     """
+    if capabilities is not None:
+        classes["capabilities"] = frozenset(capabilities)
     if isinstance(factory, Port):
-        if capabilities is not None:
-            classes["capabilities"] = frozenset(capabilities)
         return replace(factory, **classes) if classes else factory
-    if capabilities is None:
-        return Port(factory, **classes).with_declared_capabilities()
-    return Port(factory, capabilities=frozenset(capabilities), **classes)
+    return Port(factory, **classes)

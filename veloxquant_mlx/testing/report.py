@@ -10,7 +10,8 @@
 3. random sequences (the conformance machine's generators, through
    Hypothesis), until ``examples`` have run or the time budget is spent;
    a finding not already known is shrunk by removing calls one at a time,
-   each finding for at most ``shrink_seconds``.
+   each finding for at most ``shrink_seconds``, all of them together for
+   at most :data:`SHRINK_BUDGET` (30 s).
 
 Findings with the same key (rule, call, field) are one deviation; the
 shortest sequence is kept. An allow-list marks deliberate deviations as
@@ -55,6 +56,8 @@ __all__ = ["Report", "check_conformance", "conformance_report"]
 DEFAULT_DEPTH: Final = 3
 #: The longest a report shrinks one finding.
 DEFAULT_SHRINK_SECONDS: Final = 20.0
+#: The longest a report shrinks all its findings together (then they are shown as found).
+SHRINK_BUDGET: Final = 30.0
 
 
 @dataclass
@@ -122,8 +125,12 @@ def _render_finding(port: Port, finding: Finding, verbose: bool) -> list[str]:
     lines = [head, *(f"    {line}" for line in code)]
     if verbose and finding.detail:  # the lockstep's message, up to its list of calls
         detail = finding.detail.split("\ncalls so far")[0]
-        lines += [f"    | {line}" for line in detail.splitlines()]
+        lines += [f"    | {_cut(line)}" for line in detail.splitlines()]
     return lines
+
+
+def _cut(line: str, width: int = 200) -> str:
+    return line if len(line) <= width else f"{line[: width - 5]} ..."
 
 
 class _Collector:
@@ -207,8 +214,16 @@ def _random_errors(port: Port, examples: int, collector: _Collector) -> list[Con
     class Machine(PoolConformanceMachine):
         """The conformance machine, on a lockstep that records failures and goes on."""
 
+        def stopped(self) -> bool:
+            runner = self.lockstep
+            if not isinstance(runner, _CollectingLockstep):
+                return True
+            if time.monotonic() >= runner.deadline:
+                runner.stopped = True
+            return runner.stopped
+
     Machine.port = port
-    Machine.capabilities = port.capabilities
+    Machine.capabilities = port.offered
     Machine.lockstep_class = lockstep_class
     run_state_machine_as_test(
         Machine,
@@ -270,7 +285,7 @@ def conformance_report(
     depth: int = DEFAULT_DEPTH,
     scopes: Sequence[Scope] = SCOPES,
     examples: int = 300,
-    time_budget: float = 90.0,
+    time_budget: float = 75.0,
     shrink_seconds: float = DEFAULT_SHRINK_SECONDS,
     progress: Callable[[str], None] | None = None,
     **classes: Any,
@@ -312,8 +327,10 @@ def conformance_report(
         began = time.monotonic()
         errors = _random_errors(port, examples, collector)
         searched = time.monotonic() - began
+        shrinking_left = SHRINK_BUDGET
         for error in errors:
-            finding, took = shrink(port, error, shrink_seconds)
+            finding, took = shrink(port, error, min(shrink_seconds, shrinking_left))
+            shrinking_left = max(0.0, shrinking_left - took)
             report.longest_shrink = max(report.longest_shrink, took)
             collector.add(finding)
         report.checked.append(
@@ -366,7 +383,11 @@ def _explore(port: Port, scope: Scope, depth: int, collector: _Collector, report
         found(exploration.counterexample)
     if exploration.gap is not None:
         report.gaps.append(f"exhaustive {scope.name}: {exploration.gap}")
-    report.checked.append(exploration.summary())
+    report.checked.append(
+        f"exhaustive {scope.name}: every sequence up to {depth} calls not past a finding, "
+        f"{exploration.states} states, {exploration.transitions} transitions, "
+        f"{exploration.seconds:.1f}s"
+    )
 
 
 def check_conformance(

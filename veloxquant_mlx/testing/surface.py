@@ -107,7 +107,7 @@ def check_names(port: Port) -> list[Finding]:
     pool = port.build(SMALL)
     found: list[Finding] = []
     for declaration in declarations():
-        if declaration.name not in port.capabilities:
+        if declaration.name not in port.offered:
             continue
         target: object = pool
         for attribute in declaration.path:
@@ -268,9 +268,9 @@ def _prometheus_problems(text: object, prefix: str) -> Iterator[tuple[str, str, 
     for suffix, kind in _metric_types().items():
         name = f"{prefix}_{suffix}"
         if name not in helps:
-            yield "# HELP line", name, "missing", "present"
+            yield "HELP lines", name, "missing", "present"
         if types.get(name) != kind:
-            yield "# TYPE line", name, types.get(name, "missing"), kind
+            yield "TYPE lines", name, types.get(name, "missing"), kind
     try:
         parse_prometheus(text)
     except ValueError as error:
@@ -397,7 +397,7 @@ def bad_argument_calls(port: Port) -> Iterator[Finding]:
     """Each bad value of each argument, in one call on a fresh pool holding one block."""
     for config in (SMALL, replace(SMALL, separate_kv=False)):
         for declaration in declarations():
-            if declaration.name not in port.capabilities:
+            if declaration.name not in port.offered:
                 continue
             for index, parameter in enumerate(declaration.parameters):
                 if parameter.kind is not ArgKind.VALUE:
