@@ -92,7 +92,7 @@ def test_the_ports_block_class_builds_the_hand_made_blocks() -> None:
 
 
 def test_the_ports_error_classes_compare_under_the_contracts_names() -> None:
-    lockstep = Lockstep(MyPool, model.SpecConfig(2, 1))
+    lockstep = Lockstep(Port(MyPool), model.SpecConfig(2, 1))
     lockstep.apply(Allocate("k", 2, 0))
     lockstep.apply(Allocate("k", 2, 0))  # the port raises its own BlockPoolExhaustedError
 
@@ -138,7 +138,7 @@ class _NoGrowthCounter(MyPool):
 
 
 def test_a_missing_stats_field_is_a_named_difference() -> None:
-    lockstep = Lockstep(_NoGrowthCounter, model.SpecConfig(2, 4))
+    lockstep = Lockstep(Port(_NoGrowthCounter), model.SpecConfig(2, 4))
     with pytest.raises(ConformanceError) as raised:
         lockstep.apply(Stats())
     assert "<no attribute stats.n_grown>" in str(raised.value)

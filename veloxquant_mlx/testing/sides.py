@@ -460,11 +460,14 @@ _PLANS_KEPT: Final = 4096
 def query_plan(op: object) -> QueryPlan:
     """The plan of query ``op``; observations ask the same few queries over and over.
 
-    Keyed by the op's class and arguments (names and plain values), which the
-    interpreter hashes itself: CrossHair cannot run a dataclass's own ``__hash__``.
+    Keyed by the op's class and arguments (names and plain values) with their types,
+    which the interpreter hashes itself: CrossHair cannot run a dataclass's own
+    ``__hash__``.
     """
     declaration = declaration_of(op)
-    key = (type(op), *declaration.arguments(op))
+    arguments = declaration.arguments(op)
+    # With the arguments' types: True == 1 == 1.0 as keys, but not as arguments.
+    key = (type(op), *arguments, *map(type, arguments))
     plan = _PLANS.get(key)
     if plan is None:
         transition = declaration.transition
