@@ -54,6 +54,10 @@ __all__ = ["Report", "check_conformance", "conformance_report"]
 #: The exhaustive depth a report searches to by default: 3 calls cover most deviations
 #: a port has in seconds; the command line's profiles go deeper.
 DEFAULT_DEPTH: Final = 3
+#: Random sequences per Hypothesis run (the time budget is checked between runs), and
+#: calls per sequence.
+RANDOM_CHUNK: Final = 25
+RANDOM_STEPS: Final = 25
 #: The longest a report shrinks one finding.
 DEFAULT_SHRINK_SECONDS: Final = 20.0
 #: The longest a report shrinks all its findings together (then they are shown as found).
@@ -170,14 +174,12 @@ class _CollectingLockstep(Lockstep):
     """A lockstep that records its first failure and then stands still (for Hypothesis)."""
 
     collect: ClassVar[Callable[[ConformanceError], None]]
-    deadline: ClassVar[float]  # time.monotonic() after which it stands still from the start
     stopped: bool = False
 
     def apply(
         self, op: object, call: int | None = None, *, expect: Outcome | None = None
     ) -> Outcome:
-        if self.stopped or time.monotonic() >= type(self).deadline:
-            self.stopped = True
+        if self.stopped:
             return Returned(None)
         try:
             return super().apply(op, call, expect=expect)
@@ -196,8 +198,24 @@ class _CollectingLockstep(Lockstep):
             type(self).collect(error)
 
 
-def _random_errors(port: Port, examples: int, collector: _Collector) -> list[ConformanceError]:
-    """Failures of random sequences whose findings are not known yet (one per key)."""
+def _random_settings(examples: int) -> settings:
+    return settings(
+        max_examples=examples,
+        stateful_step_count=RANDOM_STEPS,
+        deadline=None,
+        database=None,
+        phases=[Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+
+
+def _random_errors(
+    port: Port, examples: int, collector: _Collector, ended: list[str]
+) -> list[ConformanceError]:
+    """Failures of random sequences whose findings are not known yet (one per key).
+
+    ``ended`` is told why a run of sequences ended early, if one did.
+    """
     new: dict[tuple[str, str, str], ConformanceError] = {}
 
     def collect(error: ConformanceError) -> None:
@@ -206,9 +224,7 @@ def _random_errors(port: Port, examples: int, collector: _Collector) -> list[Con
             new[finding.key] = error
 
     lockstep_class = type(
-        "RandomLockstep",
-        (_CollectingLockstep,),
-        {"collect": staticmethod(collect), "deadline": collector.deadline},
+        "RandomLockstep", (_CollectingLockstep,), {"collect": staticmethod(collect)}
     )
 
     class Machine(PoolConformanceMachine):
@@ -216,26 +232,21 @@ def _random_errors(port: Port, examples: int, collector: _Collector) -> list[Con
 
         def stopped(self) -> bool:
             runner = self.lockstep
-            if not isinstance(runner, _CollectingLockstep):
-                return True
-            if time.monotonic() >= runner.deadline:
-                runner.stopped = True
-            return runner.stopped
+            return not isinstance(runner, _CollectingLockstep) or runner.stopped
 
     Machine.port = port
     Machine.capabilities = port.offered
     Machine.lockstep_class = lockstep_class
-    run_state_machine_as_test(
-        Machine,
-        settings=settings(
-            max_examples=examples,
-            stateful_step_count=25,
-            deadline=None,
-            database=None,
-            phases=[Phase.generate],
-            suppress_health_check=list(HealthCheck),
-        ),
-    )
+    # In runs of RANDOM_CHUNK sequences, the time checked between runs only: a run whose
+    # drawing depended on the clock would look flaky to Hypothesis.
+    done = 0
+    while done < examples and not collector.out_of_time():
+        chunk = min(RANDOM_CHUNK, examples - done)
+        try:
+            run_state_machine_as_test(Machine, settings=_random_settings(chunk))
+        except Exception as error:  # Hypothesis gave up on this run; what it found stays
+            ended.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
+        done += chunk
     return list(new.values())
 
 
@@ -325,7 +336,8 @@ def conformance_report(
 
     if not collector.out_of_time() and examples:
         began = time.monotonic()
-        errors = _random_errors(port, examples, collector)
+        ended: list[str] = []
+        errors = _random_errors(port, examples, collector, ended)
         searched = time.monotonic() - began
         shrinking_left = SHRINK_BUDGET
         for error in errors:
@@ -334,9 +346,10 @@ def conformance_report(
             report.longest_shrink = max(report.longest_shrink, took)
             collector.add(finding)
         report.checked.append(
-            f"random: up to {examples} sequences of up to 25 calls, {searched:.1f}s; "
+            f"random: up to {examples} sequences of up to {RANDOM_STEPS} calls, {searched:.1f}s; "
             f"{len(errors)} new findings shrunk"
         )
+        report.checked += [f"random: a run of {RANDOM_CHUNK} ended early: {why}" for why in ended]
         say(f"random: {len(collector.by_key)} findings")
 
     for finding in sorted(collector.by_key.values(), key=lambda f: (f.rule, len(f.calls))):
@@ -378,7 +391,12 @@ def _explore(port: Port, scope: Scope, depth: int, collector: _Collector, report
 
     if port.takes_history_len is False and scope.history_len != 1024:
         scope = replace(scope, history_len=1024)
-    exploration = explore(scope, depth, port, deadline=collector.deadline, on_failure=found)
+    try:
+        exploration = explore(scope, depth, port, deadline=collector.deadline, on_failure=found)
+    except Exception as error:  # the pool could not be built or crashed outside a call
+        report.gaps.append(f"exhaustive {scope.name}: {type(error).__name__}: {error}")
+        return
+
     if exploration.counterexample is not None and exploration.counterexample.error is not None:
         found(exploration.counterexample)
     if exploration.gap is not None:

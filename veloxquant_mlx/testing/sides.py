@@ -465,9 +465,9 @@ def query_plan(op: object) -> QueryPlan:
     ``__hash__``.
     """
     declaration = declaration_of(op)
-    arguments = declaration.arguments(op)
+    values = declaration.arguments(op)
     # With the arguments' types: True == 1 == 1.0 as keys, but not as arguments.
-    key = (type(op), *arguments, *map(type, arguments))
+    key = (type(op), *values, *map(type, values))
     plan = _PLANS.get(key)
     if plan is None:
         transition = declaration.transition
