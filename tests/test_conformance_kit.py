@@ -23,6 +23,7 @@ from deviant_port import DEVIANT_ERRORS, DEVIATIONS, DeviantConfig, DeviantPort
 from reference_port import MyPool
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.testing import exhaustive
 from veloxquant_mlx.testing.conformance import conformance_test_case
 from veloxquant_mlx.testing.findings import Finding
 from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
@@ -238,6 +239,22 @@ def test_a_finding_shows_a_shortest_sequence_as_python() -> None:
         "pool.free([b0[1], b0[0]])",
         "pool.stats.n_frees  # pool: 2; spec: 1",
     ]
+
+
+# ---- the exhaustive checker on a port ---------------------------------------------------
+
+
+def test_the_exhaustive_command_checks_a_factory_named_on_its_command_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(Path(__file__).parent)
+    found = exhaustive.main(
+        ["--factory", "deviant_port:DeviantPort", "--depth", "1", "--scope", "separate-4"]
+    )
+    assert found == 1
+    assert "MarkUsed(block=ForeignBlock(owner=None), n_used=1)" in capsys.readouterr().out
+    passed = exhaustive.main(["--factory", "reference_port:MyPool", "--depth", "2"])
+    assert passed == 0
 
 
 # ---- a light install -------------------------------------------------------------------

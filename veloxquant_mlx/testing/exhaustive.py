@@ -69,7 +69,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
@@ -106,6 +106,12 @@ SCOPES: tuple[Scope, ...] = (
 )
 #: Depth (letters per sequence) of each profile.
 PROFILE_DEPTHS = {"ci": 4, "nightly": 6}
+
+
+def port_scope(port: Port, scope: Scope) -> Scope:
+    """``scope`` with a history length ``port``'s factory can be given (its default, if it
+    takes none)."""
+    return replace(scope, history_len=port.history_len_for(scope.history_len))
 
 
 def default_factory(config: PoolConfig, history_len: int) -> BlockPool[Any]:

@@ -24,7 +24,9 @@ signature inspection per port. Thread safety: immutable.
 
 from __future__ import annotations
 
+import importlib
 import inspect
+import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -43,6 +45,7 @@ __all__ = [
     "REFERENCE_CALLS",
     "Port",
     "as_port",
+    "factory_from_text",
 ]
 
 #: Every call of the table: what our allocator offers.
@@ -174,6 +177,10 @@ class Port:
         """``(PoolConfig, history_len) -> pool``: what ``Lockstep`` calls."""
         return self.build
 
+    def history_len_for(self, wanted: int) -> int:
+        """``wanted``, or the default for a factory that takes no ``history_len``."""
+        return wanted if self.takes_history_len else DEFAULT_HISTORY_LEN
+
     @property
     def offered(self) -> frozenset[str]:
         """The calls the pool offers (names in the table)."""
@@ -203,6 +210,30 @@ class Port:
     def error_names(self, pool: object) -> dict[type[BaseException], str]:
         """The contract name of each of the port's error classes (for comparing outcomes)."""
         return {cls: name for name, cls in self.error_classes(pool).items() if cls is not None}
+
+
+def factory_from_text(text: str) -> Port:
+    """The port named ``module:callable`` (the module is imported; ``.`` is on the path).
+
+    Raises:
+        ValueError: The text is not of that form, or names nothing callable.
+    """
+    module_name, colon, attribute = text.partition(":")
+    if not (colon and module_name and attribute):
+        raise ValueError(f"expected module:callable, got {text!r}")
+    if os.getcwd() not in sys.path:  # a port's own module, run from its directory
+        sys.path.insert(0, os.getcwd())
+    try:
+        target: object = importlib.import_module(module_name)
+    except ImportError as error:
+        raise ValueError(f"cannot import {module_name!r} ({error})") from None
+    for part in attribute.split("."):
+        if not hasattr(target, part):
+            raise ValueError(f"{module_name!r} has no {attribute!r}")
+        target = getattr(target, part)
+    if not callable(target):
+        raise ValueError(f"{text!r} is not callable")
+    return as_port(target)
 
 
 def as_port(

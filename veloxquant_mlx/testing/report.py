@@ -33,7 +33,7 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
 
 from hypothesis import HealthCheck, Phase, settings
@@ -41,7 +41,7 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from veloxquant_mlx.testing import surface
 from veloxquant_mlx.testing.conformance import PoolConformanceMachine
-from veloxquant_mlx.testing.exhaustive import SCOPES, Counterexample, Scope, explore
+from veloxquant_mlx.testing.exhaustive import SCOPES, Counterexample, Scope, explore, port_scope
 from veloxquant_mlx.testing.findings import Finding, finding_from_error, rule_link
 from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
 from veloxquant_mlx.testing.port import Port, as_port
@@ -389,8 +389,7 @@ def _explore(port: Port, scope: Scope, depth: int, collector: _Collector, report
         if counterexample.error is not None:
             collector.add(finding_from_error(counterexample.error, f"exhaustive {scope.name}"))
 
-    if port.takes_history_len is False and scope.history_len != 1024:
-        scope = replace(scope, history_len=1024)
+    scope = port_scope(port, scope)
     try:
         exploration = explore(scope, depth, port, deadline=collector.deadline, on_failure=found)
     except Exception as error:  # the pool could not be built or crashed outside a call
