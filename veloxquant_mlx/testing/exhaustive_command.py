@@ -5,6 +5,8 @@ to the profile's depth (or ``--depth``), printing one summary line per scope
 (or, with ``--json``, one JSON document) and progress on stderr. With
 ``--out DIR``, each counterexample is also written there as a trace
 (``counterexample-SCOPE.jsonl``), which ``veloxquant-mlx replay`` replays.
+``--factory module:callable`` checks a port instead of our allocator
+(docs/CONFORMANCE_KIT.md gives the factory contract).
 
 Budgets: ``--max-states`` bounds each scope's distinct states (the memory:
 about :data:`BYTES_PER_STATE` each; a value that cannot fit in this
@@ -42,7 +44,15 @@ from veloxquant_mlx.commandline.files import atomic_write_text, out_dir_argument
 from veloxquant_mlx.commandline.sizes import PROCESS_BYTES
 from veloxquant_mlx.commandline.values import finite_float, int_at_least
 from veloxquant_mlx.commandline.verdicts import combined
-from veloxquant_mlx.testing.exhaustive import PROFILE_DEPTHS, SCOPES, Exploration, explore
+from veloxquant_mlx.testing.exhaustive import (
+    PROFILE_DEPTHS,
+    SCOPES,
+    Exploration,
+    default_factory,
+    explore,
+    port_scope,
+)
+from veloxquant_mlx.testing.port import Port, factory_from_text
 from veloxquant_mlx.testing.traces import dumps
 
 __all__ = [
@@ -105,6 +115,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="stop (inconclusive) after this long, all scopes together (default: the profile's)",
     )
+    parser.add_argument(
+        "--factory",
+        type=_factory,
+        metavar="MODULE:CALLABLE",
+        help="check this pool instead of ours: a factory taking a config "
+        "(docs/CONFORMANCE_KIT.md); MODULE is imported from the current directory",
+    )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
         "--out", type=out_dir_argument, metavar="DIR", help="write counterexamples here as traces"
@@ -112,6 +129,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="replace an earlier run's counterexamples in --out"
     )
+
+
+def _factory(text: str) -> Port:
+    try:
+        return factory_from_text(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def validate(args: argparse.Namespace) -> str | None:
@@ -164,9 +188,11 @@ def run(args: argparse.Namespace) -> int:
     for scope in SCOPES:
         if args.scope is not None and scope.name not in args.scope:
             continue
+        port: Port | None = args.factory
         result = explore(
-            scope,
+            scope if port is None else port_scope(port, scope),
             depth,
+            port or default_factory,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
             max_states=max_states,
             deadline=deadline,
