@@ -24,6 +24,7 @@ bookkeeping is only ever touched by the one running thread.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import sys
 import threading
@@ -137,11 +138,24 @@ class ControlledRun:
             self._abandon()
             raise
         if not self._done.wait(_RUN_TIMEOUT_S):
-            raise RuntimeError(f"a controlled schedule did not finish in {_RUN_TIMEOUT_S} s")
+            raise RuntimeError(self._hang_report())
         for thread in threads:
             thread.join()
         if errors:
             raise errors[0]
+
+    def _hang_report(self) -> str:
+        """What a run that outlived its guard was doing; every thread's stack goes to stderr."""
+        with contextlib.suppress(OSError):  # file descriptor 2 may be closed
+            faulthandler.dump_traceback(file=2, all_threads=True)
+        states = ", ".join(
+            f"t{t.index}: {'finished' if t.finished else 'runnable' if t.runnable() else 'blocked'}"
+            for t in self.threads
+        )
+        return (
+            f"a controlled schedule did not finish in {_RUN_TIMEOUT_S} s "
+            f"({self._steps} points, {states}; last hand-overs: {self.trace[-4:]})"
+        )
 
     def _abandon(self) -> None:
         """Unwind every thread of a run that cannot go on, and wait until they have."""
