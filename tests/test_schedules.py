@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Callable, Sequence
 
 import pytest
@@ -261,3 +262,36 @@ def test_ctrl_c_inside_a_schedule_stops_the_exploration_after_it_and_raises_noth
     assert result.verdict is Verdict.INTERRUPTED
     assert result.gap is not None
     assert result.gap.why == "interrupted by Ctrl-C"
+
+
+def test_a_schedule_that_cannot_end_after_ctrl_c_is_left_unfinished_and_uncounted() -> None:
+    """Ctrl-C is honoured within INTERRUPT_GRACE_S, not after the 60 s guard's RuntimeError.
+
+    The pool's first allocate sends the SIGINT and then blocks on a real event:
+    a thread blocked outside the scheduler never hands the baton on, so the
+    schedule in flight cannot end, as in a harness hang.
+    """
+    sent, unblock = threading.Event(), threading.Event()
+
+    class StuckAfterCtrlC(BlockPoolAllocator):
+        def allocate(
+            self, stream: str, n_tokens: int, owner: int, format: str = "fp16"
+        ) -> list[Block]:
+            if not sent.is_set():
+                sent.set()
+                os.kill(os.getpid(), signal.SIGINT)
+                unblock.wait()
+            return super().allocate(stream, n_tokens, owner, format)
+
+    scenario = next(s for s in SCENARIOS if s.name == "two_threads_take_the_last_block")
+    try:
+        with InterruptRequest("schedules") as interrupt:
+            result = explore(
+                scenario,
+                lambda config, history_len: StuckAfterCtrlC(config, history_len=history_len),
+                interrupt=interrupt.requested,
+            )
+    finally:
+        unblock.set()  # the parked thread may finish its abandoned run
+    assert (result.interrupted, result.schedules) == (True, 0)
+    assert result.verdict is Verdict.INTERRUPTED

@@ -28,6 +28,7 @@ import faulthandler
 import os
 import sys
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
@@ -36,14 +37,33 @@ from typing import TYPE_CHECKING, Any, NoReturn
 if TYPE_CHECKING:
     from _typeshed import TraceFunction
 
-__all__ = ["STEP_LIMIT", "ControlledLock", "ControlledRun", "Decision", "next_choices"]
+__all__ = [
+    "INTERRUPT_GRACE_S",
+    "STEP_LIMIT",
+    "ControlledLock",
+    "ControlledRun",
+    "Decision",
+    "RunCutShort",
+    "next_choices",
+]
 
 STEP_LIMIT = 100_000  # scheduling points per run before it is called a livelock
+#: How long a run may go on once a Ctrl-C was requested before it is left unfinished.
+INTERRUPT_GRACE_S = 2.0
 _RUN_TIMEOUT_S = 60.0  # wall-clock guard against a harness bug, not a scheduling bound
+_WAIT_SLICE_S = 0.05  # how often the main thread looks at the interrupt flag during a run
 
 
 class _Abort(BaseException):
     """Unwinds a controlled thread whose schedule was abandoned (deadlock, livelock)."""
+
+
+class RunCutShort(Exception):  # noqa: N818 -- a stop, not an error of the pool
+    """A run still going :data:`INTERRUPT_GRACE_S` after a Ctrl-C: left unfinished.
+
+    Its threads are daemons and stay parked; the explorer reports the
+    exploration as interrupted and the command ends the process.
+    """
 
 
 class ControlledLock:
@@ -100,7 +120,14 @@ class Decision:
 class ControlledRun:
     """One schedule: runs thread bodies one at a time, following ``choices`` then defaults."""
 
-    def __init__(self, n_threads: int, choices: Sequence[int], watched: frozenset[str]) -> None:
+    def __init__(
+        self,
+        n_threads: int,
+        choices: Sequence[int],
+        watched: frozenset[str],
+        interrupt: threading.Event | None = None,
+    ) -> None:
+        """``interrupt``, once set, bounds how much longer the run is waited for."""
         self.threads = [_ThreadState(index) for index in range(n_threads)]
         self.decisions: list[Decision] = []
         self.trace: list[str] = []
@@ -113,6 +140,7 @@ class ControlledRun:
         self._aborted = False
         self._done = threading.Event()
         self._finishing = threading.Lock()
+        self._interrupt = interrupt
 
     def run(self, bodies: Sequence[Callable[[], None]], line_points: bool) -> None:
         """Run ``bodies`` (one per thread) to completion under this schedule.
@@ -120,6 +148,8 @@ class ControlledRun:
         Raises:
             RuntimeError: A choice does not fit (the schedule is another
                 scenario's), or the run outlived its wall-clock guard.
+            RunCutShort: A Ctrl-C was requested and the run did not end within
+                :data:`INTERRUPT_GRACE_S`.
             BaseException: Whatever a body raised that was not a scheduling abort.
         """
         errors: list[BaseException] = []
@@ -137,12 +167,24 @@ class ControlledRun:
         except BaseException:
             self._abandon()
             raise
-        if not self._done.wait(_RUN_TIMEOUT_S):
-            raise RuntimeError(self._hang_report())
+        self._wait_until_done()
         for thread in threads:
             thread.join()
         if errors:
             raise errors[0]
+
+    def _wait_until_done(self) -> None:
+        """Wait for the last thread; a Ctrl-C is honoured within the grace period."""
+        started = time.monotonic()
+        noticed: float | None = None
+        while not self._done.wait(_WAIT_SLICE_S):
+            now = time.monotonic()
+            if noticed is None and self._interrupt is not None and self._interrupt.is_set():
+                noticed = now
+            if noticed is not None and now - noticed > INTERRUPT_GRACE_S:
+                raise RunCutShort(f"left unfinished {INTERRUPT_GRACE_S} s after a Ctrl-C")
+            if now - started > _RUN_TIMEOUT_S:
+                raise RuntimeError(self._hang_report())
 
     def _hang_report(self) -> str:
         """What a run that outlived its guard was doing; every thread's stack goes to stderr."""

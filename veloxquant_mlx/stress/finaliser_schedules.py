@@ -57,7 +57,12 @@ from veloxquant_mlx.memory import block_pool
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.deferred_release import reclaim_dropped_caches
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
-from veloxquant_mlx.stress.controlled_scheduler import ControlledLock, ControlledRun, next_choices
+from veloxquant_mlx.stress.controlled_scheduler import (
+    ControlledLock,
+    ControlledRun,
+    RunCutShort,
+    next_choices,
+)
 
 if TYPE_CHECKING:
     from _typeshed import TraceFunction
@@ -153,11 +158,17 @@ class FinaliserDropper:
 class _Run:
     """One fresh pool, the victim, and the scenario's two threads under one schedule."""
 
-    def __init__(self, factory: BookFactory, drop_at: int, choices: Sequence[int]) -> None:
+    def __init__(
+        self,
+        factory: BookFactory,
+        drop_at: int,
+        choices: Sequence[int],
+        interrupt: threading.Event | None = None,
+    ) -> None:
         self.pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=16), history_len=0)
         victim = factory(self.pool, _VICTIM)
         victim.append(3)
-        self.control = ControlledRun(2, choices, frozenset())
+        self.control = ControlledRun(2, choices, frozenset(), interrupt)
         self.lock = ControlledLock(self.control)
         self.dropper = FinaliserDropper(victim, self.lock, drop_at)
         self.unraisable: list[str] = []
@@ -224,8 +235,9 @@ def explore_finaliser(
         max_runs: Stop after this many runs (the result is then not exhaustive).
         stop_at_first: Stop at the first violation.
         interrupt: Polled between runs: once set (by Ctrl-C), the exploration
-            stops there, ``interrupted``. A run is never cut inside, where its
-            threads hand a baton over semaphores.
+            stops there, ``interrupted``. A run is not cut inside, where its
+            threads hand a baton over semaphores, unless it is still running
+            ``INTERRUPT_GRACE_S`` later: then it is left unfinished, uncounted.
     """
     started = time.perf_counter()
     violations: list[str] = []
@@ -239,8 +251,12 @@ def explore_finaliser(
             if interrupted or runs >= max_runs or (violations and stop_at_first):
                 exhaustive = False
                 break
-            run = _Run(factory, drop_at, choices)
-            problem = run.run()
+            run = _Run(factory, drop_at, choices, interrupt)
+            try:
+                problem = run.run()
+            except RunCutShort:  # a Ctrl-C, and this run did not end: it does not count
+                interrupted, exhaustive = True, False
+                break
             runs += 1
             if run.dropper.fired_by is not None:
                 reached, fired, drop_points = True, fired + 1, drop_at

@@ -71,7 +71,12 @@ from typing import Literal
 
 from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.stress.controlled_scheduler import ControlledLock, ControlledRun, next_choices
+from veloxquant_mlx.stress.controlled_scheduler import (
+    ControlledLock,
+    ControlledRun,
+    RunCutShort,
+    next_choices,
+)
 from veloxquant_mlx.stress.schedule_outcomes import (
     ScheduleOutcome,
     allowed_outcomes,
@@ -184,10 +189,16 @@ class _Checker:
         self.watched = _source_files(type(first.pool)) if granularity == "line" else frozenset()
         self.seen: set[ScheduleOutcome] = set()  # the allowed outcomes some schedule produced
 
-    def run_once(self, choices: Sequence[int]) -> tuple[ControlledRun, ScheduleViolation | None]:
-        """Run the schedule ``choices`` begins; return it and what it broke, if anything."""
+    def run_once(
+        self, choices: Sequence[int], interrupt: threading.Event | None = None
+    ) -> tuple[ControlledRun, ScheduleViolation | None]:
+        """Run the schedule ``choices`` begins; return it and what it broke, if anything.
+
+        Raises:
+            RunCutShort: ``interrupt`` was set and the run did not end in time.
+        """
         schedule = _Schedule(self.scenario, self.factory)
-        run = ControlledRun(len(self.scenario.threads), choices, self.watched)
+        run = ControlledRun(len(self.scenario.threads), choices, self.watched, interrupt)
         message = self._judge(schedule, run, schedule.run(run, self.granularity))
         if message is None:
             return run, None
@@ -298,8 +309,10 @@ def explore(
         max_schedules: Stop after this many schedules (the result is then not exhaustive).
         stop_at_first: Stop at the first violation.
         interrupt: Polled between schedules: once set (by Ctrl-C), the
-            exploration stops there, ``interrupted``. A schedule is never cut
-            inside, where its threads hand a baton over semaphores.
+            exploration stops there, ``interrupted``. A schedule is not cut
+            inside, where its threads hand a baton over semaphores, unless it is
+            still running ``INTERRUPT_GRACE_S`` later: then it is left
+            unfinished, uncounted, and the exploration stops.
 
     Returns:
         The counts and any violations; deterministic for a given scenario and pool.
@@ -313,7 +326,11 @@ def explore(
         if interrupt is not None and interrupt.is_set():
             interrupted = True
             break
-        run, violation = checker.run_once(choices)
+        try:
+            run, violation = checker.run_once(choices, interrupt)
+        except RunCutShort:  # a Ctrl-C, and this schedule did not end: it does not count
+            interrupted = True
+            break
         schedules += 1
         if violation is not None:
             violations.append(violation)
