@@ -10,8 +10,9 @@ compares all that a caller can observe with the spec. The alphabet is
 derived from the operation table (:func:`~veloxquant_mlx.testing.templates.small_scope`:
 every call with its small-scope arguments, every handle shape, junk after a
 live handle in a list, every bad value of every argument, wrong types
-included; see :mod:`~veloxquant_mlx.testing.exhaustive_scope`) and is *relative* ("free the 2nd live handle in
-checkout order", "free the handle freed last"): a letter is made concrete
+included; see :mod:`~veloxquant_mlx.testing.exhaustive_scope`) and is
+*relative* ("free the 2nd live handle in checkout order", "free the handle
+freed last"): a letter is made concrete
 against the names of the state at each node (``Free((h(0, 1),))``, the
 call at depth ``d`` labelled ``d``), so a path replays exactly on a fresh
 pool. One rule is the exhaustive checker's own: each owner allocates with
