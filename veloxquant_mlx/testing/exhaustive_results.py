@@ -20,7 +20,6 @@ from veloxquant_mlx_spec import model
 __all__ = ["Counterexample", "Exploration"]
 
 
-
 @dataclass(frozen=True)
 class Counterexample:
     """A sequence on which the allocator and the spec disagree (a shortest one)."""
