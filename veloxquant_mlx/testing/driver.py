@@ -1,11 +1,13 @@
 """The driver for our own pool: the JSON-lines protocol of docs/DRIVER_PROTOCOL.md, served.
 
-``python -m veloxquant_mlx.testing.driver [--factory module:callable]`` reads
-one request per line on stdin and writes one response per line on stdout,
-after a hello line. It serves any Python port the factory contract takes
-(docs/CONFORMANCE_KIT.md; default: our ``BlockPoolAllocator``): a port in
-another language ships its own driver that speaks the same lines, and the
-kit drives it through :mod:`~veloxquant_mlx.testing.driven`.
+``veloxquant-mlx driver [--factory module:callable]`` (also ``python -m
+veloxquant_mlx.testing.driver``; :mod:`~veloxquant_mlx.testing.driver_command`)
+reads one request per line on stdin and writes one response per line on
+stdout, after a hello line (:func:`serve_lines`). It serves any Python port
+the factory contract takes (docs/CONFORMANCE_KIT.md; default: our
+``BlockPoolAllocator``): a port in another language ships its own driver
+that speaks the same lines, and the kit drives it through
+:mod:`~veloxquant_mlx.testing.driven`.
 
 Nothing here knows one call from another: a request names an attribute of
 an object the driver handed out (a pool, a block, a stats snapshot) by its
@@ -19,15 +21,18 @@ one thread serves one stream of requests, in order.
 
 from __future__ import annotations
 
-import argparse
+if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one line too
+    from veloxquant_mlx.commandline.sigint import run_program
+
+    run_program("python -m veloxquant_mlx.testing.driver", "veloxquant_mlx.testing.driver_command")
+
 import json
-import sys
 from collections.abc import Sequence
 from typing import IO, Any, Final
 
-from veloxquant_mlx.testing.port import ERROR_NAMES, Port, factory_from_text
+from veloxquant_mlx.testing.port import ERROR_NAMES, Port
 
-__all__ = ["PROTOCOL", "PROTOCOL_VERSION", "Driver", "main"]
+__all__ = ["PROTOCOL", "PROTOCOL_VERSION", "Driver", "serve_lines"]
 
 PROTOCOL: Final = "veloxquant-mlx-driver"
 PROTOCOL_VERSION: Final = 1
@@ -132,7 +137,7 @@ def _contract_name(error: BaseException) -> str:
     return type(error).__name__
 
 
-def run(port: Port, lines: IO[str], out: IO[str]) -> None:
+def serve_lines(port: Port, lines: IO[str], out: IO[str]) -> None:
     """Serve ``lines`` until they end: the hello, then one response per request."""
     driver = Driver(port)
     out.write(json.dumps(driver.hello()) + "\n")
@@ -141,26 +146,3 @@ def run(port: Port, lines: IO[str], out: IO[str]) -> None:
         if line.strip():
             out.write(json.dumps(driver.respond(line)) + "\n")
             out.flush()
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m veloxquant_mlx.testing.driver [--factory module:callable]``."""
-    parser = argparse.ArgumentParser(prog="python -m veloxquant_mlx.testing.driver")
-    parser.add_argument("--factory", help="a port, as module:callable (default: our pool)")
-    options = parser.parse_args(argv)
-    if options.factory is None:
-        from veloxquant_mlx.memory.block_pool import BlockPoolAllocator  # noqa: PLC0415
-
-        port = Port(BlockPoolAllocator)
-    else:
-        try:
-            port = factory_from_text(options.factory)
-        except ValueError as bad:
-            print(f"python -m veloxquant_mlx.testing.driver: {bad}", file=sys.stderr)
-            return 2
-    run(port, sys.stdin, sys.stdout)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
