@@ -28,10 +28,12 @@ from __future__ import annotations
 import json
 import os
 import selectors
+import shlex
 import subprocess
+import tempfile
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import IO, Any, Final
 
 from veloxquant_mlx.testing.driver import PROTOCOL, PROTOCOL_VERSION
 from veloxquant_mlx.testing.port import Port
@@ -96,9 +98,17 @@ class DriverProcess:
     def __init__(self, command: Sequence[str], *, timeout: float = DEFAULT_TIMEOUT) -> None:
         self.command = list(command)
         self.timeout = timeout
-        self._process = subprocess.Popen(
-            self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
+        # A file, not a pipe: a pipe nobody reads blocks a driver that logs much, and the
+        # file's last line goes into a failure's message (why the driver stopped).
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115 (closed by _release)
+        try:
+            self._process = subprocess.Popen(
+                self.command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._stderr
+            )
+        except OSError as error:
+            self._stderr.close()
+            raise DriverFailure(f"driver {self._named}: cannot start ({error})") from None
+        weakref.finalize(self, _release, self._process, self._stderr)
         assert self._process.stdout is not None and self._process.stdin is not None, "piped"
         self._selector = selectors.DefaultSelector()
         self._selector.register(self._process.stdout, selectors.EVENT_READ)
@@ -111,7 +121,10 @@ class DriverProcess:
                 f"its hello is {hello!r}; expected protocol {PROTOCOL!r} v{PROTOCOL_VERSION}"
             )
         self.calls: frozenset[str] = frozenset(hello.get("calls", ()))
-        weakref.finalize(self, _stop, self._process)
+
+    @property
+    def _named(self) -> str:
+        return repr(shlex.join(self.command))
 
     def request(self, op: str, **fields: object) -> object:
         """Send one request; its result, or raise the error it names."""
@@ -158,13 +171,28 @@ class DriverProcess:
 
     def _fail(self, why: str) -> Any:
         _stop(self._process)
-        raise DriverFailure(f"driver {' '.join(self.command)!r}: {why}")
+        said = _last_line(self._stderr)
+        told = f"; its stderr ends: {said}" if said else ""
+        raise DriverFailure(f"driver {self._named}: {why}{told}")
+
+
+def _last_line(file: IO[bytes], tail: int = 4096) -> str:
+    """The last non-empty line of ``file`` (at most ``tail`` bytes are read)."""
+    file.seek(0, os.SEEK_END)
+    file.seek(max(0, file.tell() - tail))
+    lines = file.read().decode(errors="replace").splitlines()
+    return next((line.strip() for line in reversed(lines) if line.strip()), "")[:300]
 
 
 def _stop(process: subprocess.Popen[bytes]) -> None:
     if process.poll() is None:
         process.kill()
         process.wait()
+
+
+def _release(process: subprocess.Popen[bytes], stderr: IO[bytes]) -> None:
+    _stop(process)
+    stderr.close()
 
 
 class RemoteObject:
