@@ -1,7 +1,7 @@
 """A port in any language, driven as a child process: the client of docs/DRIVER_PROTOCOL.md.
 
-:func:`driven_port` starts a driver (``python -m veloxquant_mlx.testing.driver``
-for our pool; a Rust, C++ or Swift port ships its own) and returns a
+:func:`driven_port` starts a driver (``veloxquant-mlx driver`` for our pool;
+a Rust, C++ or Swift port ships its own) and returns a
 :class:`~veloxquant_mlx.testing.port.Port` whose pools, blocks and stats
 snapshots are proxies of the driver's objects, so the conformance kit
 (``conformance_test_case``, ``conformance_report``) and the exhaustive checker
@@ -13,11 +13,13 @@ take it like any Python port::
 Every attribute read and call is one request line and one response line.
 A pool's calls are the operation table's names; a port's error comes back as
 its contract class name and is raised here as the class of that name
-(:data:`ERRORS`, with the contract's bases). A driver that exits, writes
-something that is not a response, or does not answer within ``timeout``
-seconds raises :class:`DriverFailure`, a ``BaseException``: the kit records
-an exception from a pool as the pool's outcome, and a broken driver must end
-the run with one clear message instead.
+(:data:`ERRORS`, with the contract's bases). A driver that cannot be started, exits,
+writes something that is not a response, or does not answer within
+``timeout`` seconds raises :class:`DriverFailure`, a ``BaseException``: the
+kit records an exception from a pool as the pool's outcome, and a broken
+driver must end the run with one clear message instead. The driver's stderr
+goes to a temporary file (a pipe nobody reads would block a driver that
+logs much); the message quotes its last line.
 
 Complexity: one round trip per attribute read or call. Thread safety: none;
 one thread drives one :class:`DriverProcess`.

@@ -72,7 +72,8 @@ verdict is then inconclusive, not OK.
 
 Command line (:mod:`~veloxquant_mlx.testing.exhaustive_command`):
 ``veloxquant-mlx exhaustive [--profile ci|nightly] [--depth N] [--scope
-NAME]... [--max-states N] [--time-budget SECONDS] [--json] [--out DIR]``;
+NAME]... [--max-states N] [--time-budget SECONDS] [--factory MODULE:CALLABLE
+| --driver COMMAND] [--json] [--out DIR]``;
 exit status 0 OK, 1 counterexample, 2 bad input, 3 inconclusive, 130 Ctrl-C.
 
 Complexity: O(S x A x D) calls for S distinct states (about x8 per depth),

@@ -6,7 +6,12 @@ to the profile's depth (or ``--depth``), printing one summary line per scope
 ``--out DIR``, each counterexample is also written there as a trace
 (``counterexample-SCOPE.jsonl``), which ``veloxquant-mlx replay`` replays.
 ``--factory module:callable`` checks a port instead of our allocator
-(docs/CONFORMANCE_KIT.md gives the factory contract).
+(docs/CONFORMANCE_KIT.md gives the factory contract); ``--driver COMMAND``
+one in any language, served by the driver that command starts (split as a
+shell would, not run by one; docs/DRIVER_PROTOCOL.md). A driver that cannot
+start or says no hello is bad input; so is one that dies, writes junk or
+answers late mid-run: the scopes printed before stand, the line names the
+request and the scope, and no verdict is given.
 
 Budgets: ``--max-states`` bounds each scope's distinct states (the memory:
 about :data:`BYTES_PER_STATE` each; a value that cannot fit in this
