@@ -8,6 +8,7 @@ a counterexample. Each class plants one bug the contract forbids.
 from __future__ import annotations
 
 import heapq
+import itertools
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.testing.lockstep import AllocatorFactory
@@ -83,3 +84,53 @@ class GrowthIgnoresCap(BlockPoolAllocator):
 
 def factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:
     return lambda config, history_len: cls(config, history_len=history_len)
+
+
+# ---- deviations only a wider alphabet or a probe of no-ops shows (the exhaustive checker) ----
+
+
+class FreeChecksTypesLate(BlockPoolAllocator):
+    """Planted bug: free() checks up front only the items that are Blocks, so a list with
+    junk after a live handle frees that handle before it raises (C-FREE-ATOMIC)."""
+
+    def free(self, blocks: list[Block]) -> None:
+        if isinstance(blocks, list | tuple) and not all(isinstance(b, Block) for b in blocks):
+            handles = [block for block in blocks if isinstance(block, Block)]
+            prefix = list(itertools.takewhile(lambda b: isinstance(b, Block), blocks))
+            self._require_freeable(handles)  # the blocks are checked; the junk is not
+            super().free(prefix)
+            super().free(blocks[len(prefix) :])  # raises at the junk
+        super().free(blocks)
+
+
+class AllocateTakesWholeFloats(BlockPoolAllocator):
+    """Planted bug: allocate() takes n_tokens=2.0 as 2 (C-ALLOC-ARGS wants a TypeError)."""
+
+    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+        given: object = n_tokens  # typed int, but a caller may pass anything
+        if isinstance(given, float) and given.is_integer():
+            n_tokens = int(given)
+        return super().allocate(stream, n_tokens, owner, format)
+
+
+class MarkUsedZeroIsIgnored(BlockPoolAllocator):
+    """Planted bug: mark_used(block, 0) is taken as "nothing to record" and changes nothing."""
+
+    def mark_used(self, block: Block, n_used: int) -> None:
+        if n_used == 0 and type(n_used) is int:
+            return
+        super().mark_used(block, n_used)
+
+
+class ReleaseRegistersAnUnknownOwner(BlockPoolAllocator):
+    """Planted bug: release_owner() of an owner it never saw leaves it registered (a
+    setdefault where a discard belongs), so a later register_owner() of it is refused.
+    Nothing a query shows changes: only the next register_owner() tells."""
+
+    def release_owner(self, owner: int) -> None:
+        with self._lock:
+            unknown = owner not in self._owner_blocks and owner not in self._registered_owners
+        super().release_owner(owner)
+        if unknown and type(owner) is int:
+            with self._lock:
+                self._registered_owners.add(owner)

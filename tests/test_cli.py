@@ -260,6 +260,16 @@ def test_help_exits_0_and_lists_every_option(capsys: pytest.CaptureFixture[str])
     assert "(default: 1024)" in out
 
 
+@pytest.mark.parametrize("subcommand", cli.SUBCOMMANDS, ids=lambda subcommand: subcommand.name)
+def test_every_subcommand_is_listed_and_has_help(
+    capsys: pytest.CaptureFixture[str], subcommand: cli.Subcommand
+) -> None:
+    assert cli.main(["--help"]) == 0
+    assert f"\n    {subcommand.name}" in capsys.readouterr().out
+    assert cli.main([subcommand.name, "--help"]) == 0
+    assert capsys.readouterr().out.startswith(f"usage: veloxquant-mlx {subcommand.name} [-h]")
+
+
 # -- invariant checks ------------------------------------------------------------------
 
 

@@ -112,6 +112,7 @@ def started(
         [sys.executable, *args],
         cwd=cwd,
         env=env,
+        stdin=subprocess.PIPE,  # never written: a command reading stdin (the driver) waits
         stdout=subprocess.PIPE,
         stderr=child_end if stderr_on_a_terminal else subprocess.PIPE,
         start_new_session=True,  # its own group: the signal to the group spares pytest
@@ -131,6 +132,8 @@ def started(
         if process.poll() is None:
             process.kill()
             process.wait()
+        assert process.stdin is not None
+        process.stdin.close()
         if stderr_on_a_terminal:
             os.close(terminal)
 
@@ -206,6 +209,12 @@ COMMANDS = {
         "python -m veloxquant_mlx.stress.finaliser_schedules",
         lambda text: "every schedule of every drop point" in text,
         "its scope line",
+    ),
+    "driver": Command(
+        ("-m", "veloxquant_mlx", "driver"),
+        "veloxquant-mlx driver",
+        lambda text: text.startswith('{"protocol": '),
+        "its hello line",
     ),
     "aliasing": Command(
         (

@@ -13,6 +13,8 @@ behind. (Ctrl-C: ``test_commands_on_ctrl_c.py``.)
 from __future__ import annotations
 
 import json
+import shlex
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,7 +26,7 @@ from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.stress import finaliser_schedules, schedules
 from veloxquant_mlx.stress.cli import memory_estimate
 from veloxquant_mlx.stress.config import PROFILES
-from veloxquant_mlx.testing import aliasing, exhaustive, exhaustive_command
+from veloxquant_mlx.testing import aliasing, driver_command, exhaustive, exhaustive_command
 from veloxquant_mlx.testing.exhaustive_command import default_max_states
 from veloxquant_mlx.testing.exhaustive_command import memory_estimate as exhaustive_memory
 from veloxquant_mlx.testing.traces import StoreSpec, Trace, TraceLine, dumps, save
@@ -33,6 +35,8 @@ from veloxquant_mlx_spec.table import Returned, h
 
 #: What an 8 GB laptop reports as its memory (MemTotal: the kernel keeps some).
 LAPTOP_BYTES = 7_800 * 2**20
+#: A driver that answers its start with a line that is not the protocol's hello.
+SAYS_HI = shlex.join([sys.executable, "-c", "print('hi')"])
 HUGE = "1" + "0" * 400  # beyond any float: once an OverflowError traceback in every command
 HEADER = {
     "trace": "veloxquant-mlx",
@@ -236,6 +240,13 @@ def test_stress_replay_refuses_what_is_not_a_trace(
         (exhaustive.main, ["--factory", "nowhere:Pool"], "cannot import 'nowhere'"),
         (exhaustive.main, ["--factory", "json"], "expected module:callable, got 'json'"),
         (exhaustive.main, ["--factory", "json:nothing"], "'json' has no 'nothing'"),
+        (exhaustive.main, ["--driver", "'unclosed"], "--driver: cannot split"),
+        (exhaustive.main, ["--driver", " "], "--driver: expected a command line, got ' '"),
+        (exhaustive.main, ["--driver", "no-such-driver-here"], "cannot start"),
+        (exhaustive.main, ["--driver", SAYS_HI], "it wrote b'hi', not a JSON object"),
+        (exhaustive.main, ["--driver", "x", "--factory", "json:dumps"], "not allowed with"),
+        (cli.main, ["driver", "--factory", "nowhere:Pool"], "cannot import 'nowhere'"),
+        (driver_command.main, ["--factory", "json"], "expected module:callable, got 'json'"),
         (schedules.main, ["--max-preemptions", "-1"], "got '-1'"),
         (schedules.main, ["--max-schedules", "0"], "got '0'"),
     ],

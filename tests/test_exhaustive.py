@@ -14,10 +14,14 @@ from collections.abc import Callable
 
 import pytest
 from planted_bugs import (
+    AllocateTakesWholeFloats,
     EmptyFreeCountsAFree,
+    FreeChecksTypesLate,
     FreeCountsBlocks,
     FreeListIsFifo,
     GrowthIgnoresCap,
+    MarkUsedZeroIsIgnored,
+    ReleaseRegistersAnUnknownOwner,
     ShrinkRetiresLowestIds,
     factory_of,
 )
@@ -26,9 +30,11 @@ from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 from veloxquant_mlx.testing import exhaustive_command
 from veloxquant_mlx.testing.exhaustive import (
+    PROBE_LETTER,
     PROFILE_DEPTHS,
     SCOPES,
     Scope,
+    alphabet,
     canonical_key,
     default_factory,
     explore,
@@ -37,8 +43,17 @@ from veloxquant_mlx.testing.exhaustive import (
 )
 from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
 from veloxquant_mlx_spec import model
-from veloxquant_mlx_spec.operations import Allocate, Free, Operation, RegisterOwner, Shrink
-from veloxquant_mlx_spec.table import declaration_of, h
+from veloxquant_mlx_spec.model import NotABlock
+from veloxquant_mlx_spec.operations import (
+    Allocate,
+    Free,
+    MarkUsed,
+    Operation,
+    RegisterOwner,
+    ReleaseOwner,
+    Shrink,
+)
+from veloxquant_mlx_spec.table import ArgKind, declaration_of, declarations, h
 
 SEPARATE_4 = next(scope for scope in SCOPES if scope.name == "separate-4")
 
@@ -68,6 +83,13 @@ def test_every_sequence_up_to_the_ci_depth_conforms(
 # - empty free: free([]) is a no-op, checked on the fresh pool;
 # - cap: the pool starts empty with a cap of 3; two 2-block allocations need
 #   4 blocks, so the second must be refused.
+# Only the wider alphabet and the probe of no-ops catch the last four:
+# - junk after a live handle in free()'s list: the live one must stay live;
+# - a wrong type: every bad value of every argument is a letter, 1.0 among them;
+# - mark_used(block, 0): 0 is one of n_used's small values;
+# - a no-op's hidden effect: release_owner(0) changes nothing the spec shows, so
+#   it merges into the state it left; the probe after it (register_owner(0),
+#   which must succeed) is what shows the registration it left behind.
 PLANTED_BUGS = [
     (FreeCountsBlocks, "separate-4", [Allocate("k", 3, 0, "fp16"), Free((h(0, 1), h(0, 0)))]),
     (
@@ -87,6 +109,14 @@ PLANTED_BUGS = [
         "shared-grow-0-to-3",
         [Allocate("k", 3, 0, "fp16"), Allocate("k", 3, 0, "fp16")],
     ),
+    (
+        FreeChecksTypesLate,
+        "separate-4",
+        [Allocate("k", 1, 0, "fp16"), Free((h(0, 0), NotABlock()))],
+    ),
+    (AllocateTakesWholeFloats, "separate-4", [Allocate("k", 1.0, 0, "fp16")]),
+    (MarkUsedZeroIsIgnored, "shared-4", [Allocate("k", 1, 0, "fp16"), MarkUsed(h(0, 0), 0)]),
+    (ReleaseRegistersAnUnknownOwner, "shared-4", [ReleaseOwner(0), RegisterOwner(0)]),
 ]
 
 
@@ -139,6 +169,44 @@ def test_the_merge_probe_shows_a_free_list_order_that_no_observation_shows() -> 
     ):
         for call in calls:
             lockstep.apply(call)
+
+
+def test_a_no_ops_hidden_effect_is_reported_with_the_probe_call_and_replays() -> None:
+    factory = factory_of(ReleaseRegistersAnUnknownOwner)
+    found = explore(SEPARATE_4, PROFILE_DEPTHS["ci"], factory).counterexample
+    assert found is not None
+    assert found.letters == ("release_owner(0)", PROBE_LETTER)
+    lockstep = Lockstep(factory, SEPARATE_4.config, SEPARATE_4.history_len)
+    lockstep.apply(ReleaseOwner(0))  # nothing to see yet
+    with pytest.raises(ConformanceError, match=r"raised OwnerAlreadyActiveError"):
+        lockstep.apply(RegisterOwner(0))
+
+
+# ---- the alphabet ------------------------------------------------------------------
+
+
+def test_the_alphabet_tries_every_bad_value_of_every_argument() -> None:
+    config = SEPARATE_4.config
+    letters = alphabet(config)
+    for declaration in declarations():
+        if not declaration.changes_state:
+            continue
+        for position, parameter in enumerate(declaration.parameters):
+            if parameter.kind is not ArgKind.VALUE:
+                continue
+            for value in declaration.domains[parameter.name].bad(config):
+                assert any(
+                    letter.declaration is declaration
+                    and type(letter.arguments[position]) is type(value)
+                    and letter.arguments[position] == value
+                    for letter in letters
+                ), f"{declaration.name}: no letter passes {parameter.name}={value!r}"
+
+
+def test_the_alphabet_puts_each_junk_item_after_a_live_handle_in_a_list() -> None:
+    shown = {repr(template) for template in alphabet(SEPARATE_4.config)}
+    for junk in ("freed last", "ForeignBlock(owner=None)", "ForeignBlock(owner=0)", "NotABlock()"):
+        assert f"free([live[0], {junk}])" in shown
 
 
 # ---- the canonical key -------------------------------------------------------------

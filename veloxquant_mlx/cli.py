@@ -38,7 +38,7 @@ from veloxquant_mlx.simulate import command as simulate_command
 from veloxquant_mlx.simulate import options as simulate_options
 from veloxquant_mlx.stress import cli as stress_command
 from veloxquant_mlx.stress import schedules_command
-from veloxquant_mlx.testing import exhaustive_command, replay_command
+from veloxquant_mlx.testing import driver_command, exhaustive_command, replay_command
 
 PROG = "veloxquant-mlx"
 
@@ -86,6 +86,7 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand.of_module("exhaustive", exhaustive_command),
     Subcommand.of_module("replay", replay_command),
     Subcommand.of_module("schedules", schedules_command),
+    Subcommand.of_module("driver", driver_command),
 )
 
 

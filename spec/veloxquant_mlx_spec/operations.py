@@ -112,7 +112,8 @@ TARGET_FREE: Final = Domain(
 FILL: Final = Domain(
     "n_used",
     good=lambda config: tuple(range(config.block_size + 1)),
-    small=lambda config: tuple(sorted({1, config.block_size})),  # part full, full
+    # part full, full, then emptied again (0 last: where one value is tried, it is 1)
+    small=lambda config: (*sorted({1, config.block_size}), 0),
     bad=lambda config: (config.block_size + 1, -1, *BAD_INTS),
 )
 DEFAULT_PROMETHEUS_PREFIX: Final = "veloxquant_block_pool"

@@ -8,9 +8,11 @@ alphabet (:func:`alphabet`), driving the allocator under test through every
 transition in :class:`~veloxquant_mlx.testing.lockstep.Lockstep`, which
 compares all that a caller can observe with the spec. The alphabet is
 derived from the operation table (:func:`~veloxquant_mlx.testing.templates.small_scope`:
-every call with its small-scope arguments, every handle shape, each
-argument's first bad value) and is *relative* ("free the 2nd live handle in
-checkout order", "free the handle freed last"): a letter is made concrete
+every call with its small-scope arguments, every handle shape, junk after a
+live handle in a list, every bad value of every argument, wrong types
+included; see :mod:`~veloxquant_mlx.testing.exhaustive_scope`) and is
+*relative* ("free the 2nd live handle in checkout order", "free the handle
+freed last"): a letter is made concrete
 against the names of the state at each node (``Free((h(0, 1),))``, the
 call at depth ``d`` labelled ``d``), so a path replays exactly on a fresh
 pool. One rule is the exhaustive checker's own: each owner allocates with
@@ -37,16 +39,30 @@ hidden state to light. Without it, a FIFO free list escapes depth 4: its
 wrong order is merged into a path (``free`` then ``free_all``) it does not
 affect.
 
+**No-op probe.** A letter the spec treats as a no-op (``release_owner`` of an
+owner holding nothing, ``free([])``, a ``shrink`` that retires nothing, a
+refused call) leads back to its own state, so it is never followed; an
+allocator may still have changed something it does not show (a registration
+left behind by ``release_owner(0)``, seen only when ``register_owner(0)`` is
+refused). So the no-op letters of a state run together and are then probed,
+and each no-op the spec *accepts* is also run and probed alone (a later no-op
+of the run, ``free_all(0)``, could undo what it changed). A probe failure is
+put on the state itself if a probe call fails there alone, else on the one
+no-op letter it follows. This probes every state reached, once.
+
 **Shortest.** The search goes depth by depth: a failure at depth d is
 reported at once, a probe's failure (the merged path and the probe call that
 fails alone) once every shorter sequence has passed.
 
-**Cost.** Letters that leave the spec state unchanged (errors, no-ops) run
-one after another on one replay of the node's path: each outcome is compared
-at once, everything else when the run ends, and a failure is re-run letter
-by letter on fresh replays to name a shortest sequence. Every other letter
-gets a fresh replay, which reuses the spec's recorded predictions and skips
-the full comparison that path already passed.
+**Cost.** The spec sorts a state's letters first (its prediction is kept
+for the run). Letters that leave the spec state unchanged run one after
+another on one replay of the node's path: each outcome is compared at once,
+everything else when the run ends, and a failure is re-run letter by letter
+on fresh replays to name a shortest sequence. Every other letter, and each
+accepted no-op's probe, gets a fresh replay, which reuses the spec's recorded
+predictions and skips the full comparison that path already passed. On the
+CI profile that is about twice the calls of an alphabet of first bad values
+without no-op probes (tests print the counts as "exhaustive check coverage").
 
 **Budget.** A search may be given a budget of distinct states (memory) and a
 deadline (time). When one runs out the search stops where it is and the
@@ -56,11 +72,12 @@ verdict is then inconclusive, not OK.
 
 Command line (:mod:`~veloxquant_mlx.testing.exhaustive_command`):
 ``veloxquant-mlx exhaustive [--profile ci|nightly] [--depth N] [--scope
-NAME]... [--max-states N] [--time-budget SECONDS] [--json] [--out DIR]``;
+NAME]... [--max-states N] [--time-budget SECONDS] [--factory MODULE:CALLABLE
+| --driver COMMAND] [--json] [--out DIR]``;
 exit status 0 OK, 1 counterexample, 2 bad input, 3 inconclusive, 130 Ctrl-C.
 
 Complexity: O(S x A x D) calls for S distinct states (about x8 per depth),
-A letters (about 60) and depth D; memory O(S). Thread safety: none; each
+A letters (about 100) and depth D; memory O(S). Thread safety: none; each
 :func:`explore` builds its own allocators, one per thread or process.
 """
 
@@ -73,171 +90,51 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one 
         "python -m veloxquant_mlx.testing.exhaustive", "veloxquant_mlx.testing.exhaustive_command"
     )
 
-import json
 import time
-from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError, Lockstep
-from veloxquant_mlx.testing.port import Port
-from veloxquant_mlx.testing.templates import Live, Names, Template, small_scope
-from veloxquant_mlx.testing.traces import Trace, TraceLine, encode_line
-from veloxquant_mlx_spec import model
-from veloxquant_mlx_spec.operations import Allocate, BlockPool, RegisterOwner
-from veloxquant_mlx_spec.table import ArgKind, AsTuple, Handle, declaration_of
-
-OWNERS = (0, 1)
-#: The letter shown for a call of :func:`probe` in a counterexample.
-PROBE_LETTER = "(merge probe)"
-#: Each owner allocates with its own format, so that formats are checked too.
-FORMAT_OF_OWNER = {0: "fp16", 1: "int4"}
-
-
-@dataclass(frozen=True)
-class Scope:
-    """One pool to explore: a name for reports, its config and ``history_len``."""
-
-    name: str
-    config: model.SpecConfig
-    history_len: int
-
-
-SCOPES: tuple[Scope, ...] = (
-    Scope("separate-4", model.SpecConfig(2, 4, separate_kv=True), history_len=2),
-    Scope("shared-4", model.SpecConfig(2, 4, separate_kv=False), history_len=2),
-    Scope("separate-grow-3-to-4", model.SpecConfig(2, 3, True, True, 4), history_len=2),
-    Scope("shared-grow-0-to-3", model.SpecConfig(2, 0, False, True, 3), history_len=2),
+from veloxquant_mlx.commandline.verdicts import Gap
+from veloxquant_mlx.testing.exhaustive_results import Counterexample, Exploration
+from veloxquant_mlx.testing.exhaustive_scope import (
+    FORMAT_OF_OWNER,
+    OWNERS,
+    PROFILE_DEPTHS,
+    SCOPES,
+    Scope,
+    alphabet,
+    canonical_key,
+    default_factory,
+    freed_last,
+    port_scope,
+    probe,
 )
-#: Depth (letters per sequence) of each profile.
-PROFILE_DEPTHS = {"ci": 4, "nightly": 6}
+from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError, Lockstep
+from veloxquant_mlx.testing.port import ALL_CALLS, Port
+from veloxquant_mlx.testing.sides import SpecSide
+from veloxquant_mlx.testing.templates import Names
+from veloxquant_mlx_spec import model
+from veloxquant_mlx_spec.table import Handle
 
+__all__ = [
+    "FORMAT_OF_OWNER",
+    "OWNERS",
+    "PROBE_LETTER",
+    "PROFILE_DEPTHS",
+    "SCOPES",
+    "Counterexample",
+    "Exploration",
+    "Scope",
+    "alphabet",
+    "canonical_key",
+    "default_factory",
+    "explore",
+    "port_scope",
+    "probe",
+]
 
-def port_scope(port: Port, scope: Scope) -> Scope:
-    """``scope`` with a history length ``port``'s factory can be given (its default, if it
-    takes none)."""
-    return replace(scope, history_len=port.history_len_for(scope.history_len))
-
-
-def default_factory(config: PoolConfig, history_len: int) -> BlockPool[Any]:
-    """Our own allocator, the default system under test."""
-    return BlockPoolAllocator(config, history_len=history_len)
-
-
-# ---- the alphabet ------------------------------------------------------------------
-
-
-def _format_follows_owner(template: Template) -> bool:
-    """The exhaustive checker's own rule: owner o allocates with ``FORMAT_OF_OWNER[o]``."""
-    parameters = template.declaration.parameters
-    named = {p.name: a for p, a in zip(parameters, template.arguments, strict=True)}
-    owner, fmt = named.get("owner"), named.get("format")
-    if not (model.is_int(owner) and owner in FORMAT_OF_OWNER):
-        return True  # a bad owner: the call is refused whatever the format
-    return fmt not in FORMAT_OF_OWNER.values() or FORMAT_OF_OWNER[owner] == fmt
-
-
-def alphabet(config: model.SpecConfig) -> tuple[Template, ...]:
-    """Every letter explored on a pool of ``config``, derived from the operation table.
-
-    Every call that changes the pool; queries are left out, since every one the
-    pool answers in a state is compared after each call anyway. Live handles are
-    picked by position (every position a pool of this size can fill, the newest,
-    and the two newest out of order), plus the handle freed last.
-    """
-    max_live = max(config.n_blocks, config.max_blocks or 0)
-    lists: list[tuple[object, ...] | AsTuple] = [(Live(i),) for i in range(max_live)]
-    lists.append((Live(-1), Live(-2)))  # two at once, not in checkout order
-    letters = small_scope(
-        config, handle_names=(Live(0), Live(-1)), list_names=lists, combine=True, queries=False
-    )
-    return tuple(letter for letter in letters if _format_follows_owner(letter))
-
-
-def probe(state: model.PoolState) -> list[object]:
-    """Calls that bring to light what a pool holds but does not show, at ``state``.
-
-    ``register_owner`` of each owner holding nothing (it raises if the owner
-    is registered), then per stream one allocation of every free block, which
-    shows the free-list order and, through ``n_reused``, ``ever_allocated``;
-    the first one also grows the pool to its cap, which shows the retired ids
-    and the next id.
-    """
-    config = state.config
-    room = 0
-    if config.grow_on_exhaustion:
-        n_blocks = model.stats(state).n_blocks
-        room = 1 if config.max_blocks is None else config.max_blocks - n_blocks
-    holding = {view.owner for view in state.handles if view.owner is not None}
-    operations: list[object] = [RegisterOwner(o) for o in OWNERS if o not in holding]
-    for stream, free_list in state.free_lists:
-        n_blocks_wanted, room = len(free_list) + room, 0
-        if n_blocks_wanted:
-            owner = OWNERS[0]
-            n_tokens = n_blocks_wanted * config.block_size
-            operations.append(Allocate(stream, n_tokens, owner, FORMAT_OF_OWNER[owner]))
-    return operations
-
-
-# ---- states and their canonical key ------------------------------------------------
-
-
-def canonical_key(state: model.PoolState, last_freed: model.HandleId | None) -> Hashable:
-    """The dedup key: equal keys mean equal future observations, up to handle renaming.
-
-    The module docstring explains what is kept verbatim and what is abstracted.
-    """
-    live = tuple(view for view in state.handles if view.owner is not None)
-    holding = {view.owner for view in live}
-    frozen_stale = sorted(
-        (view.block_id, view.stream, view.format, view.n_used)
-        for handle, view in enumerate(state.handles)
-        if view.owner is None and handle != last_freed
-    )
-    return (
-        state.free_lists,
-        state.next_block_id,
-        state.ever_allocated,
-        state.retired,
-        state.registered - holding,  # a holder's registration ends with its last block
-        state.counters,
-        state.history,
-        live,
-        None if last_freed is None else state.handles[last_freed],
-        tuple(frozen_stale),
-    )
-
-
-def _listed(operation: object) -> list[object]:
-    """The items of ``operation``'s list-of-handles arguments, in list order."""
-    declaration = declaration_of(operation)
-    items: list[object] = []
-    arguments = declaration.arguments(operation)
-    for parameter, value in zip(declaration.parameters, arguments, strict=True):
-        if parameter.kind is ArgKind.HANDLES and isinstance(value, tuple | AsTuple):
-            items += value.refs if isinstance(value, AsTuple) else value
-    return items
-
-
-def _freed_last(
-    before: model.PoolState,
-    operation: object,
-    after: model.PoolState,
-    names: Sequence[Handle],
-) -> model.HandleId | None:
-    """The handle ``operation`` pushed onto a free list last; None if it freed none.
-
-    A list is pushed in list order; anything else (``free_all``) in allocation order.
-    """
-    freed = [h for h in model.live_handles(before) if after.handles[h].owner is None]
-    serial_of = {name: serial for serial, name in enumerate(names)}
-    listed = [serial_of.get(item) for item in _listed(operation) if isinstance(item, Handle)]
-    pushed = [serial for serial in listed if serial in freed]
-    if pushed:
-        return pushed[-1]
-    return freed[-1] if freed else None
+#: The letter shown for a call of :func:`probe` in a counterexample.
+PROBE_LETTER = "(probe)"
 
 
 #: The spec's prediction for one call: the next state, and the result or ``Err``.
@@ -257,6 +154,13 @@ class _Node:
     operation: object | None  # that letter, made concrete at the parent
     prediction: Prediction | None  # what the spec predicted for that operation
 
+    def spec_side(self) -> SpecSide:
+        """The spec in this state, with its names: predicts a letter without a replay."""
+        side = SpecSide(self.state)
+        side.names = list(self.names)
+        side.serial_of = {name: serial for serial, name in enumerate(self.names)}
+        return side
+
     def picks(self) -> Names:
         """The names the letters pick from here."""
         live = [self.names[serial] for serial in model.live_handles(self.state)]
@@ -264,93 +168,18 @@ class _Node:
         return Names(live=live, issued=self.names, freed_last=freed_last)
 
 
-# ---- results -----------------------------------------------------------------------
-
-
 @dataclass(frozen=True)
-class Counterexample:
-    """A sequence on which the allocator and the spec disagree (a shortest one)."""
+class _Letter:
+    """A letter made concrete at a node, with the spec's prediction for it there."""
 
-    letters: tuple[str, ...]
-    operations: tuple[object, ...]  # replays with a fresh Lockstep, labelled 0, 1, 2...
-    message: str  # the ConformanceError's
-    scope: Scope | None = None  # where it was found
-    #: The lockstep failure itself (what differed, and the calls), when there was one.
-    error: ConformanceError | None = field(default=None, compare=False, repr=False)
+    name: str  # the template, as a report shows it
+    operation: object
+    prediction: Prediction
 
     @property
-    def trace(self) -> Trace:
-        """The sequence as a trace (calls labelled 0, 1, 2...), for ``veloxquant-mlx replay``."""
-        config = self.scope.config if self.scope is not None else model.SpecConfig()
-        pool = PoolConfig(
-            config.block_size,
-            config.n_blocks,
-            config.separate_kv,
-            config.grow_on_exhaustion,
-            config.max_blocks,
-        )
-        history_len = 0 if self.scope is None else self.scope.history_len
-        lines = tuple(TraceLine(op, call) for call, op in enumerate(self.operations))
-        return Trace(pool, lines=lines, history_len=history_len)
-
-    def __str__(self) -> str:
-        steps = [
-            f"\n  {i}: {op!r}" + ("" if letter == repr(op) else f"  # {letter}")
-            for i, (letter, op) in enumerate(zip(self.letters, self.operations, strict=True))
-        ]
-        return f"{len(self.operations)} operations:{''.join(steps)}\n{self.message}"
-
-    def to_json(self) -> dict[str, object]:
-        """JSON-ready values; the calls as trace lines (docs/TRACE_FORMAT.md)."""
-        lines = [json.loads(encode_line(line)) for line in self.trace.lines]
-        return {"letters": list(self.letters), "lines": lines, "message": self.message}
-
-
-@dataclass(frozen=True)
-class Exploration:
-    """The outcome of exploring one scope to one depth."""
-
-    scope: str
-    depth: int
-    states: int  # distinct canonical states within the depth, the initial one included
-    transitions: int  # (state, letter) pairs checked in lockstep
-    merges_probed: int  # transitions into an already seen state, checked with probe()
-    new_states_per_depth: tuple[int, ...]
-    seconds: float
-    counterexample: Counterexample | None
-    gap: Gap | None = None  # what a budget cut off, if one ran out
-
-    @property
-    def verdict(self) -> Verdict:
-        """Violation (a counterexample), inconclusive (a budget ran out) or OK."""
-        gaps = () if self.gap is None else (self.gap,)
-        return verdict_of(violations=self.counterexample is not None, gaps=gaps)
-
-    def summary(self) -> str:
-        """One line: scope, depth, states, transitions, time and verdict."""
-        verdict = "COUNTEREXAMPLE" if self.counterexample is not None else self.verdict.label
-        cut = "" if self.gap is None or self.counterexample is not None else f" ({self.gap})"
-        return (
-            f"{self.scope}: depth {self.depth}, {self.states} distinct states, "
-            f"{self.transitions} transitions, {self.merges_probed} merges probed, "
-            f"{self.seconds:.1f}s, {verdict}{cut}"
-        )
-
-    def to_json(self) -> dict[str, object]:
-        """JSON-ready values."""
-        found = self.counterexample
-        return {
-            "scope": self.scope,
-            "depth": self.depth,
-            "states": self.states,
-            "transitions": self.transitions,
-            "merges_probed": self.merges_probed,
-            "new_states_per_depth": list(self.new_states_per_depth),
-            "seconds": round(self.seconds, 3),
-            "verdict": self.verdict.value,
-            "not_checked": None if self.gap is None else self.gap.to_json(),
-            "counterexample": None if found is None else found.to_json(),
-        }
+    def step(self) -> tuple[str, object]:
+        """The letter as one step of a run: its name and its operation."""
+        return self.name, self.operation
 
 
 # ---- the search --------------------------------------------------------------------
@@ -398,12 +227,16 @@ class _Explorer:
         if isinstance(initial, model.Err):
             raise ValueError(f"scope {scope.name!r} is rejected by the spec: {initial}")
         self.scope = scope
-        self.factory = factory
+        # A bare factory offers every call; made a Port once, not once per replay.
+        self.factory = (
+            factory if isinstance(factory, Port) else Port(factory, capabilities=ALL_CALLS)
+        )
         self.letters = alphabet(scope.config)
         self.nodes = [_Node(initial, (), None, 0, -1, "", None, None)]
         self.seen = {canonical_key(initial, None)}
         self.transitions = 0
         self.merges_probed = 0
+        self.no_op_runs_probed = 0  # states whose no-op letters were run and then probed
         self.new_states_per_depth: list[int] = []
         self.probe_failure: Counterexample | None = None  # the first merge probe that failed
         self.max_states = max_states
@@ -450,62 +283,105 @@ class _Explorer:
         return lockstep
 
     def expand(self, index: int) -> list[int] | Counterexample:
-        """Check every letter at node ``index``; return the new nodes, or a counterexample."""
+        """Check every letter at node ``index``; return the new nodes, or a counterexample.
+
+        The spec sorts the letters first: each one that changes the state runs on a
+        fresh replay of the path; those it treats as no-ops run together on one, and
+        are then probed (:meth:`_check_no_ops`).
+        """
         node = self.nodes[index]
-        picks = node.picks()
-        lockstep: _ReplayLockstep | None = None
-        run: list[tuple[str, object]] = []  # applied to ``lockstep`` since its replay
+        picks, spec = node.picks(), node.spec_side()
+        no_ops: list[_Letter] = []
         new: list[int] = []
-        for letter in self.letters:
-            operation = letter.build(picks)
+        for template in self.letters:
+            operation = template.build(picks)
             if operation is None:
                 continue
+            prediction = spec.predict(operation)
+            letter = _Letter(repr(template), operation, prediction)
+            if prediction[0] is node.state or prediction[0] == node.state:
+                no_ops.append(letter)
+                continue
+            outcome = self._follow(index, letter)
+            if isinstance(outcome, Counterexample):
+                return outcome
+            if outcome is not None:
+                new.append(outcome)
+        found = self._check_no_ops(index, no_ops)
+        if found is not None:
+            return found
+        # A call the spec accepts as a no-op is probed alone too: a later no-op of the
+        # run could undo what it changed unseen (free_all(0) clears the registration that
+        # a release_owner(0) left behind).
+        for letter in no_ops:
+            if not isinstance(letter.prediction[1], model.Err):
+                found = self._probe_accepted_no_op(index, letter)
+                if found is not None:
+                    return found
+        return new
+
+    def _follow(self, index: int, letter: _Letter) -> int | Counterexample | None:
+        """Run one letter that changes the state; the new node, a counterexample, or None
+        (a merge, or a failure told to ``on_failure``)."""
+        lockstep: _ReplayLockstep | None = None
+        try:
+            lockstep = self.replay(index)
+            lockstep.script.append(letter.prediction)
+            lockstep.apply(letter.operation)
+            self.transitions += 1
+        except ConformanceError as error:
+            found = self._counterexample(index, [letter.step], lockstep, error)
+            return self._told(found)
+        child = self._add_child(index, letter.name, letter.operation, letter.prediction)
+        if child is None and self.probe_failure is None:
+            self._probe(index, letter.name, letter.operation, lockstep)
+            if self.on_failure is not None and self.probe_failure is not None:
+                self.on_failure(self.probe_failure)
+                self.probe_failure = None
+        return child
+
+    def _told(self, found: Counterexample) -> Counterexample | None:
+        """``found``, or None once it is told to ``on_failure`` (the search goes on)."""
+        if self.on_failure is None:
+            return found
+        self.on_failure(found)
+        return None
+
+    def _check_no_ops(self, index: int, no_ops: list[_Letter]) -> Counterexample | None:
+        """Run the letters the spec treats as no-ops one after another, then probe.
+
+        Each outcome is compared at once, everything else after the last; then
+        :func:`probe` looks for what they may have changed unseen (a registration,
+        a free-list order). After a failure told to ``on_failure``, the letters
+        left go on from a fresh replay.
+        """
+        pending = list(no_ops)
+        while pending:
+            lockstep: _ReplayLockstep | None = None
+            run: list[tuple[str, object]] = []
             try:
-                if lockstep is None:
-                    lockstep, run = self.replay(index), []
-                run.append((repr(letter), operation))
-                lockstep.checking = False  # the outcome is still compared
-                lockstep.apply(operation)
-                self.transitions += 1
-                if lockstep.state == node.state:
-                    continue
+                lockstep = self.replay(index)
+                lockstep.checking = False  # outcomes are still compared
+                for letter in pending:
+                    run.append(letter.step)
+                    lockstep.script.append(letter.prediction)
+                    lockstep.apply(letter.operation)
+                    self.transitions += 1
                 lockstep.checking = True
-                lockstep.compare_observations()  # also covers the unchanged run before it
+                lockstep.compare_observations()
             except ConformanceError as error:
                 found = self._counterexample(index, run, lockstep, error)
-                if self.on_failure is None:
+                if self._told(found) is not None:
                     return found
-                self.on_failure(found)
-                lockstep = None
+                pending = pending[len(run) :]
                 continue
-            child = self._add_child(index, repr(letter), operation, lockstep.last_prediction)
-            if child is not None:
-                new.append(child)
-            elif self.probe_failure is None:
-                self._probe(index, repr(letter), operation, lockstep)
+            if self.probe_failure is None:
+                self._probe_no_ops(index, run, lockstep)
                 if self.on_failure is not None and self.probe_failure is not None:
                     self.on_failure(self.probe_failure)
                     self.probe_failure = None
-            lockstep = None  # the next letter starts from this node's state again
-        return new if lockstep is None else self._check_run(index, run, lockstep, new)
-
-    def _check_run(
-        self,
-        index: int,
-        run: list[tuple[str, object]],
-        lockstep: _ReplayLockstep,
-        new: list[int],
-    ) -> list[int] | Counterexample:
-        """Compare everything after a final run of letters that changed nothing."""
-        try:
-            lockstep.checking = True
-            lockstep.compare_observations()
-        except ConformanceError as error:
-            found = self._counterexample(index, run, lockstep, error)
-            if self.on_failure is None:
-                return found
-            self.on_failure(found)
-        return new
+            return None
+        return None
 
     def _add_child(
         self, parent: int, letter: str, operation: object, prediction: Prediction | None
@@ -513,7 +389,7 @@ class _Explorer:
         """Record the state ``operation`` led to; None if its key was seen (a merge)."""
         assert prediction is not None, "the spec predicted the operation just applied"
         before, state = self.nodes[parent], prediction[0]
-        last_freed = _freed_last(before.state, operation, state, before.names)
+        last_freed = freed_last(before.state, operation, state, before.names)
         last_freed = before.last_freed if last_freed is None else last_freed
         key = canonical_key(state, last_freed)
         if key in self.seen:
@@ -543,6 +419,67 @@ class _Explorer:
                     index, letter, operation, calls[: position + 1], error
                 )
                 return
+
+    def _probe_accepted_no_op(self, index: int, letter: _Letter) -> Counterexample | None:
+        """Replay, run ``letter`` (its outcome compared) and :func:`probe` after it."""
+        if self.probe_failure is not None and self.on_failure is None:
+            return None  # a probe already failed; a shorter one cannot come from here
+        lockstep: _ReplayLockstep | None = None
+        try:
+            lockstep = self.replay(index)
+            lockstep.checking = False  # the run compared the rest; the probe compares it again
+            lockstep.script.append(letter.prediction)
+            lockstep.apply(letter.operation)
+        except ConformanceError as error:
+            return self._told(self._counterexample(index, [letter.step], lockstep, error))
+        self._probe_no_ops(index, [letter.step], lockstep)
+        if self.on_failure is not None and self.probe_failure is not None:
+            self.on_failure(self.probe_failure)
+            self.probe_failure = None
+        return None
+
+    def _probe_no_ops(
+        self, index: int, run: list[tuple[str, object]], lockstep: _ReplayLockstep
+    ) -> None:
+        """Run :func:`probe` after the no-op letters ``run``; keep its failure, if any.
+
+        The spec state is the node's, so the probe is the node's too. A failure is
+        put on the node itself if a probe call fails there alone, else on the first
+        no-op letter that a probe call fails after alone, else on the whole run.
+        """
+        self.no_op_runs_probed += 1
+        calls = probe(lockstep.state)
+        for position, call in enumerate(calls):
+            try:
+                lockstep.checking = position == len(calls) - 1
+                lockstep.apply(call)
+            except ConformanceError as error:
+                failing = calls[: position + 1]
+                self.probe_failure = self._no_op_culprit(index, run, failing, error)
+                return
+
+    def _no_op_culprit(
+        self,
+        index: int,
+        run: list[tuple[str, object]],
+        calls: list[object],
+        error: ConformanceError,
+    ) -> Counterexample:
+        """The shortest of: a probe call alone, one no-op letter and a probe call, all."""
+        for prefix in ([], *([step] for step in run)):
+            for call in calls:
+                try:
+                    fresh = self.replay(index)
+                    for _, operation in prefix:
+                        fresh.apply(operation)
+                    fresh.apply(call)
+                except ConformanceError as alone:
+                    letters = [name for name, _ in prefix] + [PROBE_LETTER]
+                    operations = [operation for _, operation in prefix] + [call]
+                    return self._after_path(index, letters, operations, str(alone), alone)
+        letters = [name for name, _ in run] + [PROBE_LETTER] * len(calls)
+        operations = [operation for _, operation in run] + calls
+        return self._after_path(index, letters, operations, str(error), error)
 
     def _probe_counterexample(
         self,
@@ -628,7 +565,9 @@ class _Explorer:
                 progress(
                     f"{self.scope.name}: depth {level}: {len(layer)} new states, "
                     f"{len(self.seen)} states, {self.transitions} transitions, "
-                    f"{self.merges_probed} merges probed, {time.perf_counter() - start:.1f}s"
+                    f"{self.merges_probed} merges probed, "
+                    f"{self.no_op_runs_probed} no-op runs probed, "
+                    f"{time.perf_counter() - start:.1f}s"
                 )
             found = self.probe_failure
             if found is not None and len(found.operations) <= level + 1:
@@ -674,6 +613,7 @@ def explore(
         states=len(explorer.seen),
         transitions=explorer.transitions,
         merges_probed=explorer.merges_probed,
+        no_op_runs_probed=explorer.no_op_runs_probed,
         new_states_per_depth=tuple(explorer.new_states_per_depth),
         seconds=time.perf_counter() - start,
         counterexample=counterexample,

@@ -6,7 +6,12 @@ to the profile's depth (or ``--depth``), printing one summary line per scope
 ``--out DIR``, each counterexample is also written there as a trace
 (``counterexample-SCOPE.jsonl``), which ``veloxquant-mlx replay`` replays.
 ``--factory module:callable`` checks a port instead of our allocator
-(docs/CONFORMANCE_KIT.md gives the factory contract).
+(docs/CONFORMANCE_KIT.md gives the factory contract); ``--driver COMMAND``
+one in any language, served by the driver that command starts (split as a
+shell would, not run by one; docs/DRIVER_PROTOCOL.md). A driver that cannot
+start or says no hello is bad input; so is one that dies, writes junk or
+answers late mid-run: the scopes printed before stand, the line names the
+request and the scope, and no verdict is given.
 
 Budgets: ``--max-states`` bounds each scope's distinct states (the memory:
 about :data:`BYTES_PER_STATE` each; a value that cannot fit in this
@@ -29,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -36,6 +42,7 @@ from pathlib import Path
 from typing import Final
 
 from veloxquant_mlx.commandline.bad_input import (
+    BadInputError,
     memory_note,
     physical_memory_bytes,
     require_fits_in_memory,
@@ -44,6 +51,7 @@ from veloxquant_mlx.commandline.files import atomic_write_text, out_dir_argument
 from veloxquant_mlx.commandline.sizes import PROCESS_BYTES
 from veloxquant_mlx.commandline.values import finite_float, int_at_least
 from veloxquant_mlx.commandline.verdicts import combined
+from veloxquant_mlx.testing.driven import DriverFailure, driven_port
 from veloxquant_mlx.testing.exhaustive import (
     PROFILE_DEPTHS,
     SCOPES,
@@ -52,7 +60,7 @@ from veloxquant_mlx.testing.exhaustive import (
     explore,
     port_scope,
 )
-from veloxquant_mlx.testing.port import Port, factory_from_text
+from veloxquant_mlx.testing.port import Port, port_argument
 from veloxquant_mlx.testing.traces import dumps
 
 __all__ = [
@@ -115,12 +123,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="stop (inconclusive) after this long, all scopes together (default: the profile's)",
     )
-    parser.add_argument(
+    port = parser.add_mutually_exclusive_group()
+    port.add_argument(
         "--factory",
-        type=_factory,
+        type=port_argument,
         metavar="MODULE:CALLABLE",
         help="check this pool instead of ours: a factory taking a config "
         "(docs/CONFORMANCE_KIT.md); MODULE is imported from the current directory",
+    )
+    port.add_argument(
+        "--driver",
+        type=_command_line,
+        metavar="COMMAND",
+        help="check the pool this command serves over the driver protocol "
+        "(docs/DRIVER_PROTOCOL.md; a port in any language), e.g. 'veloxquant-mlx driver'",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
@@ -131,11 +147,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _factory(text: str) -> Port:
+def _command_line(text: str) -> list[str]:
     try:
-        return factory_from_text(text)
+        words = shlex.split(text)
     except ValueError as error:
-        raise argparse.ArgumentTypeError(str(error)) from None
+        raise argparse.ArgumentTypeError(f"cannot split {text!r} into words: {error}") from None
+    if not words:
+        raise argparse.ArgumentTypeError(f"expected a command line, got {text!r}")
+    return words
 
 
 def validate(args: argparse.Namespace) -> str | None:
@@ -167,6 +186,7 @@ def _is_counterexample(name: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Explore the chosen scopes; the exit status (module docstring)."""
+    port = _port(args)  # first: a driver that cannot start leaves nothing written
     if args.out is not None:
         prepare_out_dir(args.out, force=args.force, is_run_file=_is_counterexample)
     depth: int = PROFILE_DEPTHS[args.profile] if args.depth is None else args.depth
@@ -184,28 +204,58 @@ def run(args: argparse.Namespace) -> int:
         flush=True,
     )
     deadline = time.monotonic() + seconds
+    results = _explore_scopes(args, port, depth, max_states, deadline)
+    if args.json:
+        print(json.dumps([result.to_json() for result in results], indent=2))
+    return combined(result.verdict for result in results).exit_status
+
+
+def _port(args: argparse.Namespace) -> Port | None:
+    """The port ``--factory`` or ``--driver`` names (the driver started); ``None``: ours.
+
+    Raises:
+        BadInputError: The driver did not start, or did not say the protocol's hello.
+    """
+    if args.driver is None:
+        port: Port | None = args.factory
+        return port
+    try:
+        return driven_port(args.driver, name=shlex.join(args.driver))
+    except DriverFailure as failure:
+        raise BadInputError(str(failure)) from None
+
+
+def _explore_scopes(
+    args: argparse.Namespace, port: Port | None, depth: int, max_states: int, deadline: float
+) -> list[Exploration]:
+    """Explore each chosen scope in turn, printing its lines unless ``--json``.
+
+    Raises:
+        BadInputError: A driver broke the protocol (died, wrote junk, answered late);
+            the scopes printed before stand, and no verdict is given.
+    """
     results: list[Exploration] = []
     for scope in SCOPES:
         if args.scope is not None and scope.name not in args.scope:
             continue
-        port: Port | None = args.factory
-        result = explore(
-            scope if port is None else port_scope(port, scope),
-            depth,
-            port or default_factory,
-            progress=lambda line: print(line, file=sys.stderr, flush=True),
-            max_states=max_states,
-            deadline=deadline,
-        )
+        try:
+            result = explore(
+                scope if port is None else port_scope(port, scope),
+                depth,
+                port or default_factory,
+                progress=lambda line: print(line, file=sys.stderr, flush=True),
+                max_states=max_states,
+                deadline=deadline,
+            )
+        except DriverFailure as failure:
+            raise BadInputError(f"{failure} (exploring {scope.name})") from None
         results.append(result)
         _save(result, scope.name, args.out)
         if not args.json:
             print(result.summary(), flush=True)
             if result.counterexample is not None:
                 print(result.counterexample, flush=True)
-    if args.json:
-        print(json.dumps([result.to_json() for result in results], indent=2))
-    return combined(result.verdict for result in results).exit_status
+    return results
 
 
 def _save(result: Exploration, scope: str, folder: Path | None) -> None:

@@ -24,6 +24,7 @@ signature inspection per port. Thread safety: immutable.
 
 from __future__ import annotations
 
+import argparse
 import importlib
 import inspect
 import os
@@ -46,6 +47,7 @@ __all__ = [
     "Port",
     "as_port",
     "factory_from_text",
+    "port_argument",
 ]
 
 #: Every call of the table: what our allocator offers.
@@ -234,6 +236,18 @@ def factory_from_text(text: str) -> Port:
     if not callable(target):
         raise ValueError(f"{text!r} is not callable")
     return as_port(target)
+
+
+def port_argument(text: str) -> Port:
+    """:func:`factory_from_text` as an argparse ``type``: a command's ``--factory`` option.
+
+    Raises:
+        argparse.ArgumentTypeError: What :func:`factory_from_text` refused, in one line.
+    """
+    try:
+        return factory_from_text(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def as_port(

@@ -31,6 +31,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import replace
 from typing import Any, Final
 
+from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.testing.findings import Finding, finding_from_error
 from veloxquant_mlx.testing.lockstep import Check, ConformanceError, Lockstep
 from veloxquant_mlx.testing.port import DEFAULT_HISTORY_LEN, Port
@@ -361,9 +362,10 @@ def check_default_history(port: Port) -> list[Finding]:
     def default_length(pool_config: Any, history_len: int) -> Any:
         return port.build(pool_config)  # the factory's own default
 
-    lockstep = Lockstep(
-        replace(port, factory=default_length), config, DEFAULT_HISTORY_LEN, check=Check.OUTCOMES
-    )
+    # The adapter hands port.build a config with the five fields as attributes, whatever
+    # the port's config_class (None gives plain values, which build cannot read).
+    adapter = replace(port, factory=default_length, config_class=PoolConfig)
+    lockstep = Lockstep(adapter, config, DEFAULT_HISTORY_LEN, check=Check.OUTCOMES)
     try:
         for _ in range(rounds):
             lockstep.apply(Allocate("k", 1, 0))

@@ -16,8 +16,8 @@ the declarations, with no per-call code:
   no block at all; for lists: the empty list, one handle twice, not a list);
 - a query the lockstep runner does not already observe after every step:
   one call, with the first values; and every query gets the edge handles;
-- every call: each value argument's first bad value (or only the first
-  argument's), the others as first.
+- every call: each value argument's first bad value, or all of them, wrong
+  types included (or only the first argument's), the others as first.
 
 Complexity: O(declarations x small values^arguments) at construction.
 Thread safety: immutable values.
@@ -146,16 +146,23 @@ class Template:
         return self.declaration.op(*built)
 
 
-def edge_picks(kind: ArgKind, first: object, stale: Pick | None) -> tuple[object, ...]:
+def edge_picks(
+    kind: ArgKind, first: object, stale: Pick | None, *, junk_after_live: bool = False
+) -> tuple[object, ...]:
     """The handle arguments that are no single live name: what a pool must refuse or ignore.
 
     ``first`` is the pick of a live handle, ``stale`` that of a freed one (``None``: none).
+    With ``junk_after_live``, a list also gets each single edge handle after ``first``
+    (a live handle, then a stale, foreign, hand-made or non-block item): a pool that
+    checks items as it frees them frees the live one before it refuses the list.
     """
+    refs: tuple[Pick, ...] = (ForeignBlock(None), ForeignBlock(0), NotABlock())
+    refs = refs if stale is None else (stale, *refs)
     if kind is ArgKind.HANDLE:
-        refs: tuple[Pick, ...] = (ForeignBlock(None), ForeignBlock(0), NotABlock())
-        return refs if stale is None else (stale, *refs)
+        return refs
     lists: tuple[object, ...] = ((first, first), (), NotAList())
-    return lists if stale is None else (lists[0], (stale,), *lists[1:])
+    lists = lists if stale is None else (lists[0], (stale,), *lists[1:])
+    return (*lists, *((first, ref) for ref in refs)) if junk_after_live else lists
 
 
 def _observed(config: model.SpecConfig) -> set[str]:
@@ -173,6 +180,8 @@ def small_scope(
     stale: Pick | None = FreedLast(),
     every_bad_argument: bool = True,
     vary_values: Callable[[Declaration], bool] | None = None,
+    every_bad_value: bool = False,
+    junk_after_live: bool = False,
 ) -> list[Template]:
     """Every template of the table for ``config`` (module docstring).
 
@@ -187,6 +196,8 @@ def small_scope(
         every_bad_argument: A bad value for each value argument; else for the first only.
         vary_values: Which calls try more than their first value arguments (default: all);
             a call's handle arguments always take every pick.
+        every_bad_value: Every bad value of the domain (wrong types too), else its first.
+        junk_after_live: Lists also hold an edge handle after a live one (:func:`edge_picks`).
 
     Returns:
         The templates: every call's valid ones first, then the edge handles, then the
@@ -215,8 +226,9 @@ def small_scope(
             main += [Template(declaration, arguments) for arguments in valid]
         elif declaration.name not in observed:
             main.append(Template(declaration, tuple(firsts)))
-        edges += _edges(declaration, firsts, handle_names[0], stale)
-        bad += _bad_values(declaration, firsts, config)[: None if every_bad_argument else 1]
+        edges += _edges(declaration, firsts, handle_names[0], stale, junk_after_live)
+        values = _bad_values(declaration, firsts, config, every_bad_value)
+        bad += values if every_bad_argument else values[:1]
     return _distinct([*main, *edges, *bad])
 
 
@@ -234,25 +246,32 @@ def _one_at_a_time(
 
 
 def _edges(
-    declaration: Declaration, firsts: list[object], first: object, stale: Pick | None
+    declaration: Declaration,
+    firsts: list[object],
+    first: object,
+    stale: Pick | None,
+    junk_after_live: bool,
 ) -> list[Template]:
     edges = []
     for position, parameter in enumerate(declaration.parameters):
         if parameter.kind is not ArgKind.VALUE:
-            for edge in edge_picks(parameter.kind, first, stale):
+            for edge in edge_picks(parameter.kind, first, stale, junk_after_live=junk_after_live):
                 arguments = (*firsts[:position], edge, *firsts[position + 1 :])
                 edges.append(Template(declaration, arguments))
     return edges
 
 
 def _bad_values(
-    declaration: Declaration, firsts: list[object], config: model.SpecConfig
+    declaration: Declaration, firsts: list[object], config: model.SpecConfig, every: bool
 ) -> list[Template]:
+    """Per value argument (the others as first) its first bad value, or with ``every`` all."""
     bad = []
     for position, parameter in enumerate(declaration.parameters):
         if parameter.kind is ArgKind.VALUE:
-            value = declaration.domains[parameter.name].bad(config)[0]
-            bad.append(Template(declaration, (*firsts[:position], value, *firsts[position + 1 :])))
+            values = declaration.domains[parameter.name].bad(config)
+            for value in values if every else values[:1]:
+                arguments = (*firsts[:position], value, *firsts[position + 1 :])
+                bad.append(Template(declaration, arguments))
     return bad
 
 

@@ -1,0 +1,135 @@
+"""The JSON-lines driver: the kit and the exhaustive checker drive a port in another process.
+
+Our own pool, served by ``veloxquant-mlx driver`` (``python -m
+veloxquant_mlx.testing.driver``), passes the whole kit and the exhaustive
+command through the protocol; a planted deviation served the same way is
+found by both, and allowed by the kit's allow-list. A driver that dies,
+writes junk or answers late ends the run with one ``DriverFailure`` naming
+the driver, never a hang; on the command line, one line and status 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from veloxquant_mlx import cli
+from veloxquant_mlx.testing.driven import DriverFailure, DriverProcess, driven_port
+from veloxquant_mlx.testing.driver import PROTOCOL, PROTOCOL_VERSION
+from veloxquant_mlx.testing.exhaustive import SCOPES, explore
+from veloxquant_mlx.testing.report import conformance_report
+
+DRIVER = [sys.executable, "-m", "veloxquant_mlx.testing.driver"]
+#: The subcommand's form, serving a pool with a planted bug (tests/planted_bugs.py).
+PLANTED = [sys.executable, "-m", "veloxquant_mlx", "driver", "--factory"]
+SEPARATE_4 = next(scope for scope in SCOPES if scope.name == "separate-4")
+HELLO = json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "calls": []})
+
+
+@pytest.mark.slow
+def test_our_pool_passes_the_whole_kit_through_the_driver() -> None:
+    report = conformance_report(driven_port(DRIVER), depth=2, examples=20, time_budget=60)
+    assert report.conforms, report.render()
+
+
+def test_the_exhaustive_checker_drives_a_port_through_the_driver() -> None:
+    result = explore(SCOPES[1], 2, driven_port(DRIVER))
+    assert result.counterexample is None, str(result.counterexample)
+    assert result.states > 10
+
+
+def test_a_port_error_comes_back_as_its_contract_class() -> None:
+    port = driven_port(DRIVER)
+    pool = port.build(SCOPES[1].config, 2)
+    with pytest.raises(ValueError, match="not a live handle") as raised:
+        pool.free(["not a block"])
+    assert type(raised.value).__name__ == "InvalidFreeError"
+
+
+def _fake(script: str) -> list[str]:
+    return [sys.executable, "-c", script]
+
+
+@pytest.mark.parametrize(
+    ("script", "said"),
+    [
+        (f"print({HELLO!r}, flush=True)", "exited \\(status 0\\) before the response"),
+        (f"print({HELLO!r}, flush=True); input(); print('oops', flush=True)", "not a JSON object"),
+        (f"import time; print({HELLO!r}, flush=True); time.sleep(30)", "no answer within 0.5 s"),
+        ("print('{}', flush=True)", "its hello is {}"),
+    ],
+    ids=["dies", "junk", "late", "no-hello"],
+)
+def test_a_broken_driver_is_one_clear_failure(script: str, said: str) -> None:
+    with pytest.raises(DriverFailure, match=said):
+        DriverProcess(_fake(script), timeout=0.5).request("pool", config={})
+
+
+@pytest.fixture
+def in_tests(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run from tests/, so that a driver (started here) imports ``planted_bugs``."""
+    monkeypatch.chdir(Path(__file__).parent)
+
+
+def _exhaustive(*driver: str) -> int:
+    return cli.main(
+        ["exhaustive", "--driver", shlex.join(driver), "--depth", "2", "--scope", SEPARATE_4.name]
+    )
+
+
+@pytest.mark.usefixtures("in_tests")
+def test_the_exhaustive_command_finds_a_planted_deviation_through_a_driver(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _exhaustive(*PLANTED, "planted_bugs:FreeCountsBlocks") == 1
+    out = capsys.readouterr().out
+    assert "separate-4: depth 2," in out and "COUNTEREXAMPLE" in out
+    assert "\n2 operations:\n  0: Allocate(stream='k', n_tokens=3, owner=0" in out
+    assert "(stats.n_frees is 2; the spec predicts 1)" in out
+
+
+def test_the_exhaustive_command_passes_our_pool_through_its_driver(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _exhaustive(*DRIVER) == 0
+    assert "separate-4: depth 2," in capsys.readouterr().out
+
+
+def test_a_driver_that_dies_mid_run_ends_the_command_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "crashing.py").write_text(
+        "import os, sys\n"
+        "from veloxquant_mlx.memory.block_pool import BlockPoolAllocator\n"
+        "class Crashing(BlockPoolAllocator):\n"
+        "    def shrink(self, stream, target_free):\n"
+        "        print('shrink crashed', file=sys.stderr, flush=True)\n"
+        "        os._exit(3)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert _exhaustive(*DRIVER, "--factory", "crashing:Crashing") == 2
+    [line] = capsys.readouterr().err.splitlines()[-1:]
+    assert "veloxquant-mlx exhaustive: error: driver " in line
+    assert "it exited (status 3) before the response to" in line
+    assert line.endswith("its stderr ends: shrink crashed (exploring separate-4)")
+
+
+@pytest.mark.usefixtures("in_tests")
+def test_the_kit_finds_a_planted_deviation_through_a_driver_and_allows_it() -> None:
+    port = driven_port([*PLANTED, "planted_bugs:FreeCountsBlocks"])
+    report_on = functools.partial(
+        conformance_report, port, depth=2, scopes=[SEPARATE_4], examples=0
+    )
+    report = report_on()
+    assert [(f.rule, f.call, f.field, len(f.calls)) for f in report.findings] == [
+        ("C-COUNTERS-NFREES", "free", "stats.n_frees", 2)
+    ]
+    assert "    pool.free([b0[1], b0[0]])" in report.render()
+    allowed = report_on(allow={"C-COUNTERS-NFREES": "planted"})
+    assert allowed.conforms, allowed.render()
+    assert [(f.rule, why) for f, why in allowed.expected] == [("C-COUNTERS-NFREES", "planted")]

@@ -1,0 +1,148 @@
+"""The driver for our own pool: the JSON-lines protocol of docs/DRIVER_PROTOCOL.md, served.
+
+``veloxquant-mlx driver [--factory module:callable]`` (also ``python -m
+veloxquant_mlx.testing.driver``; :mod:`~veloxquant_mlx.testing.driver_command`)
+reads one request per line on stdin and writes one response per line on
+stdout, after a hello line (:func:`serve_lines`). It serves any Python port
+the factory contract takes (docs/CONFORMANCE_KIT.md; default: our
+``BlockPoolAllocator``): a port in another language ships its own driver
+that speaks the same lines, and the kit drives it through
+:mod:`~veloxquant_mlx.testing.driven`.
+
+Nothing here knows one call from another: a request names an attribute of
+an object the driver handed out (a pool, a block, a stats snapshot) by its
+opaque ``ref``, and the names a pool offers are the operation table's
+(:func:`~veloxquant_mlx_spec.table.declarations`). Objects are kept per
+pool and dropped with it (``"drop"``).
+
+Complexity: O(size of the request) per line, plus the call. Thread safety:
+one thread serves one stream of requests, in order.
+"""
+
+from __future__ import annotations
+
+if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one line too
+    from veloxquant_mlx.commandline.sigint import run_program
+
+    run_program("python -m veloxquant_mlx.testing.driver", "veloxquant_mlx.testing.driver_command")
+
+import json
+from collections.abc import Sequence
+from typing import IO, Any, Final
+
+from veloxquant_mlx.testing.port import ERROR_NAMES, Port
+
+__all__ = ["PROTOCOL", "PROTOCOL_VERSION", "Driver", "serve_lines"]
+
+PROTOCOL: Final = "veloxquant-mlx-driver"
+PROTOCOL_VERSION: Final = 1
+#: Values sent as they are (JSON's own); anything else is an object, sent as a ref.
+_PLAIN: Final = (bool, int, float, str, type(None))
+#: Error classes a response may name: the contract's, then the built-ins the contract uses.
+_ERROR_CLASSES: Final = (*ERROR_NAMES, "TypeError", "ValueError", "AssertionError")
+
+
+class Driver:
+    """Serves requests on one port; ``objects`` holds every object handed out, by ref.
+
+    Invariant: ``objects[ref]`` is the object a response named ``ref``, until the pool
+    it belongs to (``owner_of[ref]``) is dropped.
+    """
+
+    def __init__(self, port: Port) -> None:
+        self.port = port
+        self.objects: dict[int, object] = {}
+        self.owner_of: dict[int, int] = {}  # ref -> the ref of the pool it came from
+        self.ref_of: dict[int, int] = {}  # id(object) -> its ref: one object, one ref
+        self._next_ref = 1
+
+    def hello(self) -> dict[str, object]:
+        """The first line: protocol, version and the calls this port offers."""
+        offered = sorted(self.port.offered)
+        return {"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "calls": offered}
+
+    def _ref(self, value: object, pool: int) -> int:
+        known = self.ref_of.get(id(value))
+        if known is not None:
+            return known
+        ref, self._next_ref = self._next_ref, self._next_ref + 1
+        self.objects[ref] = value
+        self.owner_of[ref] = pool or ref
+        self.ref_of[id(value)] = ref
+        return ref
+
+    def encode(self, value: object, pool: int) -> object:
+        """A result as JSON: plain values as they are, lists as lists, objects as refs."""
+        if isinstance(value, _PLAIN):
+            return value
+        if isinstance(value, Sequence):  # a list, or a history view: its items, in order
+            return [self.encode(item, pool) for item in value]
+        return {"ref": self._ref(value, pool)}
+
+    def decode(self, value: object) -> object:
+        """An argument from JSON: refs to their objects; ``tuple``/``bytes`` wrappers undone."""
+        if isinstance(value, list):
+            return [self.decode(item) for item in value]
+        if isinstance(value, dict):
+            if "ref" in value:
+                return self.objects[value["ref"]]
+            if "tuple" in value:
+                return tuple(self.decode(item) for item in value["tuple"])
+            if "bytes" in value:
+                return bytes.fromhex(value["bytes"])
+        return value
+
+    def serve(self, request: dict[str, Any]) -> object:
+        """The result of one request (see docs/DRIVER_PROTOCOL.md)."""
+        op = request["op"]
+        if op == "pool":
+            config = self.port.make_config(**request["config"])
+            made = self.port.build(config, request.get("history_len"))
+            return {"ref": self._ref(made, 0)}
+        if op == "block":
+            ref = self._ref(self.port.block_class(request["block_id"]), 0)
+            return {"ref": ref}
+        if op == "drop":
+            dropped = request["ref"]
+            for ref in [r for r, owner in self.owner_of.items() if owner == dropped]:
+                del self.ref_of[id(self.objects.pop(ref))], self.owner_of[ref]
+            return None
+        target, pool = self.objects[request["on"]], self.owner_of[request["on"]]
+        if op == "get":
+            value = getattr(target, request["name"])
+            if callable(value) and not isinstance(value, _PLAIN):
+                return {"callable": True}  # a method: called with "call"
+            return self.encode(value, pool)
+        if op == "call":
+            arguments = [self.decode(argument) for argument in request.get("args", [])]
+            return self.encode(getattr(target, request["name"])(*arguments), pool)
+        raise ValueError(f"unknown op {op!r}; expected pool, block, drop, get or call")
+
+    def respond(self, line: str) -> dict[str, object]:
+        """The response to one request line; a port's error is named by its contract class."""
+        request = json.loads(line)
+        answer: dict[str, object] = {"id": request.get("id")}
+        try:
+            answer["result"] = self.serve(request)
+        except Exception as error:  # every error is an answer; the kit compares its class
+            answer["error"] = {"class": _contract_name(error), "message": str(error)}
+        return answer
+
+
+def _contract_name(error: BaseException) -> str:
+    """The first class in ``error``'s MRO that the protocol names (else its own name)."""
+    for cls in type(error).__mro__:
+        if cls.__name__ in _ERROR_CLASSES:
+            return cls.__name__
+    return type(error).__name__
+
+
+def serve_lines(port: Port, lines: IO[str], out: IO[str]) -> None:
+    """Serve ``lines`` until they end: the hello, then one response per request."""
+    driver = Driver(port)
+    out.write(json.dumps(driver.hello()) + "\n")
+    out.flush()
+    for line in lines:
+        if line.strip():
+            out.write(json.dumps(driver.respond(line)) + "\n")
+            out.flush()
