@@ -404,21 +404,11 @@ class _Explorer:
         return len(self.nodes) - 1
 
     def _probe(self, index: int, letter: str, operation: object, lockstep: _ReplayLockstep) -> None:
-        """Run :func:`probe` on a path that is merged away; keep its failure, if any.
-
-        Outcomes are compared call by call, everything else after the last call.
-        """
+        """Run :func:`probe` on a path that is merged away; keep its failure, if any."""
         self.merges_probed += 1
-        calls = probe(lockstep.state)
-        for position, call in enumerate(calls):
-            try:
-                lockstep.checking = position == len(calls) - 1
-                lockstep.apply(call)
-            except ConformanceError as error:
-                self.probe_failure = self._probe_counterexample(
-                    index, letter, operation, calls[: position + 1], error
-                )
-                return
+        failed = _first_probe_failure(lockstep)
+        if failed is not None:
+            self.probe_failure = self._probe_counterexample(index, letter, operation, *failed)
 
     def _probe_accepted_no_op(self, index: int, letter: _Letter) -> Counterexample | None:
         """Replay, run ``letter`` (its outcome compared) and :func:`probe` after it."""
@@ -448,15 +438,9 @@ class _Explorer:
         no-op letter that a probe call fails after alone, else on the whole run.
         """
         self.no_op_runs_probed += 1
-        calls = probe(lockstep.state)
-        for position, call in enumerate(calls):
-            try:
-                lockstep.checking = position == len(calls) - 1
-                lockstep.apply(call)
-            except ConformanceError as error:
-                failing = calls[: position + 1]
-                self.probe_failure = self._no_op_culprit(index, run, failing, error)
-                return
+        failed = _first_probe_failure(lockstep)
+        if failed is not None:
+            self.probe_failure = self._no_op_culprit(index, run, *failed)
 
     def _no_op_culprit(
         self,
@@ -573,6 +557,21 @@ class _Explorer:
             if found is not None and len(found.operations) <= level + 1:
                 return found
         return self.probe_failure
+
+
+def _first_probe_failure(lockstep: _ReplayLockstep) -> tuple[list[object], ConformanceError] | None:
+    """Run :func:`probe` on ``lockstep``: the calls up to the first that fails, and its error.
+
+    Outcomes are compared call by call, everything else after the last call.
+    """
+    calls = probe(lockstep.state)
+    for position, call in enumerate(calls):
+        try:
+            lockstep.checking = position == len(calls) - 1
+            lockstep.apply(call)
+        except ConformanceError as error:
+            return calls[: position + 1], error
+    return None
 
 
 def explore(
