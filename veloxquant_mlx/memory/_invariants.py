@@ -12,6 +12,7 @@ caller must hold the pool's lock for the whole call.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, NamedTuple
@@ -26,6 +27,7 @@ class PoolBooks(NamedTuple):
     config: PoolConfig
     free_lists: Mapping[str, Sequence[int]]
     owner_blocks: Mapping[int, Mapping[int, Block]]
+    shared_counts: Mapping[int, int]
     retired_ids: Sequence[int]
     retired_set: AbstractSet[int]
     id_bound: int
@@ -40,7 +42,8 @@ def _where_each_id_is(books: PoolBooks) -> tuple[dict[int, str], str | None]:
     holders: list[tuple[str, Sequence[int]]] = [
         (f"free list {name!r}", ids) for name, ids in books.free_lists.items()
     ]
-    holders += [(f"owner {owner!r}", list(owned)) for owner, owned in books.owner_blocks.items()]
+    # A shared id is under several owners: it is in one place, "checked out" (INV-REFCOUNT).
+    holders.append(("checked out", list(_holders_of_each_id(books))))
     holders.append(("the retired set", books.retired_ids))
     for place, ids in holders:
         for block_id in ids:
@@ -50,6 +53,36 @@ def _where_each_id_is(books: PoolBooks) -> tuple[dict[int, str], str | None]:
                 )
             places[block_id] = place
     return places, None
+
+
+def _holders_of_each_id(books: PoolBooks) -> Counter[int]:
+    """Per checked-out id, how many owner maps hold a handle of it."""
+    return Counter(block_id for owned in books.owner_blocks.values() for block_id in owned)
+
+
+def _one_handle_per_id(books: PoolBooks) -> dict[int, Block]:
+    return {
+        block_id: block
+        for owned in books.owner_blocks.values()
+        for block_id, block in owned.items()
+    }
+
+
+def check_refcounts(books: PoolBooks) -> str | None:
+    """A shared id's count is its handles; the handles of one id agree; shared_blocks exact."""
+    holders = _holders_of_each_id(books)
+    shared = {block_id: n for block_id, n in holders.items() if n > 1}
+    if dict(books.shared_counts) != shared:
+        return f"refcount: counts {dict(books.shared_counts)} != handles per shared id {shared}"
+    first = _one_handle_per_id(books)
+    for owned in books.owner_blocks.values():
+        for block_id, block in owned.items():
+            one = first[block_id]
+            if (block.stream, block.format, block.n_used) != (one.stream, one.format, one.n_used):
+                return f"refcount: handles {one!r} and {block!r} of one id disagree"
+    if books.stats.shared_blocks() != len(shared):
+        return f"refcount: shared_blocks() is {books.stats.shared_blocks()}, expected {len(shared)}"
+    return None
 
 
 def check_partition(books: PoolBooks) -> str | None:
@@ -116,7 +149,7 @@ def check_retired_heap(books: PoolBooks) -> str | None:
 def check_counters(books: PoolBooks) -> str | None:
     """The counters equal a recount of the books."""
     stats, config = books.stats, books.config
-    held = [block for owned in books.owner_blocks.values() for block in owned.values()]
+    held = list(_one_handle_per_id(books).values())  # a shared block counts once
     n_free = sum(len(ids) for ids in books.free_lists.values())
     fragmented = sum(1 for block in held if 0 < block.n_used < config.block_size)
     expected_total = config.n_blocks + stats.n_grown - stats.n_retired
@@ -147,6 +180,7 @@ CHECKS: tuple[Callable[[PoolBooks], str | None], ...] = (
     check_free_list_names,
     check_partition,
     check_handles,
+    check_refcounts,
     check_retired_heap,
     check_id_bound,
     check_counters,
