@@ -8,6 +8,7 @@ a counterexample. Each class plants one bug the contract forbids.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Iterable, Sequence
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.testing.lockstep import AllocatorFactory
@@ -83,3 +84,41 @@ class GrowthIgnoresCap(BlockPoolAllocator):
 
 def factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:
     return lambda config, history_len: cls(config, history_len=history_len)
+
+
+# ---- sharing (docs/CONTRACT.md#sharing): the bugs engines that share have shipped ----
+
+
+class SharedBlockPushedWhileHeld(BlockPoolAllocator):
+    """Planted bug (vLLM #42571): freeing one handle of a shared block pushes the block,
+    though another handle still holds it; freeing that one pushes it again."""
+
+    def _release_shared(self, blocks: Iterable[Block]) -> None:
+        blocks = list(blocks)
+        super()._release_shared(blocks)
+        held = {block_id for owned in self._owner_blocks.values() for block_id in owned}
+        for block in blocks:
+            if block.block_id in held:
+                self._push_onto[block.stream](block.block_id)
+
+
+class FreeAllIgnoresSharing(BlockPoolAllocator):
+    """Planted bug (vLLM #3347): free_all() returns every block of the owner as if it held
+    it alone, so after a fork both owners' free_all() free each shared block."""
+
+    def free_all(self, owner: int) -> None:
+        with self._lock:
+            owned = self._owner_blocks.get(owner, {}) if type(owner) is int else {}
+            for block_id in owned:
+                self._shared_counts.pop(block_id, None)
+            self._stats._shared_blocks = len(self._shared_counts)
+        super().free_all(owner)
+
+
+class InUseCountsHandles(BlockPoolAllocator):
+    """Planted bug (SGLang #35270): blocks_in_use counts handles, so a shared block twice."""
+
+    def _issue_shares(self, blocks: Sequence[Block], owner: int) -> list[Block]:
+        handles = super()._issue_shares(blocks, owner)
+        self._stats._blocks_in_use += len(handles)
+        return handles
