@@ -93,6 +93,24 @@ def require_all_live(pool: BlockPoolAllocator, blocks: Sequence[Block]) -> None:
     )
 
 
+def copy_layers(pool: BlockPoolAllocator, layer: int | None, n_layers: int, src: int) -> range:
+    """The layers ``copy_block(layer, src, ...)`` copies, once its arguments are checked.
+
+    ``layer`` is one layer or ``None`` (every one); ``src`` a block id that is
+    checked out, so its slots hold some request's data.
+    """
+    if layer is not None:
+        require_layer(layer, n_layers)
+    if type(src) is not int:
+        raise TypeError(f"src must be a block id (an int), got {src!r}")
+    if src < 0 or pool.ref_count(src) == 0:
+        raise ValueError(
+            f"src must be the id of a checked-out block, got {src}, which holds no data of "
+            "any request (free, retired or never issued)"
+        )
+    return range(n_layers) if layer is None else range(layer, layer + 1)
+
+
 def require_covered(block: Block, capacity: int) -> None:
     """The block's id is inside the slab (fails only if freed and retired concurrently)."""
     if block.block_id >= capacity:

@@ -81,6 +81,7 @@ from typing import Final
 import mlx.core as mx
 
 from veloxquant_mlx.memory._storage_checks import (
+    copy_layers,
     next_capacity,
     require_all_live,
     require_covered,
@@ -253,6 +254,29 @@ class MLXBlockStorage:
                 # Only after the old slab is dropped from the list: MLX then donates its
                 # buffer to the update (O(slots written)) unless a pending gather holds it.
                 mx.eval(self._slabs[layer])
+
+    def copy_block(self, layer: int | None, src: int, dst: Block) -> None:
+        """Copy every slot of block id ``src`` into ``dst``, in ``layer`` or every layer.
+
+        The copy-on-write step after ``pool.make_writable`` (storage.CopiesBlocks);
+        evaluated before returning unless the store has ``lazy_writes``.
+
+        Raises:
+            TypeError, ValueError: As :class:`~veloxquant_mlx.memory.storage.CopiesBlocks`
+                says; nothing changes.
+        """
+        with self._lock:
+            layers = copy_layers(self._pool, layer, len(self._slabs), src)
+            require_live(self._pool, dst, "copy into")
+            self._sync_locked()
+            require_covered(dst, self._capacity)
+            target = dst.block_id
+            for index in layers:
+                slab = self._slabs[index]
+                slab[:, target : target + 1] = slab[:, src : src + 1]
+                self._slabs[index] = slab
+            if not self._lazy_writes:
+                mx.eval(*(self._slabs[index] for index in layers))
 
     def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
         """The first ``n_tokens`` slots of ``blocks`` in ``layer``, in order.

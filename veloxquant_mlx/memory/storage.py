@@ -43,6 +43,10 @@ Rules every implementation keeps (the storage conformance suite in
 6. ``sync()`` first returns the blocks of KV caches dropped without
    ``release()`` (``deferred_release.deferred_releases_for(pool).drain()``),
    so any store call is a point where they come back to the pool.
+7. A store that offers :class:`CopiesBlocks` (both of ours do) copies a block
+   the pool moved with ``make_writable`` (docs/CONTRACT.md#c-make-writable):
+   ``copy_block`` reads an id that is still checked out and writes only
+   through a live handle, under the same checks as ``write``.
 
 Thread safety: implementations must be safe to share between threads in the
 same way as the pool (the MLX and NumPy stores hold a lock around slab
@@ -117,4 +121,26 @@ class BlockStorage(Protocol[ArrayT]):
     def sync(self) -> None:
         """Return dropped caches' blocks, then follow the pool: grow to cover new ids,
         give back a retired tail."""
+        ...
+
+
+@runtime_checkable
+class CopiesBlocks(Protocol):
+    """A store that copies one block's slots into another (optional; copy-on-write).
+
+    After ``dst = pool.make_writable(handle)`` moved a shared block's handle,
+    ``copy_block(None, handle.block_id, dst)`` gives the writer its own copy
+    of every layer, and the block's other holders keep reading theirs.
+    """
+
+    def copy_block(self, layer: int | None, src: int, dst: Block) -> None:
+        """Copy every slot of block id ``src`` into ``dst`` in ``layer`` (``None``: all).
+
+        Raises:
+            TypeError: ``layer`` is not an int or ``None``, ``src`` not an int, or
+                ``dst`` not a ``Block``.
+            ValueError: ``src`` is not checked out (``pool.ref_count(src) == 0``),
+                ``dst`` is not a live handle, or ``layer`` is out of range. Nothing
+                changes.
+        """
         ...
