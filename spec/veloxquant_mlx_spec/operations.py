@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 from veloxquant_mlx_spec import model, transitions
@@ -60,6 +60,7 @@ __all__ = [
     "History",
     "IdBound",
     "IsLive",
+    "IsShared",
     "MakeWritable",
     "MarkUsed",
     "NCopyOnWrite",
@@ -129,6 +130,8 @@ BLOCK_ID: Final = Domain(
     bad=lambda config: (-1, *BAD_INTS),
     observed="every",  # every id's count is compared after every step
 )
+#: The same ids, for a query not worth observing after every step (ref_count says it all).
+SOME_BLOCK_ID: Final = replace(BLOCK_ID, observed="never")
 DEFAULT_PROMETHEUS_PREFIX: Final = "veloxquant_block_pool"
 PREFIX: Final = Domain(
     "prefix",
@@ -324,6 +327,21 @@ class MakeWritable:
 @dataclass(frozen=True, slots=True)
 class RefCount:
     """``pool.ref_count(block_id)``."""
+
+    block_id: object
+
+
+@operation(
+    returns=Returns.VALUE,
+    transition=query(transitions.is_shared),
+    domains={"block_id": SOME_BLOCK_ID},
+    source="P",
+    changes_state=False,
+    rules=("C-REF-COUNT", "C-SHARED-READ-ONLY"),
+)
+@dataclass(frozen=True, slots=True)
+class IsShared:
+    """``pool.is_shared(block_id)``: what a store asks before a write, in O(1)."""
 
     block_id: object
 
@@ -579,6 +597,7 @@ Operation: TypeAlias = (
     | Fork
     | MakeWritable
     | RefCount
+    | IsShared
     | SharedBlocks
     | NShares
     | NCopyOnWrite
@@ -701,6 +720,7 @@ class CheckedBlockPool(BlockPool[BlockT], Protocol[BlockT]):
     def fork(self, src_owner: int, dst_owner: int) -> list[BlockT]: ...
     def make_writable(self, block: BlockT) -> BlockT: ...
     def ref_count(self, block_id: int) -> int: ...
+    def is_shared(self, block_id: int) -> bool: ...
     def is_live(self, block: object) -> bool: ...
     def all_live(self, blocks: Iterable[object]) -> bool: ...
     def id_bound(self) -> int: ...

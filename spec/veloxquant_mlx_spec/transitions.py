@@ -405,6 +405,12 @@ def ref_count(state: PoolState, block_id: object) -> int | Err:
     return ref_count_of(state, block_id)
 
 
+def is_shared(state: PoolState, block_id: object) -> bool | Err:
+    """`is_shared(block_id)`: its count is above 1, so no handle may write to it."""
+    count = ref_count(state, block_id)
+    return count if isinstance(count, Err) else count > 1
+
+
 def id_bound(state: PoolState) -> int:
     """`id_bound()`: one more than the highest id that is free or checked out; 0 if none."""
     in_pool = [i for i in range(state.next_block_id) if i not in state.retired]

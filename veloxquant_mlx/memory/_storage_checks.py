@@ -80,6 +80,17 @@ def require_live(pool: BlockPoolAllocator, block: Block, action: str) -> None:
         )
 
 
+def require_writable(pool: BlockPoolAllocator, block: Block, action: str) -> None:
+    """``block`` must be a live handle of ``pool`` that no other handle shares."""
+    require_live(pool, block, action)
+    if pool.is_shared(block.block_id):
+        raise ValueError(
+            f"cannot {action} {block!r}: its block is shared by other handles and so "
+            "read-only (docs/CONTRACT.md#c-shared-read-only); expected a block this handle "
+            "holds alone: call pool.make_writable(block) first"
+        )
+
+
 def require_all_live(pool: BlockPoolAllocator, blocks: Sequence[Block]) -> None:
     """Refuse unless every item of ``blocks`` is a live handle: one pool lock, not one each."""
     if pool.all_live(blocks):

@@ -1056,6 +1056,19 @@ class BlockPoolAllocator:
             free = any(block_id in ids for ids in self._free_lists.values())
             return 1 if issued and not free else 0
 
+    def is_shared(self, block_id: AsGiven[int]) -> bool:
+        """Whether ``block_id``'s reference count is above 1 (read-only). O(1).
+
+        What a store asks before a write, where ``ref_count`` could cost O(f).
+
+        Raises:
+            TypeError: ``block_id`` is not an int.
+            ValueError: ``block_id`` is negative.
+        """
+        require_int("block_id", block_id, minimum=0)
+        with self._lock:
+            return block_id in self._shared_counts
+
     def make_writable(self, block: AsGiven[Block]) -> Block:
         """A handle of ``block``'s content that this owner alone holds, to write through.
 

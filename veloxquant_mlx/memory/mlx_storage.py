@@ -86,11 +86,11 @@ from veloxquant_mlx.memory._storage_checks import (
     require_all_live,
     require_covered,
     require_layer,
-    require_live,
     require_n_tokens,
     require_slots,
     require_token_dtype,
     require_token_shape,
+    require_writable,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.block_table import DeviceBlockTable, schedule
@@ -241,7 +241,7 @@ class MLXBlockStorage:
         require_slots(start, n_tokens, self._block_size)
         with self._lock:
             require_layer(layer, len(self._slabs))
-            require_live(self._pool, block, "write to")
+            require_writable(self._pool, block, "write to")
             self._sync_locked()
             require_covered(block, self._capacity)
             if n_tokens == 0:
@@ -267,7 +267,7 @@ class MLXBlockStorage:
         """
         with self._lock:
             layers = copy_layers(self._pool, layer, len(self._slabs), src)
-            require_live(self._pool, dst, "copy into")
+            require_writable(self._pool, dst, "copy into")
             self._sync_locked()
             require_covered(dst, self._capacity)
             target = dst.block_id
