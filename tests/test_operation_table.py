@@ -214,7 +214,6 @@ def test_observations_cover_every_query_over_its_observation_points() -> None:
         "is_live",
         "id_bound",
         "check_invariants",
-        "ref_count",  # at every id of the initial pool and two past it
         "shared_blocks",
         "n_shares",
         "n_copy_on_write",

@@ -7,7 +7,6 @@ empty after every step and say which rule broke.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 
 from veloxquant_mlx_spec.model import PoolState, free_list_names, make_config, stats
@@ -42,7 +41,9 @@ def refcounts_match_handles(state: PoolState) -> bool:
     """An id's count is its live handles (ids ascending, counts >= 1); one handle per owner
     and id; the live handles of one id show the same stream, format and fill."""
     live = [v for v in state.handles if v.owner is not None]
-    counts = Counter(v.block_id for v in live)
+    counts: dict[int, int] = {}
+    for view in live:
+        counts[view.block_id] = counts.get(view.block_id, 0) + 1
     agreed = {v.block_id: (v.stream, v.format, v.n_used) for v in live}
     return (
         state.ref_counts == tuple(sorted(counts.items()))

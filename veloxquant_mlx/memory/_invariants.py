@@ -12,7 +12,6 @@ caller must hold the pool's lock for the whole call.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from typing import TYPE_CHECKING, NamedTuple
@@ -55,9 +54,13 @@ def _where_each_id_is(books: PoolBooks) -> tuple[dict[int, str], str | None]:
     return places, None
 
 
-def _holders_of_each_id(books: PoolBooks) -> Counter[int]:
+def _holders_of_each_id(books: PoolBooks) -> dict[int, int]:
     """Per checked-out id, how many owner maps hold a handle of it."""
-    return Counter(block_id for owned in books.owner_blocks.values() for block_id in owned)
+    holders: dict[int, int] = {}
+    for owned in books.owner_blocks.values():
+        for block_id in owned:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    return holders
 
 
 def _one_handle_per_id(books: PoolBooks) -> dict[int, Block]:
