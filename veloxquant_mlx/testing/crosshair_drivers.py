@@ -120,11 +120,15 @@ _SCOPE: Final = small_scope(
     every_bad_argument=False,
     vary_values=lambda declaration: declaration.may_issue_handles,
 )
-#: Sharing's letters come last, so a search meets the reference calls' first.
+_BEFORE_SHARING: Final = tuple(template for template in _SCOPE if not _is_sharing(template))
+#: Sharing's letters come last: codes below :data:`N_BEFORE_SHARING` are the calls that
+#: existed before sharing, which ``replay_agrees_with_spec`` searches as it always has;
+#: ``sharing_replay_agrees_with_spec`` searches sequences with a sharing letter in them.
 ALPHABET: Final[tuple[Template, ...]] = (
-    *(template for template in _SCOPE if not _is_sharing(template)),
+    *_BEFORE_SHARING,
     *(template for template in _SCOPE if repr(template) in SHARING_LETTERS),
 )
+N_BEFORE_SHARING: Final = len(_BEFORE_SHARING)
 
 #: The calls the drivers make and observe: all but sharing's counters. Observed after every
 #: step they cost CrossHair a fifth of its budget, and a wrong count shows in what stays
@@ -207,7 +211,23 @@ def replay_agrees_with_spec(codes: list[int], config_code: int) -> bool:
 
     pre: 0 <= config_code < len(CONFIGS)
     pre: len(codes) <= 4
+    pre: all(0 <= c < N_BEFORE_SHARING for c in codes)
+    post: __return__
+    """
+    try:
+        replay(codes, config_code)
+    except ConformanceError:
+        return False
+    return True
+
+
+def sharing_replay_agrees_with_spec(codes: list[int], config_code: int) -> bool:
+    """As ``replay_agrees_with_spec``, over sequences that share, fork or copy on write.
+
+    pre: 0 <= config_code < len(CONFIGS)
+    pre: len(codes) <= 4
     pre: all(0 <= c < len(ALPHABET) for c in codes)
+    pre: any(c >= N_BEFORE_SHARING for c in codes)
     post: __return__
     """
     try:
