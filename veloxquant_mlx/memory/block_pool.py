@@ -14,6 +14,8 @@ Complexity (``k`` = blocks in the call, ``f`` = free blocks of the stream,
 
 - ``allocate``: O(k) amortised, growth included.
 - ``free``: O(k); ``free_all``: O(k) for the owner's k blocks.
+- ``share``, ``fork``: O(k); ``make_writable``: O(1) amortised; ``is_shared``:
+  O(1); ``ref_count``: O(1) for a shared id, O(f) otherwise.
 - ``mark_used``, ``n_free``, ``register_owner``, ``release_owner``, ``stats``,
   ``is_live``, ``id_bound``, ``AllocationStats.blocks_in_use`` /
   ``fragmentation``: O(1).
@@ -444,9 +446,10 @@ class BlockPoolAllocator:
     Invariants (``check_invariants`` verifies each and names the one broken):
 
     - *partition*: every id below ``_next_new_id`` is in exactly one of: one
-      stream's free list, one owner's block map, the retired set.
-    - *handles*: each owner's map holds, per id, the one live handle of that
-      id; the handle names that owner, that id, a stream of this pool, and
+      stream's free list, the owners' block maps (one, or several if shared),
+      the retired set.
+    - *handles*: each owner's map holds, per id, that owner's one live handle
+      of that id; the handle names that owner, that id, a stream of this pool, and
       ``0 <= n_used <= block_size``. Every owner map is non-empty.
     - *counters*: ``n_blocks`` equals free + checked out, and initial +
       grown - retired; ``blocks_in_use`` and ``_fragmented_count`` equal a
@@ -455,6 +458,11 @@ class BlockPoolAllocator:
     - *retired*: the retired heap and set hold the same ids, in heap order.
     - *id bound*: ``id_bound()`` is one more than the highest id that is free
       or checked out.
+    - *refcount*: an id held by several owners (``share``, ``fork``) has its
+      count, the number of its live handles, in ``_shared_counts`` (and only
+      such ids are there); its handles show the same stream, format and
+      fill; ``shared_blocks()`` is the number of such ids. A shared block is
+      read-only and goes back to its free list with its last handle.
 
     Example::
 
