@@ -41,12 +41,12 @@ def _where_each_id_is(books: PoolBooks) -> tuple[dict[int, str], str | None]:
     holders: list[tuple[str, Sequence[int]]] = [
         (f"free list {name!r}", ids) for name, ids in books.free_lists.items()
     ]
-    # A shared id is under several owners: it is in one place, "checked out" (INV-REFCOUNT).
-    holders.append(("checked out", list(_holders_of_each_id(books))))
+    holders += [(f"owner {owner!r}", list(owned)) for owner, owned in books.owner_blocks.items()]
     holders.append(("the retired set", books.retired_ids))
     for place, ids in holders:
         for block_id in ids:
-            if block_id in places:
+            shared = place.startswith("owner") and places.get(block_id, "").startswith("owner")
+            if block_id in places and not shared:  # several owners: one shared id (refcount)
                 return places, (
                     f"partition: block id {block_id} is in {places[block_id]} and in {place}"
                 )
