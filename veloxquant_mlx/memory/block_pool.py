@@ -821,18 +821,25 @@ class BlockPoolAllocator:
                     "expected a block checked out from this pool and not yet freed"
                 )
             block_id = block.block_id  # a live handle: its fields are the pool's
-            if block_id in seen_ids and one_per_id:
-                raise InvalidFreeError(
-                    f"blocks[{position}] = {block!r} repeats block id {block_id}; "
-                    "expected each block once"
-                )
-            # Two handles of one shared id are two items; the same handle twice is not.
-            if block_id in seen_ids and any(other is block for other in blocks[:position]):
-                raise InvalidFreeError(
-                    f"blocks[{position}] = {block!r} appears more than once in the list; "
-                    "expected each block once"
-                )
+            if block_id in seen_ids:
+                self._refuse_repeat(blocks, position, one_per_id=one_per_id)
             seen_ids.add(block_id)
+
+    @staticmethod
+    def _refuse_repeat(blocks: Sequence[object], position: int, *, one_per_id: bool) -> None:
+        """``blocks[position]`` names an id listed before: refused unless it is another
+        handle of a shared id, in a list that may hold several (``free``)."""
+        block = blocks[position]
+        if one_per_id:
+            raise InvalidFreeError(
+                f"blocks[{position}] = {block!r} repeats block id "
+                f"{getattr(block, 'block_id', None)}; expected each block once"
+            )
+        if any(other is block for other in blocks[:position]):
+            raise InvalidFreeError(
+                f"blocks[{position}] = {block!r} appears more than once in the list; "
+                "expected each block once"
+            )
 
     def _is_live(self, block: object) -> TypeGuard[Block]:
         """Whether ``block`` is the current handle of a block checked out from this pool."""
