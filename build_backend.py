@@ -63,6 +63,8 @@ MYPYC_FLAGS = ("--follow-imports=silent",)
 BUILDING_COMMANDS = frozenset({"bdist_wheel", "build", "build_ext", "install"})
 
 #: What the probe compiles: the C compiler must exist and find Python's headers.
+#: How much of the compiler's complaint the one-line notice keeps.
+PROBE_MESSAGE_LIMIT = 120
 PROBE_SOURCE = "#include <Python.h>\nint veloxquant_probe(void) { return Py_IsInitialized(); }\n"
 
 
@@ -105,6 +107,7 @@ def c_compiler_problem() -> str | None:
 
     compiler = new_compiler()
     customize_compiler(compiler)
+    executable = " ".join(getattr(compiler, "compiler_so", ["cc"])[:1])
     workdir = Path(tempfile.mkdtemp(prefix="veloxquant-cc-probe-"))
     try:
         source = workdir / "probe.c"
@@ -112,11 +115,21 @@ def c_compiler_problem() -> str | None:
         include = sysconfig.get_paths()["include"]
         compiler.compile([str(source)], output_dir=str(workdir), include_dirs=[include])
     except Exception as error:  # CompileError, or no compiler executable at all
-        first_line = str(error).strip().splitlines()[:1] or [type(error).__name__]
-        return f"no working C compiler ({first_line[0]})"
+        return f"no working C compiler ({executable}: {compiler_failure(error)})"
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     return None
+
+
+def compiler_failure(error: Exception) -> str:
+    """The gist of a failed probe, short enough for the notice's one line.
+
+    setuptools words a failure as the whole command line, flags and temporary
+    paths included, and then the outcome; only the outcome is worth a line.
+    """
+    message = " ".join(str(error).split()) or type(error).__name__
+    outcome = message.rpartition("]' ")[2] if "]' " in message else message
+    return outcome if len(outcome) <= PROBE_MESSAGE_LIMIT else outcome[:PROBE_MESSAGE_LIMIT] + "..."
 
 
 def compiled_extensions() -> list[Extension]:

@@ -1,8 +1,14 @@
-"""``python -m stress [OPTIONS]``: the same as ``veloxquant-mlx stress [OPTIONS]``."""
+"""``python -m stress [OPTIONS]``: the same as ``veloxquant-mlx stress [OPTIONS]``.
+
+A thin entry point: the Ctrl-C handler is installed before the heavy
+imports (:func:`~veloxquant_mlx.commandline.sigint.program_main`).
+"""
 
 import sys
 
-from veloxquant_mlx.cli import main
+from veloxquant_mlx.commandline.sigint import program_main
 
 if __name__ == "__main__":
-    raise SystemExit(main(["stress", *sys.argv[1:]]))
+    raise SystemExit(
+        program_main("veloxquant-mlx stress", "veloxquant_mlx.cli", ["stress", *sys.argv[1:]])
+    )

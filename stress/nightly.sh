@@ -17,29 +17,54 @@
 # Every run ends with a verdict (report.json "verdict"); only OK passes. INCONCLUSIVE
 # (not every call was checked) is a failure here, as is a violation or a run that did
 # not start. Exit status: 0 if every run was OK; 1 if any found a violation or failed
-# to run; otherwise 3 if any was inconclusive; 130 on Ctrl-C (the runs left stop there).
+# to run; 2 if REPORT_DIR was refused; otherwise 3 if any was inconclusive; 130 on
+# Ctrl-C (the runs left stop there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
+force=0
+if [[ ${1:-} == --force ]]; then
+  force=1
+  shift
+fi
 out=${1:-reports/nightly-$(date +%Y%m%d-%H%M%S)}
+if [[ -e $out && ! -d $out ]]; then
+  echo "nightly.sh: error: REPORT_DIR '$out' is a file; expected a folder" >&2
+  exit 2
+fi
+if [[ -d $out && -n $(ls -A "$out") ]]; then
+  if ((!force)); then
+    echo "nightly.sh: error: REPORT_DIR '$out' is not empty (an earlier night's reports?);" \
+      "expected a new or empty folder, or --force to delete an earlier night's files" >&2
+    exit 2
+  fi
+  # What a night writes at the top: its logs, SUMMARY.txt, the skipped-runs note; the
+  # runs' own folders are cleared by each run's --force (its files only).
+  rm -f "$out"/*.log "$out/SUMMARY.txt" "$out/free-threaded-skipped.txt"
+fi
 mkdir -p "$out"
 PYTHON=${PYTHON:-.venv/bin/python}
 DURATION=${DURATION:-}
 read -r -a extra <<<"${STRESS_ARGS:-}"
+((force)) && extra+=(--force)
 violations=0 inconclusive=0
+ran=()  # this night's runs, in order: the only ones SUMMARY.txt shows
 
-# summarize: SUMMARY.txt on top of the folder, from every run's summary.
+# summarize: SUMMARY.txt on top of the folder, from this night's runs' summaries.
 summarize() {
   local verdict=OK
   ((inconclusive)) && verdict="FAILED (inconclusive: not every call was checked)"
   ((violations)) && verdict="FAILED"
   {
     echo "nightly stress $(date -Iseconds): $verdict"
-    for summary in "$out"/*/summary.txt; do
-      [[ -e $summary ]] || continue
+    for name in "${ran[@]}"; do
       echo
-      echo "## $(basename "$(dirname "$summary")")"
-      cat "$summary"
+      echo "## $name"
+      if [[ -e $out/$name/summary.txt ]]; then
+        cat "$out/$name/summary.txt"
+      else
+        echo "(no summary: see $name.log)"
+      fi
     done
   } >"$out/SUMMARY.txt"
 }
@@ -50,6 +75,7 @@ run() {
   shift 2
   local args=(--profile nightly --out "$out/$name" --no-progress "$@" "${extra[@]}")
   [[ -n $DURATION ]] && args+=(--duration "$DURATION")
+  ran+=("$name")
   printf '== %s (%s) %s\n' "$name" "$python" "$(date +%H:%M:%S)"
   # PYTHONPATH lets an interpreter without the project installed import it from here.
   PYTHONPATH=".:spec${PYTHONPATH:+:$PYTHONPATH}" "$python" -m stress "${args[@]}" \

@@ -10,6 +10,7 @@ it, at the right line, with the right diagnosis.
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -51,7 +52,15 @@ from veloxquant_mlx.testing.traces import (
     loads,
     save,
 )
-from veloxquant_mlx_spec.operations import Allocate, Free, FreeAll, MarkUsed, Shrink
+from veloxquant_mlx_spec.operations import (
+    Allocate,
+    Free,
+    FreeAll,
+    MakeWritable,
+    MarkUsed,
+    Share,
+    Shrink,
+)
 from veloxquant_mlx_spec.table import Raised, Returned, h
 
 NumpyArray = npt.NDArray[np.generic]
@@ -183,6 +192,25 @@ def test_recorder_names_handles_of_a_live_session_and_its_trace_replays() -> Non
     replay(recorder.trace(), numpy_backend())
 
 
+def test_recorder_names_the_handle_make_writable_moves_and_keeps_one_it_returns() -> None:
+    pool = BlockPoolAllocator(SHARED, history_len=0)
+    recorder = TraceRecorder(SHARED, SPEC)
+    first = recorder.call(lambda: pool.allocate("kv", 2, owner=1), Allocate("kv", 2, 1))
+    assert isinstance(first, list)
+    shared = recorder.call(lambda: pool.share(first, 2), Share(recorder.names(first), 2))
+    assert isinstance(shared, list)
+    moved = recorder.call(
+        lambda: pool.make_writable(shared[0]), MakeWritable(recorder.name_of(shared[0]))
+    )
+    assert isinstance(moved, Block)
+    recorder.record(Write(0, recorder.name_of(moved), 0, 2))
+    recorder.call(lambda: pool.free([first[0]]), Free(recorder.names([first[0]])))
+    same = recorder.call(lambda: pool.make_writable(moved), MakeWritable(recorder.name_of(moved)))
+    assert same is moved
+    assert recorder.name_of(moved) == h(2, 0)
+    replay(recorder.trace(), numpy_backend())
+
+
 def test_a_version_1_trace_loads_upgraded_to_the_api_names() -> None:
     v1 = "\n".join(
         [
@@ -222,6 +250,31 @@ def test_a_file_in_another_format_is_refused_naming_the_format_expected(
     with pytest.raises(TraceFormatError, match=complaint) as raised:
         loads(text + "\n")
     assert '"version": 2' in str(raised.value) or "expected 2" in str(raised.value)
+
+
+V1_REPRODUCER = {
+    "reproducer": "veloxquant-mlx-linearizability",
+    "version": 1,
+    "pool": {"block_size": 4, "n_blocks": 8},
+    "history_len": 0,
+    "starts": [],
+    "window": [],
+    "message": "",
+}
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        json.dumps(V1_REPRODUCER, indent=1),  # as version 1 wrote it
+        json.dumps(V1_REPRODUCER, separators=(",", ":")),  # compact, on one line
+        json.dumps(dict(reversed(V1_REPRODUCER.items())), indent=4),  # its key elsewhere
+    ],
+    ids=["indented", "compact", "key-last"],
+)
+def test_a_v1_reproducer_is_named_whatever_its_layout(text: str) -> None:
+    with pytest.raises(TraceFormatError, match="v1 reproducer: this version replays trace"):
+        loads(text + "\n")
 
 
 def test_a_recorded_outcome_that_a_sequential_replay_contradicts_fails() -> None:

@@ -136,9 +136,10 @@ def test_the_memo_is_dropped_when_the_ids_change() -> None:
     table = DeviceBlockTable(book)
     book.append(BLOCK_SIZE)
     table.require_live()
-    assert table.memo("key", lambda: 1) == 1
-    assert table.memo("key", lambda: 2) == 1
+    owner, other_owner = object(), object()
+    assert table.remember(owner, 1) == 1
+    assert (table.memo(owner), table.memo(other_owner)) == (1, None)
     book.append(1)  # a new block joins
     table.require_live()
-    assert table.memo("key", lambda: 3) == 3
+    assert table.memo(owner) is None
     book.release()

@@ -13,6 +13,7 @@ import json
 import subprocess
 import sys
 from importlib.metadata import entry_points
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -364,6 +365,26 @@ def test_python_dash_m_exits_2_on_a_bad_option() -> None:
     assert "expected an int >= 1, got '-1'" in result.stderr
 
 
-def test_console_script_points_at_cli_main() -> None:
+def test_console_script_points_at_the_thin_entry_point() -> None:
     scripts = entry_points(group="console_scripts", name="veloxquant-mlx")
-    assert [script.value for script in scripts] == ["veloxquant_mlx.cli:main"]
+    assert [script.value for script in scripts] == ["veloxquant_mlx.__main__:main"]
+
+
+def test_the_entry_points_import_nothing_heavy_before_the_ctrl_c_handler() -> None:
+    """What runs before the handler is installed must be quick: a Ctrl-C there is a traceback."""
+    probe = (
+        "import sys, veloxquant_mlx.__main__, stress.__main__, veloxquant_mlx.commandline.sigint\n"
+        "heavy = [m for m in sys.modules if m.split('.')[0] in ('numpy', 'mlx', 'argparse')\n"
+        "         or m in ('veloxquant_mlx.cli', 'veloxquant_mlx.memory.block_pool')]\n"
+        "print(heavy)"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", probe],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"

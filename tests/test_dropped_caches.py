@@ -1,33 +1,45 @@
 """Caches dropped without release() give every block back (deferred release).
 
-mlx-lm code never calls ``release()``; a dropped book's finaliser queues its
-owner (no lock: it may run inside a pool call) and the next store call, book
-construction, block-taking append or ``reclaim_dropped_caches`` frees it.
-The schedule explorer (``test_finaliser_schedules.py``) fires the finaliser
-inside the pool's locked section on purpose; here the same holds under
-real threads: 1,000 caches dropped mid-generation by 4 threads, a third of
-them in reference cycles that only the garbage collector (running on
-whichever thread allocates) finds.
+mlx-lm code never calls ``release()``; a dropped book's finaliser queues
+what it holds (no lock: it may run inside a pool call) and the next book
+construction, block-taking append, pool-backed cache update or
+``reclaim_dropped_caches`` releases it, by handle: a late release never frees
+a request that reused the id. The schedule explorers
+(``test_finaliser_schedules.py``, ``test_finaliser_reuse_schedules.py``)
+fire the finaliser inside the pool's locked section on purpose; here the same
+holds under real threads: 1,000 caches dropped mid-generation by 4 threads,
+a third of them in reference cycles that only the garbage collector (running
+on whichever thread allocates) finds.
 """
 
 from __future__ import annotations
 
+import copy
+import faulthandler
 import gc
 import random
+import sys
 import threading
+import time
 from collections.abc import Iterator
 
+import mlx.core as mx
 import pytest
 from mlx_lm.generate import generate_step
 from tiny_models import greedy, prompt, tiny_model
 
 from veloxquant_mlx.memory.block_pool import (
+    Block,
     BlockPoolAllocator,
     BlockPoolExhaustedError,
     OwnerAlreadyActiveError,
     PoolConfig,
 )
-from veloxquant_mlx.memory.deferred_release import reclaim_dropped_caches
+from veloxquant_mlx.memory.deferred_release import (
+    DeferredReleases,
+    deferred_releases_for,
+    reclaim_dropped_caches,
+)
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.model_kv_layout import make_pool_backed_storage
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
@@ -117,20 +129,142 @@ def test_reclaim_dropped_caches_refuses_a_non_pool() -> None:
         reclaim_dropped_caches("pool")  # type: ignore[arg-type]
 
 
-def test_a_dropped_cache_list_comes_back_at_the_next_store_call() -> None:
+def test_a_dropped_cache_list_comes_back_at_another_cache_s_next_update() -> None:
     model = tiny_model("llama", seed=1)
     pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=64))
     storage = make_pool_backed_storage(model, pool)
     cache = make_pool_backed_cache(model, storage)
+    other = make_pool_backed_cache(model, storage)
     greedy(model, prompt(seed=2), cache, steps=3)
     held = 2 * len(cache.book.key_blocks)  # one table for every layer: keys and values
     assert pool.stats.blocks_in_use() == held > 0
     del cache
     gc.collect()
-    assert pool.stats.blocks_in_use() == held  # pool calls alone do not drain
     storage.sync()
-    assert pool.stats.blocks_in_use() == 0
+    assert pool.stats.blocks_in_use() == held  # neither pool nor store calls drain
+    keys = mx.zeros((1, *storage.slot_shape[:1], 1, storage.slot_shape[1]))
+    other[0].update_and_fetch(keys, keys)  # any update of a cache on the pool does
+    assert pool.stats.blocks_in_use() == 2
+    other.release()
     pool.check_invariants()
+
+
+# -- reused owner ids: a late release frees only what the dropped book held --------------
+
+
+def test_a_late_release_never_frees_a_request_that_reused_the_id(pool: BlockPoolAllocator) -> None:
+    old = PooledKVCache(pool, owner=7)
+    old.append(3)
+    pool.free_all(7)  # a server ends the request through the pool, not release()
+    new = PooledKVCache(pool, owner=7)
+    new.append(5)
+    del old
+    assert reclaim_dropped_caches(pool) == 0  # nothing of the old book was live
+    new.check_invariants()
+    assert len(pool.blocks_for(7)) == 4
+
+
+def test_a_late_release_of_a_bare_claim_never_releases_the_new_claim(
+    pool: BlockPoolAllocator,
+) -> None:
+    old = PooledKVCache(pool, owner=7)  # holds its id with no block
+    pool.release_owner(7)  # ended behind its back
+    new = PooledKVCache(pool, owner=7)
+    del old
+    assert reclaim_dropped_caches(pool) == 0
+    with pytest.raises(OwnerAlreadyActiveError):
+        pool.register_owner(7)  # still the new book's
+    new.release()
+
+
+def test_release_after_the_id_was_reused_frees_only_its_own_blocks(
+    pool: BlockPoolAllocator,
+) -> None:
+    old = PooledKVCache(pool, owner=7)
+    old.append(3)
+    pool.free_all(7)
+    new = PooledKVCache(pool, owner=7)
+    new.append(5)
+    old.release()
+    assert old.released
+    new.check_invariants()
+
+
+def test_a_trim_that_loses_its_id_to_outside_code_leaves_the_book_released(
+    pool: BlockPoolAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    book = PooledKVCache(pool, owner=7)
+    book.append(3)
+    real_free = pool.free
+    outsider: list[Block] = []
+
+    def free_then_outside_code_takes_the_id(blocks: list[Block]) -> None:
+        real_free(blocks)
+        outsider.extend(pool.allocate("k", 5, owner=7))  # not a book: no claim lock
+
+    monkeypatch.setattr(pool, "free", free_then_outside_code_takes_the_id)
+    with pytest.raises(OwnerAlreadyActiveError, match="owner 7 was taken"):
+        book.trim(3)
+    monkeypatch.undo()
+    assert book.released
+    del book
+    assert reclaim_dropped_caches(pool) == 0  # a released book queues nothing
+    assert pool.blocks_for(7) == outsider
+
+
+@pytest.mark.parametrize("copier", [copy.copy, copy.deepcopy], ids=["copy", "deepcopy"])
+def test_a_book_cannot_be_copied(pool: BlockPoolAllocator, copier: object) -> None:
+    book = PooledKVCache(pool, owner=7)
+    with pytest.raises(TypeError, match="cannot be copied"):
+        copier(book)  # type: ignore[operator]
+    book.release()
+
+
+def test_an_interrupted_drain_puts_the_book_back(
+    pool: BlockPoolAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _dropped_book(pool, owner=7, n_tokens=3)
+    real_free = pool.free
+
+    def interrupted(blocks: list[Block]) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(pool, "free", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        reclaim_dropped_caches(pool)
+    monkeypatch.setattr(pool, "free", real_free)
+    assert reclaim_dropped_caches(pool) == 1
+    assert pool.stats.blocks_in_use() == 0
+
+
+def test_a_claim_finishes_the_release_another_thread_is_making(
+    pool: BlockPoolAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    _dropped_book(pool, owner=7, n_tokens=3)
+    real_free = pool.free
+    drainer_inside, claimed = threading.Event(), threading.Event()
+
+    def paused_on_the_drainer(blocks: list[Block]) -> None:
+        if threading.current_thread().name == "drainer":
+            drainer_inside.set()  # the book is off the queue, its blocks not yet freed
+            assert claimed.wait(JOIN_TIMEOUT_S)
+        real_free(blocks)
+
+    monkeypatch.setattr(pool, "free", paused_on_the_drainer)
+    drainer = threading.Thread(
+        target=reclaim_dropped_caches, args=(pool,), name="drainer", daemon=True
+    )
+    drainer.start()
+    assert drainer_inside.wait(JOIN_TIMEOUT_S)
+    try:
+        new = PooledKVCache(pool, owner=7)  # not OwnerAlreadyActiveError
+    finally:
+        claimed.set()
+        drainer.join(JOIN_TIMEOUT_S)
+    assert not drainer.is_alive()
+    new.append(2)
+    new.check_invariants()
+    new.release()
 
 
 # -- 1,000 caches, 4 threads ---------------------------------------------------------------
@@ -138,6 +272,9 @@ def test_a_dropped_cache_list_comes_back_at_the_next_store_call() -> None:
 N_THREADS = 4
 N_CACHES = 1000
 CYCLE_EVERY = 3  # every third cache is only reachable from a cycle of its own
+#: A hung thread fails the test after this long (the run takes a few seconds), with
+#: every thread's stack on stderr, instead of hanging the suite.
+JOIN_TIMEOUT_S = 120.0
 
 
 def test_a_thousand_caches_dropped_mid_generation_by_four_threads_all_come_back() -> None:
@@ -146,6 +283,7 @@ def test_a_thousand_caches_dropped_mid_generation_by_four_threads_all_come_back(
     pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=256))
     storage = make_pool_backed_storage(model, pool)
     owners: list[int] = []
+    positions_at_drop: list[int] = []
     errors: list[BaseException] = []
 
     def serve(seed: int) -> None:
@@ -156,8 +294,9 @@ def test_a_thousand_caches_dropped_mid_generation_by_four_threads_all_come_back(
                 owners.append(cache.book.owner)
                 tokens = prompt(rng.randrange(1 << 30), rng.randrange(1, 9), vocab=32)
                 steps = generate_step(tokens, model, prompt_cache=cache, max_tokens=16)
-                for _ in range(rng.randrange(4)):  # drop it mid-generation
+                for _ in range(rng.randrange(1, 5)):  # generate, then drop mid-generation
                     next(steps)
+                positions_at_drop.append(cache.book.offset)
                 if index % CYCLE_EVERY == 0:
                     cache.cycle = cache  # type: ignore[attr-defined]
                 del steps, cache
@@ -166,20 +305,68 @@ def test_a_thousand_caches_dropped_mid_generation_by_four_threads_all_come_back(
 
     thresholds = gc.get_threshold()
     gc.set_threshold(50)  # collections (and so finalisers) inside any call, on any thread
+    faulthandler.dump_traceback_later(JOIN_TIMEOUT_S, file=sys.stderr)
     try:
-        threads = [threading.Thread(target=serve, args=(seed,)) for seed in range(N_THREADS)]
+        threads = [
+            threading.Thread(target=serve, args=(seed,), daemon=True) for seed in range(N_THREADS)
+        ]
         for thread in threads:
             thread.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
         for thread in threads:
-            thread.join()
+            thread.join(max(0.0, deadline - time.monotonic()))
+        assert [thread.is_alive() for thread in threads] == [False] * N_THREADS, "hung"
     finally:
+        faulthandler.cancel_dump_traceback_later()
         gc.set_threshold(*thresholds)
     assert errors == []
     assert len(owners) == N_CACHES
+    assert min(positions_at_drop) > 0, "every cache must hold blocks when it is dropped"
     assert pool.stats.n_exhausted == 0
     gc.collect()
-    storage.sync()  # the store's next call: every dropped cache is back
+    reclaim_dropped_caches(pool)
     assert pool.stats.blocks_in_use() == 0
     pool.check_invariants()
     for owner in owners:  # every owner id was released
         pool.register_owner(owner)
+
+
+def test_a_cache_list_cannot_be_deep_copied() -> None:
+    model = tiny_model("llama", seed=1)
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=64))
+    cache = make_pool_backed_cache(model, make_pool_backed_storage(model, pool))
+    with pytest.raises(TypeError, match="make_pool_backed_cache and copy_from"):
+        copy.deepcopy(cache)
+    cache.release()
+
+
+def test_a_dropped_cache_list_needs_no_garbage_collection_to_come_back() -> None:
+    model = tiny_model("llama", seed=1)
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=64))
+    storage = make_pool_backed_storage(model, pool)
+    gc.disable()  # only reference counting: no cycle may hold the book
+    try:
+        cache = make_pool_backed_cache(model, storage)
+        greedy(model, prompt(seed=2), cache, steps=3)  # the decode path: tables, slot rows
+        del cache
+        assert reclaim_dropped_caches(pool) == 1
+    finally:
+        gc.enable()
+    assert pool.stats.blocks_in_use() == 0
+
+
+def test_a_pool_and_its_owner_claims_are_collected_together() -> None:
+    """The pool keeps its claims registry (no weak reference: a compiled pool has none);
+    the cycle between them must not keep either alive."""
+
+    def registries() -> int:
+        return sum(isinstance(o, DeferredReleases) for o in gc.get_objects())
+
+    gc.collect()
+    before = registries()
+    pool = BlockPoolAllocator(PoolConfig(n_blocks=4, block_size=4))
+    assert deferred_releases_for(pool) is deferred_releases_for(pool)
+    assert registries() == before + 1
+    del pool
+    gc.collect()
+    assert registries() == before

@@ -24,6 +24,7 @@ from planted_bugs import (
 
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
+from veloxquant_mlx.testing import exhaustive_command
 from veloxquant_mlx.testing.exhaustive import (
     PROFILE_DEPTHS,
     SCOPES,
@@ -234,3 +235,15 @@ def test_a_bug_found_before_the_budget_runs_out_is_still_a_violation() -> None:
 def test_main_exits_3_when_a_budget_cut_a_scope(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--depth", "3", "--scope", "separate-4", "--max-states", "20"]) == 3
     assert "INCONCLUSIVE (sequences of length" in capsys.readouterr().out
+
+
+def test_a_huge_depth_ends_at_the_profiles_default_time_budget_inconclusive(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No --time-budget given: the profile's default still bounds the search."""
+    monkeypatch.setitem(exhaustive_command.DEFAULT_TIME_BUDGETS, "ci", 0.5)
+    assert main(["--depth", "99999999", "--scope", "shared-4"]) == 3
+    captured = capsys.readouterr()
+    assert "and 0.5 s in all" in captured.err  # the budget is stated up front
+    assert "INCONCLUSIVE" in captured.out
+    assert "the time budget ran out" in captured.out

@@ -10,8 +10,14 @@ caught on the first run.
 
 from __future__ import annotations
 
+import os
+import signal
+
 import pytest
 
+from veloxquant_mlx.commandline.interrupts import InterruptRequest
+from veloxquant_mlx.commandline.verdicts import Verdict
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.stress.finaliser_schedules import explore_finaliser, main
 
@@ -55,16 +61,38 @@ def test_a_finaliser_that_forgets_leaves_blocks_in_use() -> None:
 def test_a_budget_cut_is_inconclusive_and_the_command_says_so(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    assert not explore_finaliser(max_runs=5).exhaustive
+    result = explore_finaliser(max_runs=5)
+    assert not result.exhaustive
+    assert result.verdict is Verdict.INCONCLUSIVE
     assert main(["--max-runs", "5"]) == 3
-    assert "INCONCLUSIVE" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "finaliser_inside_the_lock: INCONCLUSIVE: " in out
+    assert "NOT CHECKED: the schedules after the first 5 runs not checked: the max_runs" in out
 
 
 @pytest.mark.parametrize("bad", ["0", "-3", "many"])
-def test_the_command_refuses_a_budget_that_is_not_a_positive_integer(
-    bad: str, capsys: pytest.CaptureFixture[str]
+def test_the_command_refuses_a_budget_that_is_not_a_positive_integer_in_one_line(
+    capsys: pytest.CaptureFixture[str], bad: str
 ) -> None:
     assert main(["--max-runs", bad]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1
-    assert f"argument --max-schedules/--max-runs: expected an int >= 1, got '{bad}'" in err
+    assert err == (
+        "python -m veloxquant_mlx.stress.finaliser_schedules: error: argument "
+        "--max-schedules/--max-runs: "
+        f"expected an int >= 1, got {bad!r} (see --help)\n"
+    )
+
+
+def test_ctrl_c_stops_the_exploration_between_runs_and_raises_nothing() -> None:
+    sent: list[bool] = []
+
+    def victim_that_sends_ctrl_c(pool: BlockPoolAllocator, owner: int) -> PooledKVCache:
+        if not sent:
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGINT)
+        return PooledKVCache(pool, owner)
+
+    with InterruptRequest("finaliser") as interrupt:
+        result = explore_finaliser(victim_that_sends_ctrl_c, interrupt=interrupt.requested)
+    assert (result.runs, result.interrupted, result.exhaustive) == (1, True, False)
+    assert result.verdict is Verdict.INTERRUPTED

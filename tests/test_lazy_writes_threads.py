@@ -5,7 +5,9 @@ thread can evaluate. Unchecked, a second thread's call failed with "There is
 no Stream(cpu, 1) in current thread" and left a slab that broke every later
 call on the first thread too. Now the store belongs to the first thread that
 calls it, and any other thread is refused, naming ``lazy_writes`` and both
-threads, before anything changes.
+threads, before anything changes. A store belongs to the first thread that
+writes or reads data through it; ``capacity()`` and ``resident_bytes()``
+(a metrics thread's calls) answer on any thread and never bind it.
 """
 
 from __future__ import annotations
@@ -29,8 +31,6 @@ CALLS: dict[str, Call] = {
     "gather": lambda store, block: store.gather(0, [block], 2),
     "gather_heads": lambda store, block: store.gather_heads(0, [block], 2),
     "sync": lambda store, block: store.sync(),
-    "capacity": lambda store, block: store.capacity(),
-    "resident_bytes": lambda store, block: store.resident_bytes(),
 }
 
 
@@ -100,3 +100,29 @@ def test_a_store_without_lazy_writes_serves_every_thread() -> None:
     [block] = pool.allocate("k", 4, owner=1)
     assert in_thread("writer", lambda: store.write(0, block, 0, mx.ones((1, 1, 2)))) is None
     assert store.gather(0, [block], 1).reshape(-1).tolist() == [1.0, 1.0]
+
+
+def test_sizes_answer_on_any_thread_and_never_bind_the_store() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
+    store = MLXBlockStorage(pool, 1, 1, 2, mx.float32, lazy_writes=True)
+    [block] = pool.allocate("k", 4, owner=1)
+    sizes: list[int] = []
+    assert (
+        in_thread("metrics", lambda: sizes.extend([store.capacity(), store.resident_bytes()]))
+        is None
+    )
+    assert sizes == [8, 8 * 4 * 2 * 4]  # blocks, and bytes of 8 blocks of 4 slots of 2 floats
+    store.write(0, block, 0, mx.ones((1, 1, 2)))  # the first data call: main owns the store
+    assert in_thread("metrics", store.capacity) is None
+
+
+def test_another_thread_sees_the_sizes_of_the_last_sync() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8, grow_on_exhaustion=True))
+    store = MLXBlockStorage(pool, 1, 1, 2, mx.float32, lazy_writes=True)
+    [block] = pool.allocate("k", 4, owner=1)
+    store.write(0, block, 0, mx.ones((1, 1, 2)))
+    pool.allocate("k", 4 * 8, owner=2)  # the pool grows past the slabs
+    seen: list[int] = []
+    assert in_thread("metrics", lambda: seen.append(store.capacity())) is None
+    assert seen == [8]  # a resize would evaluate the owner's pending writes: not here
+    assert store.capacity() >= pool.id_bound()  # the owning thread follows the pool

@@ -6,13 +6,17 @@ the gathered attention path that these tests pin; the fused CUDA kernel
 agrees within float tolerance, see test_paged_attention);
 a store of another dtype refuses the model's keys instead of casting them;
 ``kv_bits`` is refused with a clear error where mlx-lm asks a cache to
-quantize; and a pool-backed cache saved with ``save_prompt_cache`` loads
-with ``load_prompt_cache``, as ``KVCache`` layers or paged again, and
-decodes on exactly as the original does.
+quantize, at the prompt; and a pool-backed cache saved with its ``save()``
+loads with mlx-lm's ``load_prompt_cache`` alone, in a fresh process, as
+``KVCache`` layers, or paged again with ``load()``, and decodes on exactly
+as the original does.
 """
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -20,6 +24,7 @@ import mlx.core as mx
 import pytest
 from conftest import pool_unchanged
 from mlx.nn.layers.base import Module
+from mlx_lm.generate import maybe_quantize_kv_cache
 from mlx_lm.models import cache as mlx_lm_cache
 from mlx_lm.models.cache import (
     KVCache,
@@ -120,26 +125,39 @@ def test_the_readme_float16_store_refuses_a_bfloat16_model_before_anything_chang
 # -- kv_bits ---------------------------------------------------------------------------------
 
 
-def test_kv_bits_raises_a_clear_error_where_mlx_lm_asks_to_quantize() -> None:
+@pytest.mark.parametrize("start", [0, 5000], ids=["quantized_kv_start=0", "default start"])
+def test_kv_bits_is_refused_at_the_prompt_before_any_block_is_taken(start: int) -> None:
     model = tiny_model("llama", 6, head_dim=32)
     pool = _pool()
     storage = make_pool_backed_storage(model, pool)
-    with make_pool_backed_cache(model, storage, attention="gather") as cache:
-        with pytest.raises(ValueError, match=r"kv_bits=4 .* float32"):
-            greedy(model, prompt(7), cache, 4, kv_bits=4, kv_group_size=32, quantized_kv_start=0)
+    with make_pool_backed_cache(model, storage, owner=4, attention="gather") as cache:
+        refused = pytest.raises(ValueError, match=r"kv_bits=4 cannot quantize .* float32")
+        with pool_unchanged(pool, owners=[4]), refused:
+            greedy(
+                model, prompt(7), cache, 4, kv_bits=4, kv_group_size=32, quantized_kv_start=start
+            )
         assert all(type(layer) is PoolBackedKVCache for layer in cache)  # none replaced
-        cache.book.check_invariants()
+        assert cache.book.empty()
     assert pool.stats.blocks_in_use() == 0
 
 
-def test_kv_bits_before_quantized_kv_start_decodes_as_kv_cache_does() -> None:
+def test_any_other_caller_is_refused_when_it_asks_the_cache_to_quantize() -> None:
     model = tiny_model("llama", 6, head_dim=32)
-    options: dict[str, object] = {"kv_bits": 4, "kv_group_size": 32}  # start: 5000 positions
-    reference = greedy(model, prompt(7), make_prompt_cache(model), STEPS, **options)
+    storage = make_pool_backed_storage(model, _pool())
+    with make_pool_backed_cache(model, storage, attention="gather") as cache:
+        greedy(model, prompt(7), cache, 2)  # holds positions, far below 5000
+        with pytest.raises(ValueError, match="kv_bits cannot quantize"):
+            maybe_quantize_kv_cache(cache, quantized_kv_start=5000, kv_group_size=32, kv_bits=4)  # type: ignore[no-untyped-call]
+        maybe_quantize_kv_cache(cache, quantized_kv_start=0, kv_group_size=32, kv_bits=None)  # type: ignore[no-untyped-call]
+
+
+def test_without_kv_bits_a_generation_never_looks_for_it() -> None:
+    model = tiny_model("llama", 6, head_dim=32)
+    reference = greedy(model, prompt(7), make_prompt_cache(model), STEPS)
     with make_pool_backed_cache(
         model, make_pool_backed_storage(model, _pool()), attention="gather"
     ) as cache:
-        _assert_identical(greedy(model, prompt(7), cache, STEPS, **options), reference)
+        _assert_identical(greedy(model, prompt(7), cache, STEPS, kv_group_size=32), reference)
 
 
 # -- save_prompt_cache / load_prompt_cache ----------------------------------------------------
@@ -149,8 +167,61 @@ def _continue(model: Module, cache: Sequence[object], last: int) -> Decode:
     return greedy(model, mx.array([last]), cache, STEPS)
 
 
+#: Run in a fresh interpreter: load a saved file with mlx-lm alone, save what it holds.
+LOAD_WITH_MLX_LM_ALONE = """
+import json
+import sys
+import mlx.core as mx
+from mlx_lm.models.cache import load_prompt_cache
+caches, metadata = load_prompt_cache(sys.argv[1], return_metadata=True)
+assert not [name for name in sys.modules if name.startswith("veloxquant_mlx")]
+classes = [type(cache).__name__ for cache in caches]
+offsets = [cache.offset for cache in caches]
+print(json.dumps({"classes": classes, "offsets": offsets, "metadata": metadata}))
+arrays = {
+    f"{i}.{j}": cache.state[j][..., : cache.offset, :]
+    for i, cache in enumerate(caches)
+    for j in range(2)
+}
+mx.save_safetensors(sys.argv[2], arrays)
+"""
+
+
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
-def test_a_saved_pool_backed_cache_loads_back_and_decodes_on_identically(
+def test_save_writes_a_file_mlx_lm_alone_loads_in_a_fresh_process(
+    dtype: mx.Dtype, tmp_path: Path
+) -> None:
+    model = tiny_model("llama", 8, dtype=dtype)
+    saved, echoed = tmp_path / "cache.safetensors", tmp_path / "echo.safetensors"
+    with make_pool_backed_cache(
+        model, make_pool_backed_storage(model, _pool()), attention="gather"
+    ) as cache:
+        greedy(model, prompt(9), cache, 6)
+        cache.save(str(saved), {"model": "tiny llama"})
+        states = [layer.state for layer in cache]
+    loader = subprocess.run(
+        [sys.executable, "-c", LOAD_WITH_MLX_LM_ALONE, str(saved), str(echoed)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert loader.returncode == 0, loader.stderr
+    offset = states[0][2]
+    assert json.loads(loader.stdout) == {
+        "classes": ["KVCache", "KVCache"],
+        "offsets": [offset, offset],
+        "metadata": {"model": "tiny llama"},
+    }
+    arrays = mx.load(str(echoed))
+    assert isinstance(arrays, dict)
+    for index, (keys, values, _) in enumerate(states):
+        assert mx.array_equal(arrays[f"{index}.0"], keys)
+        assert mx.array_equal(arrays[f"{index}.1"], values)
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+def test_a_saved_cache_loads_back_and_decodes_on_identically(
     dtype: mx.Dtype, tmp_path: Path
 ) -> None:
     model = tiny_model("llama", 8, dtype=dtype)
@@ -158,12 +229,12 @@ def test_a_saved_pool_backed_cache_loads_back_and_decodes_on_identically(
     path = str(tmp_path / "cache.safetensors")
     with make_pool_backed_cache(model, storage, attention="gather") as original:
         tokens, _ = greedy(model, prompt(9), original, 6)
-        save_prompt_cache(path, original)
+        original.save(path)
         loaded = load_prompt_cache(path)  # type: ignore[no-untyped-call]
         assert [type(layer) for layer in loaded] == [KVCache, KVCache]
         assert [layer.offset for layer in loaded] == [layer.offset for layer in original]
         with make_pool_backed_cache(model, storage, attention="gather") as paged:
-            paged.copy_from(loaded)
+            assert paged.load(path) == {}
             from_paged = _continue(model, paged, tokens[-1])
         from_loaded = _continue(model, loaded, tokens[-1])
         from_original = _continue(model, original, tokens[-1])
@@ -178,12 +249,27 @@ def test_an_empty_pool_backed_cache_saves_and_loads_empty(tmp_path: Path) -> Non
     with make_pool_backed_cache(
         model, make_pool_backed_storage(model, _pool()), attention="gather"
     ) as cache:
-        save_prompt_cache(path, cache)
+        cache.save(path)
     loaded = load_prompt_cache(path)  # type: ignore[no-untyped-call]
     assert [layer.offset for layer in loaded] == [0, 0]
 
 
-def test_loading_is_registered_with_mlx_lm_without_replacing_its_names() -> None:
+def test_a_file_mlx_lm_saved_directly_loads_where_this_package_is_imported(
+    tmp_path: Path,
+) -> None:
+    model = tiny_model("llama", 8)
+    path = str(tmp_path / "direct.safetensors")
+    with make_pool_backed_cache(
+        model, make_pool_backed_storage(model, _pool()), attention="gather"
+    ) as cache:
+        greedy(model, prompt(9), cache, 3)
+        save_prompt_cache(path, cache)  # names PoolBackedKVCache: the fallback loads it
+        loaded = load_prompt_cache(path)  # type: ignore[no-untyped-call]
+        assert [type(layer) for layer in loaded] == [KVCache, KVCache]
+        assert [layer.offset for layer in loaded] == [layer.offset for layer in cache]
+
+
+def test_the_fallback_name_never_replaces_one_mlx_lm_defines() -> None:
     assert vars(mlx_lm_cache)["PoolBackedKVCache"] is PoolBackedKVCache
     impostor = type("KVCache", (), {})
     register_for_loading(impostor)

@@ -1,8 +1,10 @@
-"""``stress/nightly.sh`` fails the night on an inconclusive run, not only on a violation.
+"""``stress/nightly.sh`` fails the night on an inconclusive run; it never mixes two nights.
 
 The script is run with a stand-in interpreter that exits with a chosen
 status (as ``python -m stress`` would) and writes a summary, so each verdict's
-handling is checked in a second, without ten-minute runs.
+handling is checked in a second, without ten-minute runs. A report folder
+that holds an earlier night is refused up front, or cleared with
+``--force``, and SUMMARY.txt holds this night's runs only.
 """
 
 from __future__ import annotations
@@ -31,11 +33,11 @@ def fake_interpreter(tmp_path: Path, status: int) -> Path:
     return script
 
 
-def run_nightly(tmp_path: Path, status: int) -> subprocess.CompletedProcess[str]:
+def run_nightly(tmp_path: Path, status: int, *options: str) -> subprocess.CompletedProcess[str]:
     python = fake_interpreter(tmp_path, status)
     env = {"PATH": "/usr/bin:/bin", "PYTHON": str(python), "FT_PYTHON": str(tmp_path / "none")}
     return subprocess.run(
-        ["bash", str(ROOT / "stress" / "nightly.sh"), str(tmp_path / "reports")],
+        ["bash", str(ROOT / "stress" / "nightly.sh"), *options, str(tmp_path / "reports")],
         env=env,
         capture_output=True,
         text=True,
@@ -65,3 +67,33 @@ def test_an_interrupted_run_stops_the_night_with_130(tmp_path: Path) -> None:
     assert result.returncode == 130
     assert result.stdout.count("INTERRUPTED") == 1  # the later runs are skipped
     assert (tmp_path / "reports" / "SUMMARY.txt").exists()
+
+
+def test_a_second_night_into_the_same_folder_is_refused_up_front_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    assert run_nightly(tmp_path, 0).returncode == 0
+    summary = tmp_path / "reports" / "SUMMARY.txt"
+    before = summary.read_text()
+    result = run_nightly(tmp_path, 0)
+    assert result.returncode == 2
+    assert result.stdout == ""
+    assert result.stderr.startswith("nightly.sh: error: REPORT_DIR ")
+    assert "--force" in result.stderr
+    assert summary.read_text() == before
+
+
+def test_force_reruns_into_the_folder_and_summarizes_this_night_only(tmp_path: Path) -> None:
+    assert run_nightly(tmp_path, 0).returncode == 0
+    stale = tmp_path / "reports" / "ft-separate-kv"  # a run this night does not make
+    stale.mkdir()
+    (stale / "summary.txt").write_text("stress nightly: VIOLATION (last week)\n")
+    result = run_nightly(tmp_path, 0, "--force")
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = (tmp_path / "reports" / "SUMMARY.txt").read_text()
+    assert [line for line in summary.splitlines() if line.startswith("## ")] == [
+        "## gil-separate-kv",
+        "## gil-shared-kv",
+        "## gil-no-grow",
+    ]
+    assert "last week" not in summary

@@ -10,10 +10,13 @@ lost update and a lock-order deadlock.
 
 from __future__ import annotations
 
+import os
+import signal
 from collections.abc import Callable, Sequence
 
 import pytest
 
+from veloxquant_mlx.commandline.interrupts import InterruptRequest
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import AllocationStats, Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.controlled_scheduler import (
@@ -225,3 +228,36 @@ def test_scheduler_reports_a_lock_order_deadlock() -> None:
     failures = [run.failure for run in explore_bodies(make_bodies, 2) if run.failure]
     assert failures
     assert all(failure.startswith("deadlock") for failure in failures)
+
+
+class SendsCtrlC(BlockPoolAllocator):
+    """Sends the process a SIGINT from its first allocate: inside a controlled thread's call."""
+
+    sent = False
+
+    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+        if not SendsCtrlC.sent:
+            SendsCtrlC.sent = True
+            os.kill(os.getpid(), signal.SIGINT)
+        return super().allocate(stream, n_tokens, owner, format)
+
+
+def test_ctrl_c_inside_a_schedule_stops_the_exploration_after_it_and_raises_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The flag is polled between schedules: no KeyboardInterrupt lands in a semaphore."""
+    monkeypatch.setattr(SendsCtrlC, "sent", False)
+    scenario = next(s for s in SCENARIOS if s.name == "two_threads_take_the_last_block")
+    assert not scenario.setup  # the first allocate is a controlled thread's
+    with InterruptRequest("schedules") as interrupt:
+        result = explore(
+            scenario,
+            lambda config, history_len: SendsCtrlC(config, history_len=history_len),
+            interrupt=interrupt.requested,
+        )
+    assert SendsCtrlC.sent
+    assert result.interrupted
+    assert result.schedules == 1  # the schedule in flight ran to its end
+    assert result.verdict is Verdict.INTERRUPTED
+    assert result.gap is not None
+    assert result.gap.why == "interrupted by Ctrl-C"

@@ -4,26 +4,31 @@
   time after the calls, makes the verdict inconclusive (exit status 3), with
   what was not checked and why in ``report.json``; the trace stays
   ``linearized.partial.jsonl`` and its replay is inconclusive too.
-- A search that would never end is cut by the checking budget: the run
-  ends about ``duration + check_budget`` after it started.
+- A search that would never end is cut by the checking budget, and says so.
+- The calls stop within one call per thread of ``duration``, ``ops`` or
+  Ctrl-C, however many calls a window was to hold.
 - The progress line moves while a long search runs.
 - An interrupted run stops its threads, writes its report (verdict
   "interrupted", partial) and a partial trace that never replays as OK.
+- OK names the checks the options left out.
+
+No assertion depends on timing: the facts asserted are counts of calls and
+the reasons the run gives.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
-import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
 from veloxquant_mlx import cli
 from veloxquant_mlx.commandline.verdicts import Verdict
-from veloxquant_mlx.memory.block_pool import PoolConfig
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress import checker as checker_module
 from veloxquant_mlx.stress.checker import (
     InconclusiveCheckError,
@@ -31,9 +36,11 @@ from veloxquant_mlx.stress.checker import (
     check_history,
 )
 from veloxquant_mlx.stress.checking import CheckingBudget, HistoryChecking, WindowQueue
-from veloxquant_mlx.stress.config import StressConfig, profile
+from veloxquant_mlx.stress.config import MAX_WINDOW_OPS, StressConfig, profile
+from veloxquant_mlx.stress.conservation import CONSERVATION_OWNER
 from veloxquant_mlx.stress.linearizability import SearchResult
 from veloxquant_mlx.stress.replay import LinearizedReplay
+from veloxquant_mlx.stress.report import summary_text
 from veloxquant_mlx.stress.reproducer import recheck
 from veloxquant_mlx.stress.runner import run_stress
 from veloxquant_mlx.stress.specstep import Checkpoint
@@ -137,24 +144,87 @@ def endless_search(
     assert callable(tick)
     while True:
         tick()
-        time.sleep(0.001)
 
 
-def test_a_search_that_never_ends_is_cut_so_the_run_ends_within_its_budgets(
+def test_a_search_that_never_ends_is_cut_by_the_checking_budget_and_says_so(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(checker_module, "search", endless_search)
-    duration, check_budget = 1.0, 1.0
-    config = quick_config(tmp_path, ops=None, duration=duration, check_budget=check_budget)
-    started = time.monotonic()
-    report = run_stress(config)
-    elapsed = time.monotonic() - started
+    report = run_stress(quick_config(tmp_path, ops=200, check_budget=0.5))
     assert report.verdict is Verdict.INCONCLUSIVE
     assert report.percent_checked() == 0
-    # The bound the run promises, with room for one barrier and the thread joins.
-    assert elapsed < duration + check_budget + 5.0
+    assert any(
+        "checking budget of 0.5 s after the last call ran out" in gap.why for gap in report.gaps
+    )
     assert report.timing is not None
-    assert report.timing.checking_after_calls_seconds >= check_budget
+    assert report.timing.checking_after_calls_seconds >= 0.5  # it had its whole budget
+
+
+# -- the calls stop within one call per thread, whatever the window ---------------------------
+
+
+class CountingPool(BlockPoolAllocator):
+    """Counts the workers' allocations (not the audit's); sets ``interrupt`` at the ``at``-th."""
+
+    interrupt: threading.Event | None = None
+    at = 0
+
+    def __init__(self, config: PoolConfig, *, history_len: int) -> None:
+        super().__init__(config, history_len=history_len)
+        self.allocations = self.after_interrupt = 0
+
+    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+        if owner != CONSERVATION_OWNER:
+            interrupt = type(self).interrupt
+            if interrupt is not None and interrupt.is_set():
+                self.after_interrupt += 1
+            self.allocations += 1
+            if interrupt is not None and self.allocations == self.at:
+                interrupt.set()
+        return super().allocate(stream, n_tokens, owner, format)
+
+
+def counting(pools: list[CountingPool]) -> Callable[[PoolConfig, int], BlockPoolAllocator]:
+    def factory(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
+        pools.append(CountingPool(config, history_len=history_len))
+        return pools[-1]
+
+    return factory
+
+
+THREADS = 4
+BIG_WINDOWS = {"window_ops": MAX_WINDOW_OPS, "threads": THREADS, "replay_backend": "none"}
+
+
+def test_ops_stop_the_calls_inside_a_window_that_would_hold_more(tmp_path: Path) -> None:
+    report = run_stress(quick_config(tmp_path, ops=200, **BIG_WINDOWS))
+    # 200 calls and the barrier's and the audit's few; a whole window would be 4,000.
+    assert 200 <= report.operations < 400
+    assert report.verdict is Verdict.OK
+
+
+def test_a_duration_that_has_passed_stops_the_calls_before_the_window_fills(
+    tmp_path: Path,
+) -> None:
+    pools: list[CountingPool] = []
+    config = quick_config(tmp_path, ops=None, duration=1e-9, **BIG_WINDOWS)
+    report = run_stress(config.with_options(allocator_factory=counting(pools)))
+    assert pools[0].allocations == 0  # checked before the first call, not at the barrier
+    assert report.verdict is Verdict.OK
+
+
+def test_ctrl_c_stops_every_worker_within_one_call(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pools: list[CountingPool] = []
+    interrupt = threading.Event()
+    monkeypatch.setattr(CountingPool, "interrupt", interrupt)
+    monkeypatch.setattr(CountingPool, "at", 20)
+    config = quick_config(tmp_path, ops=None, duration=600.0, **BIG_WINDOWS)
+    report = run_stress(config.with_options(allocator_factory=counting(pools)), interrupt=interrupt)
+    assert report.verdict is Verdict.INTERRUPTED
+    # Each of the other workers may be inside one call; a window would hold thousands more.
+    assert pools[0].after_interrupt < THREADS
 
 
 def test_the_progress_line_moves_while_a_long_search_runs() -> None:
@@ -172,16 +242,17 @@ def test_the_progress_line_moves_while_a_long_search_runs() -> None:
     assert "+2,048 in the window being searched" in checking.progress_text()
 
 
-def test_an_interrupted_run_stops_cleanly_and_leaves_a_partial_report(tmp_path: Path) -> None:
+def test_an_interrupted_run_stops_cleanly_and_leaves_a_partial_report(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     interrupt = threading.Event()
-    timer = threading.Timer(0.5, interrupt.set)
-    timer.start()
+    monkeypatch.setattr(CountingPool, "interrupt", interrupt)
+    monkeypatch.setattr(CountingPool, "at", 50)
     before = set(threading.enumerate())
-    report = run_stress(quick_config(tmp_path, ops=None, duration=60.0), interrupt=interrupt)
-    timer.join()
+    config = quick_config(tmp_path, ops=None, duration=600.0)
+    report = run_stress(config.with_options(allocator_factory=counting([])), interrupt=interrupt)
     assert report.verdict is Verdict.INTERRUPTED
-    assert report.wall_seconds < 30
-    assert set(threading.enumerate()) <= before | {timer}  # no thread left running
+    assert set(threading.enumerate()) <= before  # no thread left running
     saved = json.loads((tmp_path / "report.json").read_text())
     assert saved["verdict"] == "interrupted"
     assert saved["partial"] is True
@@ -229,3 +300,48 @@ def test_a_replay_stopped_by_the_budget_counts_what_it_did_not_replay(tmp_path: 
     assert gap is not None
     assert str(gap) == "2 linearized calls not checked: not saved: the checking budget ran out"
     assert (tmp_path / "linearized.partial.jsonl").exists()
+
+
+# -- OK says what it covers ------------------------------------------------------------------
+
+
+def test_ok_names_the_checks_the_options_left_out(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = ["stress", "--ops", "100", "--no-progress", "--out", str(tmp_path)]
+    args += ["--replay-backend", "none", "--check-interval", "0", "--storage", "none"]
+    assert cli.main(args) == 0
+    headline = capsys.readouterr().out.splitlines()[0]
+    assert headline.startswith("stress smoke: OK (left out, as asked: ")
+    for option in ("--replay-backend none", "--check-interval 0", "--storage none"):
+        assert option in headline
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert len(report["checks_off"]) == 3
+
+
+def test_a_run_with_every_check_says_plain_ok(tmp_path: Path) -> None:
+    report = run_stress(quick_config(tmp_path, storage="numpy"))
+    assert report.verdict is Verdict.OK
+    assert report.checks_off == ()
+    assert summary_text(report).splitlines()[0] == "stress smoke: OK"
+
+
+def test_ops_alone_keeps_the_profiles_duration_as_the_wall_time_bound(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    args = ["stress", "--ops", "50", "--no-progress", "--storage", "none", "--out", str(tmp_path)]
+    assert cli.main([*args, "--replay-backend", "none"]) == 0
+    start = capsys.readouterr().err.splitlines()[0]
+    assert "until 50 calls or 60 s" in start
+    assert "wall time at most 90 s" in start
+
+
+def test_the_share_checked_is_never_rounded_up_to_all(tmp_path: Path) -> None:
+    report = run_stress(quick_config(tmp_path, ops=100))
+    almost = dataclasses.replace(
+        report,
+        histories_checked={**report.histories_checked, "events": 99_999, "events_not_checked": 1},
+    )
+    assert almost.percent_checked_text() == "99.9%"
+    assert almost.percent_checked() == 99.999
+    assert "(99.9%)" in summary_text(almost)

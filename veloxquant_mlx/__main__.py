@@ -1,6 +1,21 @@
-"""``python -m veloxquant_mlx``: the same command line as ``veloxquant-mlx``."""
+"""``python -m veloxquant_mlx`` and the ``veloxquant-mlx`` script: :mod:`veloxquant_mlx.cli`.
 
-from veloxquant_mlx.cli import main
+A thin entry point: it installs the Ctrl-C handler before the command's
+heavy imports (NumPy, MLX), so that a Ctrl-C while they load is one line
+and status 130 too (:func:`~veloxquant_mlx.commandline.sigint.program_main`).
+"""
+
+from __future__ import annotations
+
+from veloxquant_mlx.commandline.sigint import program_main, run_program
+
+PROG = "veloxquant-mlx"
+
+
+def main() -> int:
+    """The ``veloxquant-mlx`` script: run the command line on ``sys.argv[1:]``."""
+    return program_main(PROG, "veloxquant_mlx.cli")
+
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_program(PROG, "veloxquant_mlx.cli")

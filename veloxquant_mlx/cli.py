@@ -7,13 +7,16 @@ writing those three functions in its own package and adding one entry here;
 :func:`main` needs no change.
 
 Usage errors (unknown options, bad values, conflicting options, input too
-big for the memory available) print one line naming the value and the
+big for the machine's memory) print one line naming the value and the
 expectation on stderr and exit with status 2; so does bad input a
 subcommand finds later (:class:`~veloxquant_mlx.commandline.bad_input.BadInputError`,
 e.g. an ``--out`` folder that cannot be written). Ctrl-C prints one line and
 exits with 130. The exit statuses are those of
 :mod:`veloxquant_mlx.commandline.verdicts`. :func:`main` returns the status
 rather than raising ``SystemExit``, so it can be called from tests and scripts.
+The older ``python -m`` entry points are :func:`run_alias`: one subcommand
+under the name it was started by, which its errors, ``--help`` and Ctrl-C
+line show.
 
 Complexity: parsing is O(number of arguments).
 Thread safety: :func:`main` writes to the process's stdout and stderr.
@@ -22,6 +25,7 @@ Thread safety: :func:`main` writes to the process's stdout and stderr.
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -43,7 +47,8 @@ class Subcommand:
     """One ``veloxquant-mlx`` subcommand.
 
     Invariant: ``run`` is only called with a namespace that ``add_arguments``
-    declared and ``validate`` accepted.
+    declared and ``validate`` accepted, plus ``prog``: the command's name as
+    it was started (``veloxquant-mlx NAME``, or an alias's), for the lines it prints.
     """
 
     name: str
@@ -142,6 +147,37 @@ def main(argv: Sequence[str] | None = None) -> int:
     return run_command(PROG, lambda: _parse_and_run(argv))
 
 
+def run_alias(prog: str, name: str, argv: Sequence[str] | None, preset: Sequence[str] = ()) -> int:
+    """An older ``python -m`` entry point: subcommand ``name`` as program ``prog``.
+
+    Args:
+        prog: The name it was started by (``python -m veloxquant_mlx.testing.exhaustive``).
+        name: The subcommand it runs.
+        argv: Its arguments (default: ``sys.argv[1:]``).
+        preset: Options put before ``argv`` (a scenario the alias stands for).
+
+    Returns:
+        The exit status, as :func:`main`'s.
+    """
+    arguments = [*preset, *(sys.argv[1:] if argv is None else argv)]
+    return run_command(prog, lambda: _run_one(prog, _find(name), arguments))
+
+
+def _run_one(prog: str, subcommand: Subcommand, argv: Sequence[str]) -> int:
+    parser = OneLineParser(
+        prog=prog,
+        description=subcommand.description,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    subcommand.add_arguments(parser)
+    args = parser.parse_args(argv)  # a usage error exits: see run_command
+    problem = subcommand.validate(args)
+    if problem is not None:
+        parser.error(problem)
+    args.prog = prog
+    return subcommand.run(args)
+
+
 def _parse_and_run(argv: Sequence[str] | None) -> int:
     parser, subparsers = build_parser()
     args, unknown = parser.parse_known_args(argv)  # a usage error exits: see run_command
@@ -152,4 +188,5 @@ def _parse_and_run(argv: Sequence[str] | None) -> int:
     )
     if problem is not None:
         subparsers[subcommand.name].error(problem)
-    return run_command(f"{PROG} {subcommand.name}", lambda: subcommand.run(args))
+    args.prog = f"{PROG} {subcommand.name}"
+    return run_command(args.prog, lambda: subcommand.run(args))

@@ -450,23 +450,37 @@ def _handle_list(value: object, resolve: Callable[[HandleRef], object]) -> list[
     return [resolve(ref) for ref in refs]
 
 
-def spec_arguments(
-    declaration: Declaration, op: object, resolve: SpecResolve
-) -> tuple[object, ...]:
-    """``op``'s arguments as the spec's transition takes them (handles as serials)."""
-    if declaration.values_only:
-        return declaration.arguments(op)
+def _resolved(
+    declaration: Declaration,
+    op: object,
+    resolve: Callable[[HandleRef], object],
+    handle_list: Callable[[object], object],
+) -> list[object]:
+    """``op``'s arguments: values as they are, each handle resolved, each list of handles
+    (or what stands for one) passed through ``handle_list``. The one walk over a call's
+    parameters, for the spec's side and the pool's."""
     arguments: list[object] = []
     for parameter, value in zip(declaration.parameters, declaration.arguments(op), strict=True):
         if parameter.kind is ArgKind.VALUE:
             arguments.append(value)
         elif parameter.kind is ArgKind.HANDLE:
             arguments.append(resolve(value))  # type: ignore[arg-type]  # a HandleRef field
-        elif isinstance(value, NotAList):
-            arguments.append(value)
         else:
-            arguments.append(tuple(_handle_list(value, resolve)))
-    return tuple(arguments)
+            arguments.append(handle_list(value))
+    return arguments
+
+
+def spec_arguments(
+    declaration: Declaration, op: object, resolve: SpecResolve
+) -> tuple[object, ...]:
+    """``op``'s arguments as the spec's transition takes them (handles as serials)."""
+    if declaration.values_only:
+        return declaration.arguments(op)
+
+    def handle_list(value: object) -> object:  # the spec judges NotAList itself
+        return value if isinstance(value, NotAList) else tuple(_handle_list(value, resolve))
+
+    return tuple(_resolved(declaration, op, resolve, handle_list))
 
 
 def spec_call(state: PoolState, op: object, resolve: SpecResolve) -> tuple[PoolState, object]:
@@ -541,18 +555,15 @@ def bind(target: object, op: object, resolve: PoolResolve) -> Callable[[], objec
     if declaration.values_only and not through:
         method, values = getattr(target, last), declaration.arguments(op)
         return lambda: method(*values)
-    arguments: list[object] = []
-    for parameter, value in zip(declaration.parameters, declaration.arguments(op), strict=True):
-        if parameter.kind is ArgKind.VALUE:
-            arguments.append(value)
-        elif parameter.kind is ArgKind.HANDLE:
-            arguments.append(resolve(value))  # type: ignore[arg-type]  # a HandleRef field
-        elif isinstance(value, NotAList):
-            arguments.append(resolve(ForeignBlock(None)))
-        elif isinstance(value, AsTuple):
-            arguments.append(tuple(_handle_list(value, resolve)))
-        else:
-            arguments.append(_handle_list(value, resolve))
+
+    def handle_list(value: object) -> object:
+        if isinstance(value, NotAList):
+            return resolve(ForeignBlock(None))
+        if isinstance(value, AsTuple):
+            return tuple(_handle_list(value, resolve))
+        return _handle_list(value, resolve)
+
+    arguments = _resolved(declaration, op, resolve, handle_list)
     if not through:  # the usual case: bind the method now, so the call is all that is timed
         method = getattr(target, last)
         return lambda: method(*arguments)

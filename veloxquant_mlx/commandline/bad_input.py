@@ -8,7 +8,11 @@ one option, or the contents of a file, raise :class:`BadInputError`, which
 
 Input that would make a command allocate more than the machine has is
 refused before anything is allocated: :func:`require_fits_in_memory`
-compares an estimate (the caller's, in bytes) with the memory available now.
+compares an estimate (the caller's, in bytes: the most the input can make
+the command hold) with the machine's physical memory. Only that is refused:
+a run that fits but needs more than is free at the moment is allowed (a
+busy machine frees memory), and :func:`memory_note` says so in the run's
+start line.
 
 Complexity: O(1), except reading ``/proc/meminfo``. Thread safety: pure
 functions; the parser is used from one thread.
@@ -20,7 +24,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import NoReturn
+from typing import Final, NoReturn
 
 from veloxquant_mlx.commandline.verdicts import ExitStatus
 
@@ -29,6 +33,8 @@ __all__ = [
     "OneLineParser",
     "available_memory_bytes",
     "human_bytes",
+    "memory_note",
+    "physical_memory_bytes",
     "require_fits_in_memory",
 ]
 
@@ -54,53 +60,86 @@ def one_line_error(prog: str, message: str) -> str:
     return f"{prog}: error: {folded}\n"
 
 
-def human_bytes(count: float) -> str:
-    """``1536`` -> ``'1.5 KiB'``: bytes in binary units, three significant figures."""
-    units = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
-    value, unit = float(count), 0
-    while value >= 1024 and unit < len(units) - 1:
-        value, unit = value / 1024, unit + 1
-    if unit == 0:
-        return f"{int(value)} bytes"
-    return f"{value:.3g} {units[unit]}" if value < 100 else f"{value:.0f} {units[unit]}"
+def human_bytes(count: int) -> str:
+    """``1536`` -> ``'1.5 KiB'``: bytes in binary units, three significant figures.
 
-
-def available_memory_bytes() -> int | None:
-    """Memory a new allocation can get now (Linux ``MemAvailable``), else physical memory.
-
-    ``None`` where neither can be read: the caller then cannot refuse on size.
+    Any int is shown, in integer arithmetic up to the unit (a count too big
+    for a float is an input a command refuses, not a crash); past 1,024
+    EiB, as a power of two.
     """
-    meminfo = Path("/proc/meminfo")
+    if count < 1024:
+        return f"{count} bytes"
+    unit = min((count.bit_length() - 1) // 10, len(_UNITS) - 1)
+    whole = count >> 10 * unit
+    if whole >= 1024:  # beyond the largest unit: only the order of magnitude matters
+        return f"2**{count.bit_length() - 1} bytes"
+    value = count / (1 << 10 * unit)  # both ints < 2**70: an exact, finite quotient
+    text = f"{value:.3g}" if value < 100 else f"{value:.0f}"
+    return f"{text} {_UNITS[unit]}"
+
+
+_UNITS: Final = ("bytes", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+
+def _meminfo_bytes(field: str) -> int | None:
+    """A field of Linux ``/proc/meminfo`` in bytes, or ``None`` where it cannot be read."""
     try:
-        for line in meminfo.read_text(encoding="ascii").splitlines():
-            if line.startswith("MemAvailable:"):
+        for line in Path("/proc/meminfo").read_text(encoding="ascii").splitlines():
+            if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
+    return None
+
+
+def physical_memory_bytes() -> int | None:
+    """The machine's memory (``MemTotal``, else ``sysconf``); ``None`` where unknown."""
+    total = _meminfo_bytes("MemTotal")
+    if total is not None:
+        return total
     try:
         return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
         return None
 
 
-def require_fits_in_memory(needed: int, what: str, *, available: int | None = None) -> None:
-    """Refuse input that needs more memory than is available.
+def available_memory_bytes() -> int | None:
+    """Memory a new allocation can get now without swapping (``MemAvailable``), if known."""
+    return _meminfo_bytes("MemAvailable")
+
+
+def require_fits_in_memory(needed: int, what: str, *, limit: int | None = None) -> None:
+    """Refuse input that cannot fit in this machine's memory, whatever else runs on it.
+
+    Only what exceeds the physical memory is refused: input that fits but
+    exceeds what is free now may still run once other programs end (see
+    :func:`memory_note`).
 
     Args:
-        needed: The caller's estimate, in bytes, of what the input makes it allocate.
+        needed: The caller's estimate, in bytes, of the most the input makes it allocate.
         what: Names the input and its value, e.g. ``"header n_layers=100000000000"``.
-        available: Bytes available (default: :func:`available_memory_bytes`).
+        limit: Bytes to compare with (default: :func:`physical_memory_bytes`).
 
     Raises:
-        BadInputError: ``needed`` exceeds what is available.
+        BadInputError: ``needed`` exceeds ``limit``.
     """
+    if limit is None:
+        limit = physical_memory_bytes()
+    if limit is not None and needed > limit:
+        raise BadInputError(
+            f"{what} needs about {human_bytes(needed)} of memory, more than this machine's "
+            f"{human_bytes(limit)}; expected a smaller value"
+        )
+
+
+def memory_note(needed: int, *, available: int | None = None) -> str:
+    """``about 1.2 GiB`` and, when it exceeds the memory free now, a warning saying so."""
     if available is None:
         available = available_memory_bytes()
+    text = f"about {human_bytes(needed)}"
     if available is not None and needed > available:
-        raise BadInputError(
-            f"{what} needs about {human_bytes(needed)} of memory, more than the "
-            f"{human_bytes(available)} available; expected a smaller value"
-        )
+        text += f" (more than the {human_bytes(available)} free now)"
+    return text
 
 
 def print_bad_input(prog: str, error: BadInputError | str) -> ExitStatus:

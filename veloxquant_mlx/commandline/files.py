@@ -21,24 +21,38 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import secrets
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TextIO
+from typing import Final, TextIO
 
 from veloxquant_mlx.commandline.bad_input import BadInputError
 
 __all__ = ["atomic_file", "atomic_write_text", "out_dir_argument", "prepare_out_dir"]
 
 
-def _process_umask() -> int:
-    mask = os.umask(0)  # the only portable way to read it; set back at once
-    os.umask(mask)
-    return mask
+#: Mode asked for a new file, as ``open()`` asks; the kernel takes the umask off
+#: (``mkstemp`` would make it 0600, private, unlike the files it replaces).
+_FILE_MODE: Final = 0o666
+_TEMPORARY_NAME_TRIES: Final = 100
 
 
-#: Mode of a new file, as ``open()`` would create it (``mkstemp`` makes 0600).
-_FILE_MODE = 0o666 & ~_process_umask()
+def _create_temporary(path: Path) -> tuple[int, Path]:
+    """A new, empty file beside ``path`` with the usual mode: ``(descriptor, its path)``.
+
+    ``O_EXCL`` makes the name this call's alone, as ``mkstemp`` does; the
+    umask is applied by the kernel at creation, so the process's umask is
+    never read (reading it means setting it, a race with other threads).
+    """
+    for _ in range(_TEMPORARY_NAME_TRIES):
+        temporary = path.parent / f".{path.name}.{secrets.token_hex(8)}.tmp"
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+            return os.open(temporary, flags, _FILE_MODE), temporary
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary name beside {path}")
 
 
 @contextlib.contextmanager
@@ -46,13 +60,11 @@ def atomic_file(path: Path) -> Iterator[TextIO]:
     """Open a temporary text file beside ``path``; on a clean exit it replaces ``path``.
 
     On an exception (``KeyboardInterrupt`` included) the temporary file is
-    removed and ``path`` is left as it was.
+    removed and ``path`` is left as it was. The new file has the mode
+    ``open()`` would give it (0666 less the umask).
     """
-    descriptor, temporary = tempfile.mkstemp(
-        prefix=f".{path.name}.", suffix=".tmp", dir=path.parent
-    )
+    descriptor, temporary = _create_temporary(path)
     try:
-        os.fchmod(descriptor, _FILE_MODE)
         with os.fdopen(descriptor, "w", encoding="utf-8") as file:
             yield file
             file.flush()

@@ -2,43 +2,55 @@
 
 :func:`run_command` wraps the body of each command's ``main``: a
 :class:`~veloxquant_mlx.commandline.bad_input.BadInputError` becomes one error
-line and status 2, a ``KeyboardInterrupt`` (Ctrl-C in a single-threaded
-command) one ``interrupted`` line and status 130, with no traceback.
+line and status 2, a Ctrl-C one ``interrupted`` line and status 130, with
+no traceback.
 
-A run with worker threads cannot simply let ``KeyboardInterrupt`` unwind the
-main thread: the workers would be killed mid-call at exit (MLX then aborts
-the process with ``terminate called without an active exception``) and the
-files would be left half-written. Such a run uses :class:`InterruptRequest`:
-the first Ctrl-C only sets :attr:`InterruptRequest.requested`, which the run
-polls to stop its threads, join them and write its files, marked partial,
-before the command prints its one line and returns 130. A second Ctrl-C
-ends the process at once (status 130), for a run that does not wind down;
-a SIGINT within :data:`REPEAT_SECONDS` of the first counts as the same one
-(``timeout -s INT`` sends it to the process and to its group: two signals).
+One SIGINT handler serves every command
+(:class:`~veloxquant_mlx.commandline.sigint.SigintHandler`, installed by
+:func:`run_command` on the main thread, where signals are delivered):
 
-Complexity: O(1). Thread safety: :class:`InterruptRequest` installs its
-handler only when entered on the main thread (signals are delivered there);
+- the first SIGINT sets a flag, :attr:`InterruptRequest.requested`. Code
+  that runs threads, or hands a baton between them (a stress run, the
+  schedule and finaliser explorers), works inside :class:`InterruptRequest`: it polls the
+  flag between units of work, stops its threads, joins them and writes its
+  files, marked partial, and the command then prints its one line and
+  returns 130. No exception is raised in the main thread there, so none can
+  land inside a threading primitive (a ``Semaphore.release`` cut half-way
+  leaves its lock held, and the next run hangs on it). Outside it, in
+  single-threaded code, the handler raises ``KeyboardInterrupt``, which
+  :func:`run_command` turns into the one line;
+- a SIGINT within :data:`REPEAT_SECONDS` of the first is the same Ctrl-C
+  and is ignored: ``timeout -s INT`` sends the signal to the process and
+  to its group, two signals a few microseconds apart, and a key held down
+  repeats;
+- a later one ends the process at once (status 130, one line), for a run
+  that does not wind down: without unwinding the worker threads, which is
+  what would crash MLX (``terminate called without an active exception``).
+
+Commands started as programs (``python -m ...``, the ``veloxquant-mlx``
+script) enter through :func:`~veloxquant_mlx.commandline.sigint.run_program`,
+which installs the handler before their heavy imports, so a Ctrl-C while
+NumPy or MLX loads is handled like any other, and ignores SIGINT once the
+command has returned, so a repeat that arrives as the process exits cannot
+kill it by signal.
+
+Complexity: O(1). Thread safety: the handler's state is written by the
+signal handler and by :func:`run_command` on the main thread only;
 ``requested`` is a ``threading.Event``, safe to poll from any thread.
 """
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import threading
-import time
 from collections.abc import Callable
-from types import FrameType, TracebackType
-from typing import Final
+from types import TracebackType
 
 from veloxquant_mlx.commandline.bad_input import BadInputError, print_bad_input
+from veloxquant_mlx.commandline.sigint import REPEAT_SECONDS, SigintHandler, install
 from veloxquant_mlx.commandline.verdicts import ExitStatus
 
 __all__ = ["REPEAT_SECONDS", "InterruptRequest", "report_interrupt", "run_command"]
-
-#: A SIGINT this soon after the first is the same interrupt, not a second one.
-REPEAT_SECONDS: Final = 1.0
 
 
 def report_interrupt(prog: str, detail: str = "") -> ExitStatus:
@@ -51,9 +63,12 @@ def report_interrupt(prog: str, detail: str = "") -> ExitStatus:
 def run_command(prog: str, body: Callable[[], int]) -> int:
     """Run a command's body; its exit status, or 2 on bad input, 130 on Ctrl-C (one line each).
 
-    A ``SystemExit`` (argparse's ``--help`` or usage error) becomes its status,
-    returned rather than raised, so that every ``main`` can be called from code.
+    The SIGINT handler is installed for the call unless one already is (a
+    command run inside another, or a program's). A ``SystemExit``
+    (argparse's ``--help`` or usage error) becomes its status, returned
+    rather than raised, so that every ``main`` can be called from code.
     """
+    _, undo = install(prog)
     try:
         return int(body())
     except BadInputError as error:
@@ -63,32 +78,39 @@ def run_command(prog: str, body: Callable[[], int]) -> int:
     except SystemExit as exit_:
         code = exit_.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        undo()
 
 
 class InterruptRequest:
-    """Turns Ctrl-C into a request that a threaded run polls (see the module docstring).
+    """While entered, Ctrl-C only sets ``requested``, which the code inside polls.
 
-    Use as a context manager around the run; outside it the previous SIGINT
-    handler is back. Invariant: ``requested`` is set iff a SIGINT arrived
-    while the handler was installed (or :meth:`request` was called).
+    Use as a context manager around work that runs threads (see the module
+    docstring); outside it, Ctrl-C raises ``KeyboardInterrupt`` again.
+    Entered outside :func:`run_command` (from code, or a test), it installs
+    the handler itself and restores the previous one on exit.
     """
 
     def __init__(self, prog: str) -> None:
         """``prog`` names the command in the line a second Ctrl-C prints."""
         self.prog = prog
-        self.requested = threading.Event()
-        self._first_at: float | None = None
-        self._previous: Callable[[int, FrameType | None], object] | int | None = None
-        self._installed = False
+        self._handler: SigintHandler | None = None
+        self._undo: Callable[[], None] = lambda: None
+        self._local = threading.Event()  # the flag when no handler can be installed
+
+    @property
+    def requested(self) -> threading.Event:
+        """Set by the first Ctrl-C (or :meth:`request`); safe to poll from any thread."""
+        return self._local if self._handler is None else self._handler.requested
 
     def request(self) -> None:
         """Ask the run to stop, as a first Ctrl-C does."""
         self.requested.set()
 
     def __enter__(self) -> InterruptRequest:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
-            self._installed = True
+        self._handler, self._undo = install(self.prog)
+        if self._handler is not None:
+            self._handler.polling += 1
         return self
 
     def __exit__(
@@ -97,20 +119,6 @@ class InterruptRequest:
         error: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._installed:
-            signal.signal(signal.SIGINT, self._previous)
-            self._installed = False
-
-    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
-        now = time.monotonic()
-        if self._first_at is None:
-            self._first_at = now
-            self.requested.set()
-            return
-        if now - self._first_at < REPEAT_SECONDS:
-            return
-        # The run did not wind down after the first Ctrl-C: stop now, without unwinding
-        # the worker threads (which is what would crash MLX).
-        line = f"{self.prog}: interrupted twice: stopped at once, files left partial\n"
-        os.write(2, line.encode())
-        os._exit(ExitStatus.INTERRUPTED)
+        if self._handler is not None:
+            self._handler.polling -= 1
+        self._undo()

@@ -19,6 +19,8 @@ verdict                 status  meaning
 
 Bad input is an exit status, not a verdict: nothing was checked.
 
+:func:`percent_text` writes the share of calls checked the same way everywhere.
+
 Complexity: O(number of findings). Thread safety: immutable values.
 """
 
@@ -28,7 +30,9 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["ExitStatus", "Gap", "Verdict", "combined", "verdict_of"]
+from veloxquant_mlx.commandline.sigint import INTERRUPTED_STATUS
+
+__all__ = ["ExitStatus", "Gap", "Verdict", "combined", "percent_text", "verdict_of"]
 
 
 class ExitStatus(enum.IntEnum):
@@ -38,7 +42,7 @@ class ExitStatus(enum.IntEnum):
     VIOLATION = 1
     BAD_INPUT = 2
     INCONCLUSIVE = 3
-    INTERRUPTED = 130  # 128 + SIGINT, as a shell reports a Ctrl-C
+    INTERRUPTED = INTERRUPTED_STATUS  # 128 + SIGINT, as a shell reports a Ctrl-C
 
 
 class Verdict(enum.Enum):
@@ -111,3 +115,16 @@ def combined(verdicts: Iterable[Verdict]) -> Verdict:
     inconclusive that any of them gave, else OK (also for no checks at all)."""
     given = set(verdicts)
     return next(verdict for verdict in _PRECEDENCE if verdict in given or verdict is Verdict.OK)
+
+
+def percent_text(part: int, whole: int) -> str:
+    """``part`` of ``whole`` as a percentage with one decimal, e.g. ``'62.1%'``.
+
+    Rounded down, and never to ``100.0%`` unless ``part == whole`` nor to
+    ``0.0%`` unless ``part == 0``: a report must not round "almost all
+    checked" up to "all". Nothing to check (``whole == 0``) is ``100.0%``.
+    """
+    if whole <= 0 or part >= whole:
+        return "100.0%"
+    tenths = min(max(part * 1000 // whole, 1 if part > 0 else 0), 999)
+    return f"{tenths // 10}.{tenths % 10}%"

@@ -12,9 +12,12 @@ pool's lock through its public methods.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import Block
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 DtypeT = TypeVar("DtypeT")
 
@@ -69,7 +72,7 @@ def require_layer(layer: int, n_layers: int) -> None:
         raise ValueError(f"layer must be in 0..{n_layers - 1}, got {layer}")
 
 
-def require_live(pool: BlockPoolAllocator, block: Block, action: str) -> None:
+def require_live(pool: CheckedBlockPool[Block], block: Block, action: str) -> None:
     """``block`` must be a live handle of ``pool``; ``action`` words the error."""
     if not isinstance(block, Block):
         raise TypeError(f"block must be a Block, got {type(block).__name__}: {block!r}")
@@ -80,7 +83,7 @@ def require_live(pool: BlockPoolAllocator, block: Block, action: str) -> None:
         )
 
 
-def require_writable(pool: BlockPoolAllocator, block: Block, action: str) -> None:
+def require_writable(pool: CheckedBlockPool[Block], block: Block, action: str) -> None:
     """``block`` must be a live handle of ``pool`` that no other handle shares."""
     require_live(pool, block, action)
     if pool.is_shared(block.block_id):
@@ -91,7 +94,7 @@ def require_writable(pool: BlockPoolAllocator, block: Block, action: str) -> Non
         )
 
 
-def require_all_live(pool: BlockPoolAllocator, blocks: Sequence[Block]) -> None:
+def require_all_live(pool: CheckedBlockPool[Block], blocks: Sequence[Block]) -> None:
     """Refuse unless every item of ``blocks`` is a live handle: one pool lock, not one each."""
     if pool.all_live(blocks):
         return
@@ -104,7 +107,7 @@ def require_all_live(pool: BlockPoolAllocator, blocks: Sequence[Block]) -> None:
     )
 
 
-def copy_layers(pool: BlockPoolAllocator, layer: int | None, n_layers: int, src: int) -> range:
+def copy_layers(pool: CheckedBlockPool[Block], layer: int | None, n_layers: int, src: int) -> range:
     """The layers ``copy_block(layer, src, ...)`` copies, once its arguments are checked.
 
     ``layer`` is one layer or ``None`` (every one); ``src`` a block id that is

@@ -525,6 +525,9 @@ class BlockPoolAllocator:
         self._history_on: Final = history_len > 0
         # Bound push of each free list (stable: free lists are only ever changed in place).
         self._push_onto: Final = {name: ids.append for name, ids in self._free_lists.items()}
+        # Kept here for the cache layer (memory/deferred_release.py), never read by the
+        # pool: a compiled pool takes no weak references, so no registry can key on it.
+        self._deferred_releases: object = None
 
     # -- read-only views ---------------------------------------------------------
 

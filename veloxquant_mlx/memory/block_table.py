@@ -28,7 +28,8 @@ Complexity (``k`` = blocks of the request): :meth:`require_live` O(1)
 while neither the book nor the pool's free count moved (two attribute reads
 and one ``pool.stats`` snapshot, one pool lock); after the book added ``a``
 blocks with no free anywhere, O(a) amortised, since the ids array grows by
-concatenation; after any free, O(k) once. :meth:`memo` O(1).
+concatenation; after any free, O(k) once. :meth:`memo` and :meth:`remember`
+O(1).
 
 Thread safety: like the book, a table belongs to one request and is used
 from one thread at a time; the pool it asks locks itself. A block freed by
@@ -38,13 +39,16 @@ store's own liveness check: the check runs at the start of each call.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
-from typing import Final, TypeVar, cast
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Final, TypeVar, cast
 
 import mlx.core as mx
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 __all__ = ["DeviceBlockTable", "StaleBlockTableError", "schedule"]
 
@@ -70,7 +74,7 @@ class DeviceBlockTable:
       them a live handle of the book's pool;
     - ``key_ids[i] == key_blocks[i].block_id`` (likewise for values), one
       entry per block, in position order;
-    - the memo holds only values computed from the current ids.
+    - the memo holds only a value computed from the current ids.
     """
 
     def __init__(self, book: PooledKVCache) -> None:
@@ -82,6 +86,8 @@ class DeviceBlockTable:
         # The book's table_version and the pool's n_frees when last checked; -1: never.
         self._checked_version = -1
         self._checked_frees = -1
+        # The book's extent_version at the last check: require_live_this_step's key.
+        self._checked_extent = -1
         # The handles checked live, as the book held them then.
         self._keys: tuple[Block, ...] = ()
         self._values: tuple[Block, ...] = ()
@@ -90,8 +96,9 @@ class DeviceBlockTable:
         self._value_ids = _NO_IDS
         # Handles passed to pool.all_live so far: what the O(1) claim is tested by.
         self._handles_checked = 0
-        # One value derived from the ids by a store (memo()), dropped when they change.
-        self._memo_key: Hashable = None
+        # One value derived from the ids by a store, and the store (compared by identity);
+        # dropped when the ids change.
+        self._memo_key: object = None
         self._memo_value: object = None
 
     @property
@@ -100,7 +107,7 @@ class DeviceBlockTable:
         return self._book
 
     @property
-    def pool(self) -> BlockPoolAllocator:
+    def pool(self) -> CheckedBlockPool[Block]:
         """The pool every block comes from."""
         return self._pool
 
@@ -138,8 +145,10 @@ class DeviceBlockTable:
                 block was freed behind the book's back); the table is left empty,
                 so nothing can read or write through it until the book changes.
         """
-        version = self._book.table_version
+        book = self._book
+        version, extent = book.table_version, book.extent_version
         n_frees = self._pool.stats.n_frees
+        self._checked_extent = extent  # this check covers the book's extent as it is now
         if version == self._checked_version and n_frees == self._checked_frees:
             return
         keys, values = self._book.key_blocks, self._book.value_blocks
@@ -152,16 +161,44 @@ class DeviceBlockTable:
         self._checked_version = version
         self._checked_frees = n_frees
 
-    def memo(self, key: Hashable, make: Callable[[], MemoT]) -> MemoT:
-        """``make()``, computed once per ``key`` while the ids stay the same.
+    def require_live_this_step(self) -> None:
+        """:meth:`require_live`, asking the pool once per decode step, not once per layer.
 
-        A store derives per-step index arrays from the ids (slab rows for its
-        layout, say); every layer of a step then shares one. One entry is kept.
+        While the book's extent (its furthest position and its blocks,
+        :attr:`PooledKVCache.extent_version`) is what it was at the last check, the
+        table is what that check found; a decode step changes the extent with its
+        first layer's append, so every step is checked, by the first call that writes
+        it. A block freed behind the book's back *during* a step, between two layers'
+        calls, is found at the next step (or at the next :meth:`require_live`, which
+        every read that is not part of a decode step makes): it is a race with the
+        step's own lazy writes and reads either way, which run when the step's graph
+        is evaluated, after its last layer.
+
+        Raises:
+            StaleBlockTableError: As :meth:`require_live`.
         """
-        if key != self._memo_key:
-            self._memo_value = make()
-            self._memo_key = key
-        return cast(MemoT, self._memo_value)  # make() made it for this key
+        book = self._book
+        if (
+            book.extent_version != self._checked_extent
+            or book.table_version != self._checked_version
+        ):
+            self.require_live()
+
+    def memo(self, owner: object) -> object:
+        """The value :meth:`remember` last kept for ``owner`` (compared by identity) while
+        the ids stayed the same; ``None`` if there is none.
+
+        A store derives index arrays from the ids (its slab rows of every position,
+        say); every layer of every step then shares them until the table changes.
+        One entry is kept.
+        """
+        return self._memo_value if owner is self._memo_key else None
+
+    def remember(self, owner: object, value: MemoT) -> MemoT:
+        """Keep ``value`` for ``owner`` until the ids change (or another owner's value
+        replaces it); return it."""
+        self._memo_key, self._memo_value = owner, value
+        return value
 
     # -- internals ---------------------------------------------------------------------
 
@@ -200,7 +237,7 @@ class DeviceBlockTable:
         stale = next((block for block in blocks if not self._pool.is_live(block)), None)
         self._keys = self._values = ()
         self._key_ids = self._value_ids = _NO_IDS
-        self._checked_version = self._checked_frees = -1
+        self._checked_version = self._checked_frees = self._checked_extent = -1
         self._forget_memo()
         culprit = "a block" if stale is None else f"block {stale!r}"
         raise StaleBlockTableError(

@@ -1,133 +1,335 @@
-"""Deferred release: the blocks of a KV cache dropped without ``release()`` go back to the pool.
+"""Owner claims and deferred release: a book's owner id, from claim to release, even when dropped.
 
+A :class:`~veloxquant_mlx.memory.pooled_kv_cache.PooledKVCache` (the block
+table every pool-backed cache list shares) *claims* an owner id of its pool
+when it is built and gives the id and its blocks back on ``release()``.
 mlx-lm code never calls ``release()``: a request's cache list is simply
-dropped when generation ends. A dropped :class:`PooledKVCache` (the block
-table every pool-backed cache list shares) must then give its blocks back
-by itself, from its finaliser. A finaliser runs on whatever thread happens
-to drop the last reference or trigger the garbage collector, at any bytecode
-of that thread, including one inside the pool's critical section (the pool
-creates ``Block`` objects under its lock, and any allocation may start a
-collection). The pool's lock is a plain, non-reentrant ``threading.Lock``,
-so a finaliser that called ``pool.free_all()`` could deadlock its own
-thread. It must not take any lock at all.
-
-So the finaliser only *queues* the dropped book's owner id, with
+dropped when generation ends, so a dropped book must give its blocks back by
+itself, from its finaliser. A finaliser runs on whatever thread drops the
+last reference or triggers the garbage collector, at any bytecode of that
+thread, including one inside the pool's critical section (the pool creates
+``Block`` objects under its lock, and any allocation may start a
+collection). The pool's lock is a plain, non-reentrant ``threading.Lock``, so
+a finaliser that called the pool could deadlock its own thread. It takes no
+lock at all: it only *queues* what the book held, with
 ``queue.SimpleQueue.put``, which CPython documents as reentrant (safe in
-``__del__`` and weakref callbacks, even if it interrupts another ``put`` or
-``get`` on the same thread). Ordinary code *drains* the queue later, with
-``pool.free_all(owner)`` for each queued owner. The queue lives here, in the
-memory layer above the pool, one per pool, shared by every book and store
-on that pool; the pool's own API is unchanged.
+``__del__``, even if it interrupts another ``put`` or ``get`` of the queue
+on the same thread). Ordinary code *drains* the queue later.
 
-When the blocks of a dropped cache come back (the first of these, on any
-thread):
+What a release frees, and why it is safe when ids are reused. An owner id
+is only a number: once a book's blocks were freed behind its back (a server
+that ends a request with ``pool.free_all(owner)``), a new request may claim
+the same id, and freeing "the owner" would free the new request's blocks.
+So a release never frees by owner id:
 
-- any method of a backing store on that pool (``MLXBlockStorage``,
-  ``NumpyBlockStorage``: each one syncs with the pool first, and the sync
-  drains), which includes every ``update_and_fetch`` of a pool-backed cache;
-- the construction of a :class:`PooledKVCache` on that pool, and so
-  ``make_pool_backed_cache`` (before it claims its owner id, so the id of a
-  dropped request can be reused at once);
-- a ``PooledKVCache.append`` that checks out new blocks (before it does, so
-  that a dropped cache's blocks serve it rather than exhaust the pool);
-- :func:`reclaim_dropped_caches`, the explicit drain.
+- blocks are freed *by handle*: the queued (or released) book's own handles,
+  those that are still live. A handle is the pool's proof of one checkout
+  (CONTRACT.md: a freed handle stays stale for ever), so another request's
+  blocks, under the same id or not, are never touched; the pool releases the
+  id with the book's last block;
+- a book that held its id with no block (built and never appended to, or
+  trimmed to nothing) holds only a registration, which has no identity in
+  the pool. Each claim therefore records a fresh *claim token* for its id,
+  and a bare registration is released only while the id's current token is
+  the book's own. Registering an id and releasing a bare registration both
+  happen under this module's claim lock, so no claim slips between the check
+  and the release.
 
-Until then the blocks count as in use and the owner id stays claimed, so no
-other book can take the id meanwhile. Calling pool methods alone never
-drains: the pool knows nothing of this layer.
+When the blocks of a dropped book come back (the first of these, on any
+thread): the construction of a book on that pool (before it claims its id,
+so the id of a dropped request can be reused at once, even while another
+thread is still releasing it: the claim finishes that release itself); a
+book ``append`` that checks out new blocks (so that a dropped cache's blocks
+serve it rather than exhaust the pool); every ``update_and_fetch`` of a
+pool-backed cache (:mod:`~veloxquant_mlx.memory.kv_cache`); and
+:func:`reclaim_dropped_caches`, the explicit drain. Until then the blocks
+count as in use and the id stays claimed. Pool methods and backing stores
+never drain: they know nothing of this layer, so a third-party store has
+nothing to do for it.
 
-Complexity: ``defer`` O(1); ``drain`` O(1) when nothing is queued, else the
-cost of ``free_all`` for each queued owner; ``deferred_releases_for`` O(1)
-(amortised, a weak dictionary look-up under a module lock).
+Complexity: ``defer`` O(1); ``drain`` O(1) when nothing is queued, else
+O(k) for the k handles of each queued book; ``claim`` O(1) plus a drain;
+``release_now`` O(k); ``deferred_releases_for`` O(1) (an attribute the pool
+keeps for this module, read under a module lock).
 
 Thread safety: ``defer`` takes no lock and may run inside any other call,
 including a pool call on the same thread. ``drain`` may run on several
-threads at once: each queued owner is taken off the queue by exactly one of
-them. ``deferred_releases_for`` is never called from a finaliser.
+threads at once: each queued book is taken by exactly one of them, and an
+exception (``KeyboardInterrupt`` included) that interrupts its release puts
+it back on the queue. No lock of this module is ever held by a finaliser or
+around a pool call that a finaliser could interrupt with a call back into
+this module; the pool's lock is never taken here except through the pool's
+public methods. ``deferred_releases_for`` is never called from a finaliser.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-import weakref
-from typing import Final
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
 
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import (
+    Block,
+    BlockPoolAllocator,
+    InvalidFreeError,
+    OwnerAlreadyActiveError,
+)
 
-__all__ = ["DeferredReleases", "deferred_releases_for", "reclaim_dropped_caches"]
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
+
+__all__ = [
+    "BookHolding",
+    "ClaimToken",
+    "DeferredReleases",
+    "deferred_releases_for",
+    "reclaim_dropped_caches",
+]
+
+
+class ClaimToken:
+    """One claim of an owner id by one book: compared by identity, never equal to another."""
+
+    __slots__ = ()
+
+
+@dataclass(frozen=True)
+class BookHolding:
+    """What a book holds: its owner id, its claim of the id and its block handles.
+
+    Queued when the book is dropped unreleased; handed to
+    :meth:`DeferredReleases.release_now` by ``release()``.
+    """
+
+    owner: int
+    claim: ClaimToken
+    handles: tuple[Block, ...]
 
 
 class DeferredReleases:
-    """The owners of one pool whose books were dropped while holding blocks.
+    """The owner claims of one pool's books, and the books dropped while holding them.
 
-    Invariant: every owner id on the queue was claimed by exactly one book,
-    that book is unreachable, and the id is still active in the pool (its
-    blocks or its registration), so no other book can have claimed it; it
-    leaves the queue exactly once, through :meth:`drain`, which frees it.
+    Invariants:
+
+    - ``claims[owner]`` is the token of the last book that claimed ``owner`` and has
+      not released it (released, or dropped and drained, removes it; a later claim
+      of the id replaces it);
+    - every queued or in-flight :class:`BookHolding` leaves the queue exactly once,
+      through a drain, which releases it (or, interrupted, puts it back);
+    - a release frees only the book's own handles that are still live, and releases
+      a bare registration only while ``claims[owner]`` is the book's token.
     """
 
     def __init__(self, pool: BlockPoolAllocator) -> None:
-        # Weak: the registry maps the pool to this object, which must not keep it alive.
-        self._pool: Final = weakref.ref(pool)
-        # Owner ids queued by finalisers; SimpleQueue because its put() is reentrant.
-        self._owners: Final[queue.SimpleQueue[int]] = queue.SimpleQueue()
+        # Strong: the pool holds this object too (deferred_releases_for); the cycle is
+        # the garbage collector's, as a compiled pool cannot be weakly referenced.
+        self._pool: Final = pool
+        # Books dropped unreleased, queued by finalisers; SimpleQueue: put() is reentrant.
+        self._dropped: Final[queue.SimpleQueue[BookHolding]] = queue.SimpleQueue()
+        # Guards claims and in_flight; held for a few dict operations, never around a
+        # pool call (so the schedule explorers' threads can never block on it).
+        self._guard: Final = threading.Lock()
+        # Held while an id is registered for a claim and while a bare registration is
+        # released: no claim happens between a release's check and its release.
+        self._claim_lock: Final = threading.Lock()
+        # Owner id -> token of the book that claims it (module docstring).
+        self._claims: Final[dict[int, ClaimToken]] = {}
+        # Dropped books a drain took off the queue and has not finished releasing.
+        self._in_flight: Final[list[BookHolding]] = []
 
-    def defer(self, owner: int) -> None:
-        """Queue ``owner`` for release. Safe in a finaliser: takes no lock, never raises."""
-        self._owners.put(owner)
+    # -- claims --------------------------------------------------------------------------
+
+    def claim(self, owner: int) -> ClaimToken:
+        """Register ``owner`` for a new book (after a drain); return the book's token.
+
+        If ``owner`` is still held by a dropped book (queued, or being released by
+        another thread right now), this call finishes that release and claims it.
+
+        Raises:
+            OwnerAlreadyActiveError: ``owner`` holds blocks or is registered (not
+                by a dropped book).
+        """
+        pool = self._pool
+        self.drain()
+        try:
+            return self._register(pool, owner)
+        except OwnerAlreadyActiveError:
+            pass
+        # Held: by a book dropped since that drain, by one another thread is releasing
+        # (finish it here), or by a live book (then the second try raises).
+        self.drain()
+        in_flight = self._in_flight_for(owner)
+        if in_flight is not None:
+            self._release(pool, in_flight)
+        return self._register(pool, owner)
+
+    def claim_first_unused(self, candidates: Iterator[int]) -> tuple[int, ClaimToken]:
+        """Claim the first id of ``candidates`` that is not active (after a drain)."""
+        pool = self._pool
+        self.drain()
+        for owner in candidates:
+            try:
+                return owner, self._register(pool, owner)
+            except OwnerAlreadyActiveError:
+                continue
+        raise ValueError("candidates ran out before an unused owner id was found")
+
+    def free_keeping_claim(self, owner: int, claim: ClaimToken, blocks: list[Block]) -> bool:
+        """Free a book's *last* blocks and register its id again at once.
+
+        The pool releases an owner with its last block; under the claim lock no
+        other book can claim the id in between. Code outside the books can
+        (``pool.register_owner``, ``pool.allocate``): then the claim is dropped and
+        this returns ``False``; the book must count itself released.
+
+        Raises:
+            InvalidFreeError: As ``pool.free``; nothing changes.
+        """
+        pool = self._pool
+        with self._claim_lock:
+            pool.free(blocks)
+            try:
+                pool.register_owner(owner)
+            except OwnerAlreadyActiveError:
+                self._forget(owner, claim)
+                return False
+        return True
+
+    def release_now(self, book: BookHolding) -> None:
+        """Release what ``book`` holds, as a drain would: its live handles, and its bare
+        registration while its claim is current. For ``release()``."""
+        self._release(self._pool, book)
+
+    # -- dropped books -------------------------------------------------------------------
+
+    def defer(self, book: BookHolding) -> None:
+        """Queue ``book`` for release. Safe in a finaliser: takes no lock, never raises."""
+        self._dropped.put(book)
 
     def pending(self) -> bool:
-        """Whether some dropped owner waits for a drain (a snapshot; O(1))."""
-        return not self._owners.empty()
+        """Whether a dropped book waits for a drain (a snapshot; O(1), no lock)."""
+        return not self._dropped.empty()
 
     def drain(self) -> int:
-        """Free every queued owner's blocks and registration. Never call it from a finaliser.
+        """Release every queued book. Never call it from a finaliser.
+
+        Books that another thread's drain took are released there (a claim of one
+        of their ids finishes that release itself: see :meth:`claim`).
 
         Returns:
-            How many owners this call released.
+            How many dropped books this call released (a book whose blocks were
+            freed and whose claim was replaced behind its back counts as none).
         """
-        if self._owners.empty():  # the hot path: one O(1) check per store call
+        if self._dropped.empty():  # the hot path: one O(1) check
             return 0
-        pool = self._pool()
         released = 0
-        while True:
+        while (book := self._take()) is not None:
             try:
-                owner = self._owners.get_nowait()
+                released += self._release(self._pool, book)
+            except BaseException:
+                self._dropped.put(book)  # interrupted: the next drain releases it
+                raise
+            finally:
+                with self._guard:
+                    self._in_flight.remove(book)
+        return released
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _register(self, pool: BlockPoolAllocator, owner: int) -> ClaimToken:
+        with self._claim_lock:
+            pool.register_owner(owner)
+            claim = ClaimToken()
+            with self._guard:
+                self._claims[owner] = claim
+        return claim
+
+    def _forget(self, owner: int, claim: ClaimToken) -> bool:
+        """Drop ``owner``'s claim if it is still ``claim``; whether it was."""
+        with self._guard:
+            current = self._claims.get(owner) is claim
+            if current:
+                del self._claims[owner]
+        return current
+
+    def _take(self) -> BookHolding | None:
+        """The next queued book, recorded as in flight in the same step."""
+        with self._guard:
+            try:
+                book = self._dropped.get_nowait()
             except queue.Empty:
-                return released
-            if pool is not None:
-                pool.free_all(owner)
-                released += 1
+                return None
+            self._in_flight.append(book)
+        return book
+
+    def _in_flight_for(self, owner: int) -> BookHolding | None:
+        with self._guard:
+            return next((book for book in self._in_flight if book.owner == owner), None)
+
+    def _release(self, pool: BlockPoolAllocator, book: BookHolding) -> int:
+        """Free the book's live handles; release its bare registration if its claim is
+        current. Idempotent, and safe on several threads at once. 1 if it did either."""
+        if book.handles:
+            freed = _free_live(pool, book.handles)
+            return int(self._forget(book.owner, book.claim) or freed)
+        with self._claim_lock:
+            current = self._forget(book.owner, book.claim)
+            if current:
+                pool.release_owner(book.owner)
+        return int(current)
 
 
-#: One queue per live pool; the pool's death removes its entry.
-_QUEUES: Final[weakref.WeakKeyDictionary[BlockPoolAllocator, DeferredReleases]] = (
-    weakref.WeakKeyDictionary()
-)
-_QUEUES_LOCK: Final = threading.Lock()
+def _free_live(pool: BlockPoolAllocator, handles: tuple[Block, ...]) -> bool:
+    """Free those of ``handles`` that are live; whether any was.
 
-
-def deferred_releases_for(pool: BlockPoolAllocator) -> DeferredReleases:
-    """The queue of dropped owners of ``pool``, shared by every book and store on it.
-
-    Called when a book or a store is built, never from a finaliser (it takes a lock).
+    ``pool.free`` is all or nothing: if another thread freed one of them between
+    the look and the free, look again (handles only ever go stale, so this ends).
     """
-    with _QUEUES_LOCK:
-        releases = _QUEUES.get(pool)
-        if releases is None:
-            releases = _QUEUES[pool] = DeferredReleases(pool)
+    while True:
+        live = list(handles) if pool.all_live(handles) else [h for h in handles if pool.is_live(h)]
+        if not live:
+            return False
+        try:
+            pool.free(live)
+        except InvalidFreeError:
+            continue
+        return True
+
+
+#: Serialises the first look-up of a pool, so that its books share one registry.
+_RELEASES_LOCK: Final = threading.Lock()
+
+
+def deferred_releases_for(pool: CheckedBlockPool[Block]) -> DeferredReleases:
+    """The owner claims and dropped books of ``pool``, shared by every book on it.
+
+    Called when a book or a cache is built, never from a finaliser (it takes a lock).
+
+    Raises:
+        TypeError: ``pool`` is not a ``BlockPoolAllocator`` (the registry lives in it).
+    """
+    if not isinstance(pool, BlockPoolAllocator):
+        raise TypeError(f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
+    with _RELEASES_LOCK:
+        releases = pool._deferred_releases  # the slot the pool keeps for us
+        if not isinstance(releases, DeferredReleases):
+            releases = DeferredReleases(pool)
+            pool._deferred_releases = releases
         return releases
 
 
 def reclaim_dropped_caches(pool: BlockPoolAllocator) -> int:
     """Return to ``pool`` the blocks of every cache dropped without ``release()`` so far.
 
-    Stores and books on the pool do this on their own next call (module
-    docstring); call it where none is due, e.g. before reading ``pool.stats``.
+    Books and pool-backed caches do this on their own (module docstring); call
+    it where none is due, e.g. before reading ``pool.stats``. A dropped cache
+    that another thread is releasing at this moment comes back when that
+    thread's call returns.
 
     Returns:
-        How many dropped caches (owners) were released by this call.
+        How many dropped caches were released by this call.
 
     Raises:
         TypeError: ``pool`` is not a ``BlockPoolAllocator``.

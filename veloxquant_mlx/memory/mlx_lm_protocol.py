@@ -1,4 +1,4 @@
-"""mlx-lm's cache conventions that a pool-backed cache speaks: masks, state, saved files.
+"""mlx-lm's cache conventions that a pool-backed cache speaks: masks, state, saved files, kv_bits.
 
 :class:`~veloxquant_mlx.memory.kv_cache.PoolBackedKVCache` stands in for
 mlx-lm's ``KVCache``; this module holds what it must agree with mlx-lm on,
@@ -10,39 +10,73 @@ outside the cache itself:
   (``split_state`` also takes ``(keys, values)`` and an empty cache's
   ``(None, None, 0)``);
 - saved prompt caches. ``save_prompt_cache`` writes each cache's ``state``
-  and class name; ``load_prompt_cache`` looks that name up in the globals of
-  ``mlx_lm.models.cache`` and calls ``from_state``. ``register_for_loading``
-  adds the pool-backed class's name there (the one name mlx-lm does not
-  define; never one it does): importing ``veloxquant_mlx.memory.kv_cache``
-  does it whenever mlx-lm is installed, so a loader must import that module
-  first. A store is not saved, so the file loads as plain ``KVCache``
-  layers holding the same positions (``kv_cache_from_state``), which decode
-  on exactly as the saved cache would; ``PoolBackedPromptCache.copy_from``
-  pages them into a pool again.
-- ``generate_step(..., kv_bits=...)`` calls ``to_quantized()`` on each cache
-  once it holds ``quantized_kv_start`` positions (5000 by default, so a
-  short generation never asks). A pool-backed cache raises ``ValueError``
-  there rather than stay silently unquantized: mlx-lm's ``QuantizedKVCache``
-  would hold the keys outside the pool and its accounting.
+  and class name, and ``load_prompt_cache`` looks that name up in the
+  globals of ``mlx_lm.models.cache``. A store is not saved, so
+  ``save_kv_caches`` writes a pool-backed list as the ``KVCache`` layers that
+  hold the same positions (``kv_cache_from_state``): the file loads with
+  mlx-lm alone, in any process, and decodes on exactly as the saved cache
+  would (``PoolBackedPromptCache.save`` and ``.load`` use it). A file that
+  mlx-lm's ``save_prompt_cache`` wrote from a pool-backed list directly names
+  ``PoolBackedKVCache``; only as a fallback for such files,
+  ``register_for_loading`` adds that name (one mlx-lm does not define; never
+  one it does) to ``mlx_lm.models.cache`` when ``kv_cache`` is imported, so
+  they load in a process that imported it, as ``KVCache`` layers too.
+- ``generate_step(..., kv_bits=...)``. mlx-lm asks each cache to quantize
+  itself (``to_quantized``) once it holds ``quantized_kv_start`` positions
+  (5000 by default), after probing ``hasattr(cache, "to_quantized")`` at
+  every step. A pool-backed cache cannot: mlx-lm's ``QuantizedKVCache``
+  would hold the keys outside the pool and its accounting. It refuses as
+  early as it can: ``kv_bits_of_generation`` finds the ``kv_bits`` of the
+  mlx-lm generator whose model call is running (the cache checks it at every
+  update of more than one position, so at the prompt's first chunk, before
+  any block is taken), and the cache's ``to_quantized`` raises as soon as
+  mlx-lm looks it up (the first step) for any other caller.
 
-mlx-lm is optional: only ``kv_cache_from_state`` and ``register_for_loading``
-import it, lazily. Complexity: ``causal_mask`` O(n_queries * (offset +
-n_queries)); ``split_state`` O(1); ``kv_cache_from_state`` O(positions).
-Thread safety: pure functions, except that ``register_for_loading`` adds a
-name to mlx-lm's module once (idempotent).
+:class:`KVCacheConventions` gathers the part of the cache protocol that
+follows from ``offset`` and ``trim`` alone (masks, ``meta_state``, ``size``,
+``empty``, ``from_state``, the ``to_quantized`` refusal), so the cache
+class holds only its paged data path.
+
+mlx-lm is optional: only ``kv_cache_from_state``, ``save_kv_caches`` and
+``register_for_loading`` import it, lazily. Complexity: ``causal_mask``
+O(n_queries * (offset + n_queries)); ``split_state`` O(1);
+``kv_cache_from_state`` O(positions); ``kv_bits_of_generation`` O(stack
+depth), at most ``_MAX_FRAMES`` frames. Thread safety: pure functions,
+except that ``register_for_loading`` adds a name to mlx-lm's module once
+(idempotent).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import TYPE_CHECKING
+import sys
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Final, NoReturn
 
 import mlx.core as mx
+
+from veloxquant_mlx.memory.mlx_storage import dtype_name
 
 if TYPE_CHECKING:
     from mlx_lm.models.cache import KVCache
 
-__all__ = ["MaskT", "causal_mask", "kv_cache_from_state", "register_for_loading", "split_state"]
+__all__ = [
+    "KVCacheConventions",
+    "MaskT",
+    "causal_mask",
+    "kv_bits_of_generation",
+    "kv_bits_refusal",
+    "kv_cache_from_state",
+    "register_for_loading",
+    "save_kv_caches",
+    "split_state",
+]
+
+#: mlx-lm's generators that take ``kv_bits``: ``(module, function)`` names.
+_QUANTIZING_GENERATORS: Final = frozenset(
+    {("mlx_lm.generate", "generate_step"), ("mlx_lm.generate", "speculative_generate_step")}
+)
+#: How far up the stack a cache looks for them (a model call is a dozen frames deep).
+_MAX_FRAMES: Final = 64
 
 #: mlx-lm's mask for N queries at ``offset``; a str ("causal"), an array or None.
 MaskT = mx.array | str | None
@@ -111,3 +145,134 @@ def register_for_loading(cache_type: type) -> None:
     except ImportError:  # mlx-lm is optional: then there is nothing to load with
         return
     vars(mlx_lm_cache).setdefault(cache_type.__name__, cache_type)
+
+
+def save_kv_caches(
+    file_name: str, states: Sequence[object], metadata: dict[str, str] | None = None
+) -> None:
+    """Save ``states`` (one ``(keys, values, offset)`` per layer) with mlx-lm's
+    ``save_prompt_cache``, as ``KVCache`` layers: a file mlx-lm alone loads.
+
+    Raises:
+        TypeError, ValueError: A state is not ``(keys, values[, offset])``; as
+            ``save_prompt_cache`` for the file and the metadata.
+    """
+    from mlx_lm.models.cache import save_prompt_cache  # noqa: PLC0415
+
+    caches = [kv_cache_from_state(state) for state in states]
+    save_prompt_cache(file_name, caches, metadata)
+
+
+def kv_bits_of_generation() -> int | None:
+    """The ``kv_bits`` of the mlx-lm generator this call runs inside, if it asks for any.
+
+    Looks up the calling stack (at most ``_MAX_FRAMES`` frames) for
+    ``generate_step`` or ``speculative_generate_step`` of ``mlx_lm.generate``,
+    and reads its ``kv_bits`` argument; ``None`` outside them or without it.
+    """
+    frame = sys._getframe(1)
+    for _ in range(_MAX_FRAMES):
+        code = frame.f_code
+        if (frame.f_globals.get("__name__"), code.co_name) in _QUANTIZING_GENERATORS:
+            bits = frame.f_locals.get("kv_bits")
+            return bits if isinstance(bits, int) else None
+        if frame.f_back is None:
+            return None
+        frame = frame.f_back
+    return None
+
+
+def kv_bits_refusal(bits: object, dtype_name: str) -> ValueError:
+    """The error a pool-backed cache raises for ``kv_bits`` (``bits`` if known)."""
+    asked = f"kv_bits={bits}" if bits is not None else "kv_bits"
+    return ValueError(
+        f"{asked} cannot quantize a PoolBackedKVCache: its keys and values stay in the "
+        f"pool's store as {dtype_name}; generate without kv_bits, or use mlx-lm's "
+        "make_prompt_cache for a quantized cache"
+    )
+
+
+class KVCacheConventions:
+    """mlx-lm's cache protocol, the part that follows from ``offset`` and ``trim``.
+
+    A subclass provides ``offset`` (positions held), ``trim(n)`` and ``_dtype``
+    (the dtype its keys are kept in); everything here is derived from those, as
+    mlx-lm's ``KVCache`` derives it.
+    """
+
+    _dtype: mx.Dtype
+
+    @property
+    def offset(self) -> int:
+        """Positions held; the rotary offset of the next token."""
+        raise NotImplementedError
+
+    def trim(self, n: int) -> int:
+        """Drop the last ``n`` positions; return how many were dropped."""
+        raise NotImplementedError
+
+    def make_mask(
+        self,
+        N: int,  # noqa: N803 (mlx-lm's keyword)
+        return_array: bool = False,
+        window_size: int | None = None,
+    ) -> MaskT:
+        """The attention mask for ``N`` new queries, exactly as mlx-lm's ``KVCache`` makes it.
+
+        ``None`` for one query, ``"causal"`` for several, a boolean ``(N, offset + N)``
+        array when ``return_array`` or a ``window_size`` asks for one.
+        """
+        if window_size is None and not (return_array and N > 1):
+            return None if N == 1 else "causal"
+        return causal_mask(N, self.offset, window_size)
+
+    @property
+    def meta_state(self) -> tuple[str]:
+        """The scalar part of the state, as strings: ``(str(offset),)``."""
+        return (str(self.offset),)
+
+    @meta_state.setter
+    def meta_state(self, meta_state: Sequence[str]) -> None:
+        """Set the offset from ``(str(offset),)``: positions past it are dropped.
+
+        Raises:
+            ValueError: Not one decimal string, or an offset above the one held.
+        """
+        if len(meta_state) != 1 or not str(meta_state[0]).isdecimal():
+            raise ValueError(f"meta_state must be (str(offset),), got {meta_state!r}")
+        offset = int(meta_state[0])
+        if offset > self.offset:
+            raise ValueError(f"meta_state offset must be <= {self.offset} (held), got {offset}")
+        self.trim(self.offset - offset)
+
+    def size(self) -> int:
+        """Positions held (mlx-lm's ``size()``)."""
+        return self.offset
+
+    def empty(self) -> bool:
+        """Whether no position is held."""
+        return self.offset == 0
+
+    @property
+    def to_quantized(self) -> Callable[..., NoReturn]:
+        """Refused as soon as it is looked up: mlx-lm's ``generate_step(..., kv_bits=...)``
+        probes ``hasattr(cache, "to_quantized")`` at every step and calls it once the
+        cache holds ``quantized_kv_start`` positions; a pool-backed cache keeps its keys
+        and values in the store, so it says so at the first probe, never silently
+        staying unquantized. (``hasattr`` passes on any error but ``AttributeError``.)
+
+        Raises:
+            ValueError: Always, naming ``kv_bits`` and the store's dtype; nothing changes.
+        """
+        raise kv_bits_refusal(kv_bits_of_generation(), dtype_name(self._dtype))
+
+    @classmethod
+    def from_state(cls, state: Sequence[object], meta_state: object = None) -> KVCache:
+        """An mlx-lm ``KVCache`` holding ``state``: what ``load_prompt_cache`` builds for a
+        file that names this class (a store is not saved with it, so the file loads as
+        plain ``KVCache`` layers; ``PoolBackedPromptCache.load`` pages it again).
+
+        Raises:
+            TypeError, ValueError: ``state`` is not ``(keys, values[, offset])``.
+        """
+        return kv_cache_from_state(state)

@@ -1,18 +1,16 @@
 """MLXBlockStorage: the MLX backing store of a block pool, one slab per layer.
 
-Each layer's keys or values live in one ``mx.array`` slab of shape
-``(n_kv_heads, capacity, block_size, head_dim)``: head-major, so that head
-``h`` of block ``b`` is row ``h * capacity + b`` of the slab seen as
-``(n_kv_heads * capacity, block_size, head_dim)``. A paged
-:meth:`~MLXBlockStorage.gather_heads` is then a single ``mx.take`` of those
-rows that lands in ``(n_kv_heads, tokens, head_dim)``, the layout attention
-reads, with no transposing copy (on CPU, at 4K tokens, measured about 2.5x
-cheaper than a block-major take plus that copy); a write is a single
-``mx.slice_update``.
-Because the row stride is the capacity, a resize re-lays every slab out
-(it copies anyway).
-The store follows its pool through :meth:`MLXBlockStorage.sync`, which every
-public method calls first (the rule is spelled out in the class docstring).
+Each layer's keys and values live in one ``mx.array`` slab, head-major:
+``(1, n_kv_heads, capacity * block_size, head_dim)``, where row ``b *
+block_size + s`` of every head is slot ``s`` of block ``b``, the layout of a
+``KVCache`` buffer with rows in block order. So a decode write is a slice
+update of one row, as ``KVCache``'s is, and any positions of any blocks come
+out in the ``(1, heads, tokens, head_dim)`` layout attention reads from one
+``mx.take`` of their blocks (of the slab seen as ``(n_kv_heads * capacity,
+block_size, head_dim)``), with no transposing copy. Seen as
+``(n_kv_heads, capacity, block_size, head_dim)`` (a free reshape) it is the
+layout the fused paged-attention kernel reads. Because the head stride is
+the capacity, a resize re-lays every slab out (it copies anyway).
 
 Two ways in. The storage protocol's ``write`` / ``gather`` / ``gather_heads``
 take ``Block`` handles and check each against the pool (a whole gather with
@@ -20,30 +18,43 @@ one ``all_live``). The decode path of a pool-backed cache
 (``update_through_table``, ``fetch_through_table``, ``attend_through_table``)
 takes a request's :class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable`
 instead, whose liveness check is O(1) while neither the request's blocks nor
-the pool's free count moved: a decode step then costs O(1) host work per
-layer, not O(blocks). Its writes are static slices, as ``KVCache``'s are.
+the pool's free count moved, and the request's slot rows
+(:class:`~veloxquant_mlx.memory.slot_rows.SlotRows`, rebuilt only when its
+table or the capacity changes): one layer's decode step is then two slice
+updates (the new key and value rows) and one gather of every held block, cut
+to the positions held and split into keys and values, O(1) host work
+whatever the context. Every write is a static slice at host-integer rows,
+as ``KVCache``'s are: a ``slice_update`` at an ``mx.array`` start index
+copied the whole slab at each write on MLX's CUDA back-end (H200, MLX
+0.32.4: 445 against 95-127 us per one-row write to a 128 MiB slab), a cost
+that grew with the pool.
 
 MLX semantics this relies on (checked by the storage conformance suite and
-the aliasing replay): arrays are values. ``slice_update`` returns a new slab
-and never changes an array computed earlier, even one still unevaluated;
-MLX donates the old slab's buffer to the update only when nothing else
-refers to it, so a gather that is still pending (or a view of the slab)
-keeps its own data. The price: while a gather is left unevaluated, the next
-write to its layer copies the slab once. Evaluate gathers (as a model step
-does) before writing again and writes cost O(slots written).
+the aliasing replay): arrays are values. An update (``slice_update``)
+returns a new slab and never changes an array computed earlier,
+even one still unevaluated; MLX donates the old slab's buffer to the update
+only when nothing else refers to it, so a gather that is still pending (or a
+view of the slab) keeps its own data. The price: while a gather is left
+unevaluated, the next write to its layer copies the slab once. Evaluate
+gathers (as a model step does) before writing again and writes cost
+O(slots written).
 
 Since MLX 0.31.2 streams are per thread: a lazy graph built on one thread
 cannot be evaluated on another. So by default every ``write`` evaluates the
 slab it produced before it returns, and the decode path's writes schedule
 it (``mx.async_eval``: no sync point, but host work per write); any thread
 may then use the store.
-``lazy_writes=True`` leaves writes lazy (no sync point per write, which a
-GPU decode loop may want) at the cost of thread affinity: such a store
-belongs to the first thread that calls one of its methods, and a call from
-any other thread raises ``RuntimeError`` naming ``lazy_writes`` and both
+``lazy_writes=True`` leaves writes lazy (no sync point and no scheduling per
+write, what a decode loop wants) at the cost of thread affinity: such a
+store belongs to the first thread that writes or reads data through it
+(``write``, the gathers, the decode path, ``sync``), and such a call from any
+other thread raises ``RuntimeError`` naming ``lazy_writes`` and both
 threads, before it touches a slab, so the store stays usable from its own
-thread. (Unchecked, such a call would leave a slab whose graph no thread
-can evaluate, and every later call would fail.)
+thread. (Unchecked, such a call would leave a slab whose graph no thread can
+evaluate, and every later call would fail.) ``capacity()`` and
+``resident_bytes()`` never bind the store and answer on any thread; on
+another thread than a bound store's own they report without following the
+pool (a resize evaluates the slabs, which only the owning thread can).
 
 Written tokens must have the store's dtype: nothing is cast, because a
 cast silently changes what a model computed (``TypeError`` otherwise).
@@ -52,21 +63,21 @@ Nothing here converts to NumPy or calls ``.item()``: ``write`` and the gathers
 only build MLX graphs (and evaluate them as just said), so the module runs
 unchanged on Metal or CUDA.
 
-Complexity: ``update_through_table`` O(slots written) plus O(1) host work
-to build the gather (O(blocks) device work), ``fetch_through_table`` the
+Complexity: ``update_through_table`` O(slots written) plus O(1) host work to
+build the gather (O(tokens) device work), ``fetch_through_table`` the
 latter, ``attend_through_table`` O(1) host, O(tokens) device; all three
-O(blocks) once after the request's table changed by a free;
-``write`` O(slots written) (amortised, see above);
-``gather_heads`` O(tokens gathered) plus one pool call (``all_live``) that
-checks the O(blocks) handles under one lock; ``gather`` the same plus a
-lazy transpose; ``sync`` O(1) unless it resizes, then O(capacity) per
-layer, amortised O(1) per block grown; ``capacity``, ``resident_bytes``
-O(layers).
+O(blocks) device work once after the request's table or the capacity
+changed, and O(blocks) host work once after a free anywhere in the pool;
+``write`` O(slots written) (amortised, see above); ``gather_heads``
+O(tokens gathered) plus one pool call (``all_live``) that checks the
+O(blocks) handles under one lock; ``gather`` the same plus a lazy
+transpose; ``sync`` O(1) unless it resizes, then O(capacity) per layer,
+amortised O(1) per block grown; ``capacity``, ``resident_bytes`` O(layers).
 
 Thread safety: one ``threading.Lock`` per store guards the slab list and
 capacity; every public method holds it while it reads or replaces a slab
 (and, by default, while it evaluates a write, see above). With
-``lazy_writes`` only the owning thread may call (see above).
+``lazy_writes`` only the owning thread may use the data (see above).
 The pool's own lock is taken only through its public methods. A write that
 races a ``free`` of the same handle on another thread is the caller's bug:
 liveness is checked once, at the start of the write.
@@ -76,7 +87,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import mlx.core as mx
 
@@ -94,15 +105,13 @@ from veloxquant_mlx.memory._storage_checks import (
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.block_table import DeviceBlockTable, schedule
-from veloxquant_mlx.memory.deferred_release import deferred_releases_for
-from veloxquant_mlx.memory.paged_attention import (
-    PagedKV,
-    gather_kv_heads,
-    kv_slab_rows,
-    paged_decode_attention,
-)
+from veloxquant_mlx.memory.paged_attention import PagedKV, paged_decode_attention
+from veloxquant_mlx.memory.slot_rows import SlotRows, StepRows
 
-__all__ = ["MLXBlockStorage"]
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
+
+__all__ = ["MLXBlockStorage", "dtype_name"]
 
 
 class MLXBlockStorage:
@@ -113,14 +122,14 @@ class MLXBlockStorage:
 
     Invariants (after every public call):
 
-    - every slab has shape ``(n_kv_heads, capacity, block_size, head_dim)`` (head-major)
-      and the store's dtype, and ``pool.id_bound() <= capacity`` as of the last sync;
+    - every slab has shape ``(1, n_kv_heads, capacity * block_size, head_dim)``
+      (head-major; row ``b * block_size + s`` is slot ``s`` of block ``b``) and the
+      store's dtype, and ``pool.id_bound() <= capacity`` as of the last sync;
     - ``capacity == next_capacity(capacity, id_bound)`` for the last ``id_bound``
       seen: it never exceeds twice the ids in use unless both are 0;
-    - ``slab[:, i]`` (block ``i``, every head) is written only through a live handle
-      of ``pool`` with ``block_id == i``: distinct ids never share storage;
-    - ``_head_rows`` is ``[[0], [capacity], [2 * capacity], ...]``, one row per head:
-      adding a block id gives that block's rows in the flattened slab;
+    - the rows of block ``i`` (every head) are written only through a live handle
+      of ``pool`` with ``block_id == i``, or through a table whose handles were
+      checked live: distinct ids never share storage;
     - growth keeps blocks ``0 .. old capacity - 1`` as they were; a shrink keeps
       blocks ``0 .. new capacity - 1``.
 
@@ -136,7 +145,7 @@ class MLXBlockStorage:
 
     def __init__(
         self,
-        pool: BlockPoolAllocator,
+        pool: CheckedBlockPool[Block],
         n_layers: int,
         n_kv_heads: int,
         head_dim: int,
@@ -153,7 +162,7 @@ class MLXBlockStorage:
             head_dim: Values per head.
             dtype: Element type of the slabs.
             lazy_writes: Leave writes unevaluated; the store then serves only the
-                first thread that calls it.
+                first thread that writes or reads data through it.
 
         Raises:
             TypeError: ``pool`` is not a ``BlockPoolAllocator``, a size not an int,
@@ -177,27 +186,25 @@ class MLXBlockStorage:
             raise TypeError(f"lazy_writes must be a bool, got {lazy_writes!r}")
         self._pool: Final = pool
         self._block_size: Final = pool.config.block_size
+        self._heads: Final = n_kv_heads
+        self._head_dim: Final = head_dim
         self._slot_shape: Final = (n_kv_heads, head_dim)
         self._dtype: Final = dtype
         self._lock: Final = threading.Lock()
-        # Owners of caches dropped on this pool, freed by every sync (deferred_release).
-        self._releases: Final = deferred_releases_for(pool)
-        # Whether write() may leave its slab unevaluated (then the store is thread-affine).
+        # Whether writes may stay unevaluated (then the store is thread-affine).
         self._lazy_writes: Final = lazy_writes
-        # With lazy_writes, the thread that called first: the only one allowed after.
+        # With lazy_writes, the ident of the thread that first used the data; None: unbound.
         self._owning_thread: threading.Thread | None = None
         # Block ids each slab covers; only _resize_locked changes it.
         self._capacity = pool.id_bound()
-        # One slab per layer; replaced (never mutated) by write and resize.
+        # One slab per layer; replaced or updated in place (a new value) by writes.
         self._slabs: list[mx.array] = [self._zeros(self._capacity) for _ in range(n_layers)]
-        # First row of each head in a flattened slab, (n_kv_heads, 1); follows the capacity.
-        self._head_rows = self._first_rows(self._capacity)
-        mx.eval(self._slabs, self._head_rows)
+        mx.eval(self._slabs)
 
     # -- protocol: shape ---------------------------------------------------------------
 
     @property
-    def pool(self) -> BlockPoolAllocator:
+    def pool(self) -> CheckedBlockPool[Block]:
         """The pool whose block ids this store covers."""
         return self._pool
 
@@ -221,9 +228,9 @@ class MLXBlockStorage:
     def write(self, layer: int, block: Block, start: int, tokens: mx.array) -> None:
         """Store ``tokens`` (``(n, n_kv_heads, head_dim)``) in slots ``start .. start + n``.
 
-        The slab is replaced by a ``slice_update``, evaluated before returning
-        unless the store has ``lazy_writes``; arrays gathered before keep their
-        values.
+        The slab is replaced by a ``slice_update`` of those rows, evaluated before
+        returning unless the store has ``lazy_writes``; arrays gathered before keep
+        their values.
 
         Raises:
             TypeError: ``block`` is not a ``Block``, ``tokens`` not an ``mx.array`` of
@@ -242,14 +249,16 @@ class MLXBlockStorage:
         with self._lock:
             require_layer(layer, len(self._slabs))
             require_writable(self._pool, block, "write to")
+            self._use_data_locked()
             self._sync_locked()
             require_covered(block, self._capacity)
             if n_tokens == 0:
                 return
-            # (n, heads, dim) -> (heads, 1 block, n, dim): slots of every head of one block.
-            update = tokens.transpose(1, 0, 2)[:, None]
-            where = mx.array([block.block_id, start], dtype=mx.int32)
-            self._slabs[layer] = mx.slice_update(self._slabs[layer], update, where, (1, 2))
+            # (n, heads, dim) -> (1, heads, n, dim): rows first .. of every head.
+            first = block.block_id * self._block_size + start
+            slab = self._slabs[layer]
+            # A static slice (see slot_rows.RowRun): the update is in place of the rows.
+            slab[:, :, first : first + n_tokens] = tokens.transpose(1, 0, 2)[None]
             if not self._lazy_writes:
                 # Only after the old slab is dropped from the list: MLX then donates its
                 # buffer to the update (O(slots written)) unless a pending gather holds it.
@@ -268,12 +277,15 @@ class MLXBlockStorage:
         with self._lock:
             layers = copy_layers(self._pool, layer, len(self._slabs), src)
             require_writable(self._pool, dst, "copy into")
+            self._use_data_locked()
             self._sync_locked()
             require_covered(dst, self._capacity)
-            target = dst.block_id
+            size = self._block_size
+            # Head-major slabs: block b is rows b * size .. of every head (static slices).
+            first, source = dst.block_id * size, src * size
             for index in layers:
                 slab = self._slabs[index]
-                slab[:, target : target + 1] = slab[:, src : src + 1]
+                slab[:, :, first : first + size] = slab[:, :, source : source + size]
                 self._slabs[index] = slab
             if not self._lazy_writes:
                 mx.eval(*(self._slabs[index] for index in layers))
@@ -310,13 +322,16 @@ class MLXBlockStorage:
         with self._lock:
             require_layer(layer, len(self._slabs))
             require_all_live(self._pool, block_list)
+            self._use_data_locked()
             self._sync_locked()
             if block_list:
                 require_covered(max(block_list, key=_block_id), self._capacity)
             ids = mx.array([block.block_id for block in block_list], dtype=mx.int32)
-            rows = self._head_rows + ids[None]  # (heads, blocks): row h * capacity + b
+            first_rows = mx.arange(heads, dtype=mx.int32)[:, None] * self._capacity
+            # (heads, blocks): block b of head h is row h * capacity + b of the slab seen
+            # as (heads * capacity, block_size, head_dim).
             flat = self._slabs[layer].reshape(heads * self._capacity, self._block_size, head_dim)
-            picked = mx.take(flat, rows, axis=0)  # (heads, blocks, block_size, head_dim)
+            picked = mx.take(flat, first_rows + ids[None], axis=0)
         by_head = picked.reshape(heads, len(block_list) * self._block_size, head_dim)
         return by_head[:, :n_tokens]
 
@@ -329,10 +344,13 @@ class MLXBlockStorage:
         return every position ``0 .. start + n - 1`` as :meth:`fetch_through_table` does.
 
         ``keys`` and ``values`` are ``(1, n_kv_heads, n, head_dim)``, as a model hands
-        them to its cache: the decode step of one layer, in one call. Safety comes from
-        ``table.require_live()`` (O(1) while nothing changed), not from asking the
-        pool about each block. No sync: the slab is left lazy with ``lazy_writes``,
-        else scheduled with ``mx.async_eval`` (any thread may use the store after).
+        them to its cache: the decode step of one layer, in one call, as two slice
+        updates (two per block for several positions) and one gather of the
+        request's blocks. Safety comes from
+        ``table.require_live_this_step()`` (O(1), and one pool call per decode step),
+        not from asking the pool about each block. No sync: the slab is left lazy
+        with ``lazy_writes``, else scheduled with ``mx.async_eval`` (any thread may
+        use the store after).
 
         Raises:
             TypeError, ValueError: Tokens of another dtype or shape than the store's,
@@ -341,18 +359,50 @@ class MLXBlockStorage:
             StaleBlockTableError: A block of the table was freed behind its back.
             RuntimeError: A ``lazy_writes`` store called from another thread.
         """
-        n_tokens = self._require_head_tokens(keys, values)
+        dtype = self._dtype
+        if (
+            type(keys) is not mx.array
+            or type(values) is not mx.array
+            or keys.dtype != dtype
+            or values.dtype != dtype
+            or keys.shape != values.shape
+        ):  # one test on the decode path; _require_head_tokens sorts out the reason
+            self._require_head_tokens(keys, values)
+        shape = keys.shape
+        if (
+            len(shape) != 4
+            or shape[0] != 1
+            or shape[1] != self._heads
+            or shape[3] != self._head_dim
+        ):
+            self._require_head_tokens(keys, values)
+        n_new = shape[2]
         with self._lock:
-            self._open_table_locked(layer, table)
-            held = len(table.key_blocks) * self._block_size
-            if type(start) is not int or start < 0 or start + n_tokens > held:
+            rows = self._slot_rows_locked(layer, table, this_step=True)
+            if type(start) is not int or start < 0 or start + n_new > rows.n_slots:
                 raise ValueError(
-                    f"positions {start!r}..{start}+{n_tokens} fall outside the table's "
-                    f"{held} slots; expected 0 <= start and start + n <= {held}"
+                    f"positions {start!r}..{start}+{n_new} fall outside the table's "
+                    f"{rows.n_slots} slots; expected 0 <= start and start + n <= {rows.n_slots}"
                 )
-            if n_tokens:
-                self._write_locked(layer, table, start, keys, values)
-            return self._fetch_locked(layer, table, start + n_tokens)
+            step = rows.for_step(start, n_new)
+            slab = self._slabs[layer]
+            for run in step.writes:  # one run of rows per block; one for a decode step
+                if run.length == n_new:
+                    key_rows, value_rows = keys, values
+                else:
+                    upto = run.first + run.length
+                    key_rows = keys[:, :, run.first : upto]
+                    value_rows = values[:, :, run.first : upto]
+                key_end, value_end = run.key_row + run.length, run.value_row + run.length
+                slab[:, :, run.key_row : key_end] = key_rows  # static: see RowRun
+                slab[:, :, run.value_row : value_end] = value_rows
+            if n_new:
+                # The list lets go of the old slab: MLX donates its buffer to the update
+                # unless a pending gather still reads it.
+                self._slabs[layer] = slab
+                if not self._lazy_writes:
+                    schedule(slab)
+            return self._read(slab, step)
 
     def fetch_through_table(
         self, layer: int, table: DeviceBlockTable, n_tokens: int
@@ -360,8 +410,8 @@ class MLXBlockStorage:
         """Keys and values of positions ``0 .. n_tokens - 1`` of ``table``'s request.
 
         Returns lazy arrays, each ``(1, n_kv_heads, n_tokens, head_dim)`` (the layout
-        attention reads), from one ``mx.take`` whose row indices every layer of a step
-        shares (``table.memo``); never changed by later writes.
+        attention reads), from one ``mx.take`` of the request's slot rows, which every
+        layer of a step shares; never changed by later writes.
 
         Raises:
             ValueError: ``n_tokens`` beyond the table's slots, a layer out of range, or
@@ -370,9 +420,9 @@ class MLXBlockStorage:
             RuntimeError: A ``lazy_writes`` store called from another thread.
         """
         with self._lock:
-            self._open_table_locked(layer, table)
-            require_n_tokens(n_tokens, len(table.key_blocks) * self._block_size)
-            return self._fetch_locked(layer, table, n_tokens)
+            rows = self._slot_rows_locked(layer, table, this_step=False)
+            require_n_tokens(n_tokens, rows.n_slots)
+            return self._read(self._slabs[layer], rows.for_step(n_tokens, 0))
 
     def attend_through_table(
         self, layer: int, table: DeviceBlockTable, n_tokens: int, queries: mx.array, scale: float
@@ -405,103 +455,102 @@ class MLXBlockStorage:
             )
         require_token_dtype(queries.dtype, self._dtype, dtype_name)
         with self._lock:
-            self._open_table_locked(layer, table)
-            require_n_tokens(n_tokens, len(table.key_blocks) * self._block_size)
+            rows = self._slot_rows_locked(layer, table, this_step=True)
+            require_n_tokens(n_tokens, rows.n_slots)
             if n_tokens == 0:
                 raise ValueError("n_tokens must be >= 1: attention needs a position to attend to")
-            slab = self._slabs[layer]
+            slab = self._by_block(self._slabs[layer])
         paged = PagedKV(slab, table.key_ids, table.value_ids)
         return paged_decode_attention(queries, paged, n_tokens, scale=scale)
 
     # -- protocol: sizing --------------------------------------------------------------
 
     def capacity(self) -> int:
-        """Number of block ids each slab covers after a sync (``>= pool.id_bound()``)."""
+        """Number of block ids each slab covers (``>= pool.id_bound()`` after a sync;
+        from another thread than a ``lazy_writes`` store's own: as of its last sync)."""
         with self._lock:
-            self._sync_locked()
+            if self._may_resize_here():
+                self._sync_locked()
             return self._capacity
 
     def resident_bytes(self) -> int:
-        """Bytes of slab memory held after a sync, across all layers (``nbytes`` summed)."""
+        """Bytes of slab memory held, across all layers (``nbytes`` summed), after a sync
+        (from another thread than a ``lazy_writes`` store's own: as of its last sync)."""
         with self._lock:
-            self._sync_locked()
+            if self._may_resize_here():
+                self._sync_locked()
             return sum(slab.nbytes for slab in self._slabs)
 
     def sync(self) -> None:
-        """Follow the pool: resize every slab to ``next_capacity(capacity, pool.id_bound())``."""
+        """Follow the pool: resize every slab to ``next_capacity(capacity, pool.id_bound())``.
+
+        Raises:
+            RuntimeError: A ``lazy_writes`` store called from another thread.
+        """
         with self._lock:
+            self._use_data_locked()
             self._sync_locked()
 
     # -- internals ---------------------------------------------------------------------
 
     def _sync_locked(self) -> None:
-        """What every public method does first under the lock: refuse a foreign thread
-        (lazy_writes), return dropped caches' blocks, follow the pool's id range."""
-        if self._lazy_writes:
-            self._require_owning_thread()
-        self._releases.drain()  # blocks of caches dropped without release() go back first
+        """Follow the pool's id range (the caller checked that it may resize here)."""
         target = next_capacity(self._capacity, self._pool.id_bound())
         if target != self._capacity:
             self._resize_locked(target)
 
-    def _write_locked(
-        self, layer: int, table: DeviceBlockTable, start: int, keys: mx.array, values: mx.array
-    ) -> None:
-        """Write positions ``start ..`` (checked) into the table's blocks, block by block.
+    def _may_resize_here(self) -> bool:
+        """Whether this thread may evaluate the slabs (always, unless another thread owns
+        a lazy_writes store); checked by the calls that never bind a store."""
+        owner = self._owning_thread
+        return owner is None or owner is threading.current_thread()
 
-        Static slices, as ``KVCache`` writes: no index array per write. The slab
-        object is updated in place (``__setitem__``), which rebinds it to a new
-        value; arrays computed from the old value keep it.
+    def _slot_rows_locked(
+        self, layer: int, table: DeviceBlockTable, *, this_step: bool
+    ) -> SlotRows:
+        """What every table method does first, under the lock: check the layer, the
+        thread and the table's liveness (O(1); with ``this_step``, one pool call per
+        decode step), and find the request's slot rows, rebuilt (after a sync) when
+        its table or the capacity moved.
         """
-        slab = self._slabs[layer]
-        # (1, heads, n, dim) -> (heads, 1 block, n, dim): the slab's axes.
-        key_heads, value_heads = keys.swapaxes(0, 1), values.swapaxes(0, 1)
-        n_tokens, done = keys.shape[2], 0
-        while done < n_tokens:
-            index, slot = divmod(start + done, self._block_size)
-            upto = min(done + self._block_size - slot, n_tokens)
-            key_id = table.key_blocks[index].block_id
-            value_id = table.value_blocks[index].block_id
-            whole = upto - done == n_tokens
-            slab[:, key_id : key_id + 1, slot : slot + upto - done] = (
-                key_heads if whole else key_heads[:, :, done:upto]
-            )
-            slab[:, value_id : value_id + 1, slot : slot + upto - done] = (
-                value_heads if whole else value_heads[:, :, done:upto]
-            )
-            done = upto
-        if not self._lazy_writes:
-            schedule(slab)
+        if type(layer) is not int or not 0 <= layer < len(self._slabs):
+            require_layer(layer, len(self._slabs))
+        if self._lazy_writes and self._owning_thread is not threading.current_thread():
+            self._use_data_locked()  # binds the store, or refuses this thread
+        if this_step:
+            table.require_live_this_step()
+        else:
+            table.require_live()
+        rows = table.memo(self)
+        if type(rows) is not SlotRows or rows.capacity != self._capacity:
+            # The table is new to this store, its ids changed, or another request's call
+            # resized the slabs.
+            rows = table.remember(self, self._new_slot_rows(table))
+        return rows
 
-    def _fetch_locked(
-        self, layer: int, table: DeviceBlockTable, n_tokens: int
-    ) -> tuple[mx.array, mx.array]:
-        if n_tokens == 0:
-            heads, head_dim = self._slot_shape
-            empty = mx.zeros((1, heads, 0, head_dim), dtype=self._dtype)
-            return empty, empty
-        n_blocks = -(-n_tokens // self._block_size)
-        capacity = self._capacity
-        rows = table.memo(
-            (id(self), capacity, n_blocks), lambda: self._kv_rows(table, n_blocks, capacity)
-        )
-        return gather_kv_heads(self._slabs[layer], rows, n_tokens)
-
-    def _open_table_locked(self, layer: int, table: DeviceBlockTable) -> None:
-        """What every table method does first, under the lock: O(1) while nothing moved."""
-        require_layer(layer, len(self._slabs))
+    def _new_slot_rows(self, table: DeviceBlockTable) -> SlotRows:
         if table.pool is not self._pool:
             raise ValueError("the table's blocks come from another pool than this store's")
-        self._sync_locked()
-        table.require_live()
+        self._sync_locked()  # the table's ids changed: cover them, follow a shrink
+        return SlotRows(
+            table,
+            n_kv_heads=self._heads,
+            capacity=self._capacity,
+            block_size=self._block_size,
+            schedule_rows=not self._lazy_writes,
+        )
 
-    def _kv_rows(self, table: DeviceBlockTable, n_blocks: int, capacity: int) -> mx.array:
-        """The slab rows of the table's first ``n_blocks`` (every layer of a step shares
-        them through ``table.memo``); scheduled unless lazy_writes, as a write is."""
-        rows = kv_slab_rows(table.key_ids, table.value_ids, n_blocks, self._slot_shape[0], capacity)
-        if not self._lazy_writes:
-            schedule(rows)
-        return rows
+    def _read(self, slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
+        """Keys and values of the step's positions, ``(1, heads, n_read, head_dim)`` each:
+        one take of their blocks, cut to the positions held."""
+        heads, head_dim = self._slot_shape
+        by_block = slab.reshape(heads * self._capacity, self._block_size, head_dim)
+        picked = mx.take(by_block, step.read_blocks, axis=0)  # (2, heads, blocks, bs, dim)
+        both = picked.reshape(2, heads, -1, head_dim)
+        if both.shape[2] != step.n_read:  # the last block is partly held: cut (a split is
+            both = mx.split(both, [step.n_read], axis=2)[0]  # cheaper to build than a slice)
+        keys, values = mx.split(both, 2)
+        return keys, values
 
     def _require_head_tokens(self, keys: mx.array, values: mx.array) -> int:
         """``n`` if keys and values are ``(1, n_kv_heads, n, head_dim)`` of the store's dtype."""
@@ -510,24 +559,28 @@ class MLXBlockStorage:
                 f"keys and values must be mlx.core.array, got {type(keys).__name__} and "
                 f"{type(values).__name__}"
             )
-        require_token_dtype(keys.dtype, self._dtype, dtype_name)
-        require_token_dtype(values.dtype, self._dtype, dtype_name)
-        heads, head_dim = self._slot_shape
-        shape = tuple(keys.shape)
+        dtype = self._dtype
+        if keys.dtype != dtype or values.dtype != dtype:
+            require_token_dtype(keys.dtype, dtype, dtype_name)
+            require_token_dtype(values.dtype, dtype, dtype_name)
+        shape = keys.shape
         if (
             len(shape) != 4
-            or shape != tuple(values.shape)
-            or shape[:2] != (1, heads)
-            or (shape[3] != head_dim)
+            or shape != values.shape
+            or shape[0] != 1
+            or shape[1] != self._heads
+            or shape[3] != self._head_dim
         ):
             raise ValueError(
-                f"keys and values must both have shape (1, {heads}, n, {head_dim}), got "
-                f"{shape} and {tuple(values.shape)}"
+                f"keys and values must both have shape (1, {self._heads}, n, "
+                f"{self._head_dim}), got {tuple(shape)} and {tuple(values.shape)}"
             )
-        return shape[2]
+        return int(shape[2])
 
-    def _require_owning_thread(self) -> None:
-        """Bind a lazy_writes store to its first caller; refuse every other thread."""
+    def _use_data_locked(self) -> None:
+        """Bind a lazy_writes store to its first data caller; refuse every other thread."""
+        if not self._lazy_writes:
+            return
         current = threading.current_thread()
         owner = self._owning_thread
         if owner is None:
@@ -535,38 +588,41 @@ class MLXBlockStorage:
         elif owner is not current:
             raise RuntimeError(
                 f"this MLXBlockStorage has lazy_writes=True, so it belongs to thread "
-                f"{owner.name!r} (ident {owner.ident}), the first to call it, but it was "
-                f"called from thread {current.name!r} (ident {current.ident}); a lazy write "
-                "leaves an MLX graph on its thread's stream that no other thread can "
-                "evaluate, so share a store between threads with lazy_writes=False"
+                f"{owner.name!r} (ident {owner.ident}), the first to write or read data "
+                f"through it, but it was called from thread {current.name!r} (ident "
+                f"{current.ident}); a lazy write leaves an MLX graph on its thread's stream "
+                "that no other thread can evaluate, so share a store between threads with "
+                "lazy_writes=False"
             )
 
     def _resize_locked(self, target: int) -> None:
         """Give every slab ``target`` blocks, keeping the first ``min(old, target)`` blocks."""
         old = self._capacity
-        # Blocks sit on axis 1, so either way every head's rows move: the row stride
-        # of the flattened slab is the capacity.
+        by_block = [self._by_block(slab) for slab in self._slabs]
+        # Blocks sit on axis 1, so either way every head's rows move: the head stride
+        # of the slab is the capacity.
         if target > old:
-            extra = self._zeros(target - old)
-            self._slabs = [mx.concatenate([slab, extra], axis=1) for slab in self._slabs]
+            extra = self._by_block(self._zeros(target - old))
+            resized = [mx.concatenate([slab, extra], axis=1) for slab in by_block]
         else:
             # A real copy (take), not a slice: a slice would keep the whole old buffer alive.
             kept = mx.arange(target, dtype=mx.int32)
-            self._slabs = [mx.take(slab, kept, axis=1) for slab in self._slabs]
+            resized = [mx.take(slab, kept, axis=1) for slab in by_block]
+        self._slabs = [slab.reshape(1, self._heads, -1, self._head_dim) for slab in resized]
         self._capacity = target
-        self._head_rows = self._first_rows(target)
         # Evaluate now so the old buffers are released at once, not at the next step.
-        mx.eval(self._slabs, self._head_rows)
+        mx.eval(self._slabs)
         if target < old:
             mx.clear_cache()  # hand the freed buffers back to the system, not MLX's cache
 
-    def _zeros(self, n_blocks: int) -> mx.array:
-        heads, head_dim = self._slot_shape
-        return mx.zeros((heads, n_blocks, self._block_size, head_dim), dtype=self._dtype)
+    def _by_block(self, slab: mx.array) -> mx.array:
+        """``slab`` seen as ``(n_kv_heads, capacity, block_size, head_dim)`` (no copy)."""
+        capacity = slab.shape[2] // self._block_size
+        return slab.reshape(self._heads, capacity, self._block_size, self._head_dim)
 
-    def _first_rows(self, capacity: int) -> mx.array:
-        """``[[0], [capacity], ...]``: row of block 0 of each head in a flattened slab."""
-        return (mx.arange(self._slot_shape[0], dtype=mx.int32) * capacity)[:, None]
+    def _zeros(self, n_blocks: int) -> mx.array:
+        rows = n_blocks * self._block_size
+        return mx.zeros((1, self._heads, rows, self._head_dim), dtype=self._dtype)
 
 
 def _block_id(block: Block) -> int:

@@ -36,13 +36,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable, Sized
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import mlx.core as mx
 
 from veloxquant_mlx.memory._arguments import require_int
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 __all__ = [
     "KVLayout",
@@ -128,7 +131,7 @@ def kv_layout(model: object) -> KVLayout:
 
 
 def make_pool_backed_storage(
-    model: object, pool: BlockPoolAllocator, *, lazy_writes: bool = False
+    model: object, pool: CheckedBlockPool[Block], *, lazy_writes: bool = False
 ) -> MLXBlockStorage:
     """An ``MLXBlockStorage`` over ``pool`` holding exactly what ``model`` writes.
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import numpy as np
 import numpy.typing as npt
@@ -56,7 +56,9 @@ from veloxquant_mlx.memory._storage_checks import (
     require_writable,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
-from veloxquant_mlx.memory.deferred_release import deferred_releases_for
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 __all__ = ["NumpyBlockStorage"]
 
@@ -81,7 +83,7 @@ class NumpyBlockStorage:
 
     def __init__(
         self,
-        pool: BlockPoolAllocator,
+        pool: CheckedBlockPool[Block],
         n_layers: int,
         n_kv_heads: int,
         head_dim: int,
@@ -109,8 +111,6 @@ class NumpyBlockStorage:
         self._slot_shape: Final = (n_kv_heads, head_dim)
         self._dtype: Final = np.dtype(dtype)
         self._lock: Final = threading.Lock()
-        # Owners of caches dropped on this pool, freed by every sync (deferred_release).
-        self._releases: Final = deferred_releases_for(pool)
         # Block ids each slab covers; only _resize_locked changes it.
         self._capacity = pool.id_bound()
         # One slab per layer, written in place; replaced only by a resize.
@@ -121,7 +121,7 @@ class NumpyBlockStorage:
     # -- protocol: shape ---------------------------------------------------------------
 
     @property
-    def pool(self) -> BlockPoolAllocator:
+    def pool(self) -> CheckedBlockPool[Block]:
         """The pool whose block ids this store covers."""
         return self._pool
 
@@ -251,7 +251,6 @@ class NumpyBlockStorage:
             return self._slabs[layer][ids]  # fancy indexing: a copy, never a view
 
     def _sync_locked(self) -> None:
-        self._releases.drain()  # blocks of caches dropped without release() go back first
         target = next_capacity(self._capacity, self._pool.id_bound())
         if target != self._capacity:
             self._resize_locked(target)

@@ -20,9 +20,10 @@ each layer.
 
 Ownership: the book claims its ``owner`` id in the pool on construction
 (``register_owner``, so two live books cannot share an id) and ``release()``
-returns every block with ``free_all(owner)``; the owner must not be used
-by anyone else meanwhile. ``release()`` is idempotent, and the book is a
-context manager, so an aborted generation still returns its blocks.
+returns its blocks, by handle, and the id. ``release()`` is idempotent, and
+the book is a context manager, so an aborted generation still returns its
+blocks. A book cannot be copied (``copy.copy`` or ``copy.deepcopy`` raise
+``TypeError``): two objects releasing one claim would release it twice.
 
 Sharing: ``fork()`` gives a second book holding every block of this one
 (the pool's ``fork``), for parallel sampling or beam search. A shared block
@@ -31,11 +32,13 @@ fill of a shared last block first moves it to a private one
 (``make_writable``) and has the store copy its slots (the ``copy_block``
 callback a store-backed cache installs); full shared blocks stay shared.
 
-A book dropped without ``release()`` cannot leak: its finaliser queues the
-owner (taking no lock, since it may run inside a pool call on any thread)
-and the next store call, book construction or block-taking ``append`` on the
-pool frees it; :mod:`~veloxquant_mlx.memory.deferred_release` says exactly
-when, and :func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_caches`
+A book dropped without ``release()`` cannot leak: its finaliser queues its
+owner id, claim and handles (taking no lock, since it may run inside a pool
+call on any thread), and the next book construction, block-taking ``append``
+or pool-backed cache update on the pool releases them;
+:mod:`~veloxquant_mlx.memory.deferred_release` says exactly when and why a
+late release never frees another request's blocks, even one that reuses the
+id, and :func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_caches`
 drains on demand.
 
 Complexity (``L`` = layers): ``append`` O(1) when it stays in the last
@@ -52,7 +55,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Callable
 from types import TracebackType
-from typing import Final
+from typing import TYPE_CHECKING, Final, NoReturn
 
 from veloxquant_mlx.memory._arguments import require_format, require_int
 from veloxquant_mlx.memory.block_pool import (
@@ -61,7 +64,13 @@ from veloxquant_mlx.memory.block_pool import (
     InvariantViolationError,
     OwnerAlreadyActiveError,
 )
-from veloxquant_mlx.memory.deferred_release import deferred_releases_for
+from veloxquant_mlx.memory.deferred_release import (
+    BookHolding,
+    deferred_releases_for,
+)
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 __all__ = ["PooledKVCache"]
 
@@ -81,8 +90,8 @@ class PooledKVCache:
     - every block is full except the last of each stream, whose ``n_used``
       is the remainder (``n_tokens - (blocks - 1) * block_size``).
 
-    Dropped without ``release()``, a book queues its owner for release by the
-    next drain (module docstring); a released book queues nothing.
+    Dropped without ``release()``, a book queues what it holds for release by
+    the next drain (module docstring); a released book queues nothing.
 
     Example::
 
@@ -98,7 +107,7 @@ class PooledKVCache:
 
     def __init__(
         self,
-        pool: BlockPoolAllocator,
+        pool: CheckedBlockPool[Block],
         owner: int | None = None,
         *,
         n_layers: int = 1,
@@ -125,17 +134,17 @@ class PooledKVCache:
         self._pool: Final = pool
         self._block_size: Final = pool.config.block_size
         self._format: Final = format
-        # Owners of dropped books on this pool; drained here so a dropped id is free again.
-        self._releases: Final = deferred_releases_for(pool)
-        self._releases.drain()
-        # The request id every block is checked out to; claimed until release().
-        self._owner: Final = _claim_owner(pool, owner)
+        if owner is not None:
+            require_int("owner", owner)
         # The block table, one handle per block_size positions; tuples, rebuilt on change.
         self._key_blocks: tuple[Block, ...] = ()
         self._value_blocks: tuple[Block, ...] = ()
         # Bumped whenever the block tuples change (blocks added, freed, released), so a
         # device copy of the table (block_table.DeviceBlockTable) rebuilds only then.
         self._table_version = 0
+        # Bumped whenever n_tokens or the blocks change: once per decode step (the first
+        # layer's append), so the table can check liveness once per step, not per layer.
+        self._extent_version = 0
         # Positions covered by the table: the furthest layer offset.
         self._n_tokens = 0
         # Per layer, positions appended and not trimmed.
@@ -147,13 +156,23 @@ class PooledKVCache:
         self._shares = False
         # Copies a moved block's data: (old block id, new handle); None for a book alone.
         self.copy_block: Callable[[int, Block], None] | None = None
+        # The pool's owner claims and dropped books; claiming drains them first, so a
+        # dropped request's id is free again at once.
+        self._releases: Final = deferred_releases_for(pool)
+        if owner is None:
+            owner, claim = self._releases.claim_first_unused(_AUTO_OWNERS)
+        else:
+            claim = self._releases.claim(owner)
+        # The request id every block is checked out to, and this book's claim of it.
+        self._owner: Final = owner
+        self._claim: Final = claim
         # Set last: from here on, dropping the book must give the owner back.
         self._released = False
 
     # -- read-only views -------------------------------------------------------------
 
     @property
-    def pool(self) -> BlockPoolAllocator:
+    def pool(self) -> CheckedBlockPool[Block]:
         """The pool the blocks come from."""
         return self._pool
 
@@ -204,6 +223,12 @@ class PooledKVCache:
         table. O(1)."""
         return self._table_version
 
+    @property
+    def extent_version(self) -> int:
+        """A counter that changes whenever :attr:`offset` or the blocks change (a decode
+        step's first append, a trim, a release); equal values mean neither changed. O(1)."""
+        return self._extent_version
+
     def layer_offset(self, layer: int) -> int:
         """Positions ``layer`` has appended and not trimmed."""
         return self._offsets[layer]
@@ -245,15 +270,22 @@ class PooledKVCache:
                 is out of range.
             BlockPoolExhaustedError: The pool has too few free blocks.
         """
-        self._require_open()
-        if type(n_tokens) is not int or n_tokens < 0:
+        offsets = self._offsets
+        if (
+            self._released
+            or type(n_tokens) is not int
+            or n_tokens < 0
+            or type(layer) is not int
+            or not 0 <= layer < len(offsets)
+        ):  # one test on the decode path; the reasons are sorted out here only
+            self._require_open()
             require_int("n_tokens", n_tokens, minimum=0)
-        self._require_layer(layer)
-        start = self._offsets[layer]
+            self._require_layer(layer)
+        start = offsets[layer]
         end = start + n_tokens
         if end > self._n_tokens:
             self._grow_to(end)
-        self._offsets[layer] = end
+        offsets[layer] = end
         return start
 
     def trim(self, n: int, *, layer: int | None = None) -> int:
@@ -268,7 +300,8 @@ class PooledKVCache:
         Raises:
             TypeError, ValueError: ``n`` is not an int ``>= 0`` or ``layer`` is out of range.
             OwnerAlreadyActiveError: The last block went back and, before the book could
-                claim its owner id again, someone else took it (an id collision).
+                claim its owner id again, code outside the books took it (an id
+                collision); the book then holds nothing and counts as released.
         """
         require_int("n", n, minimum=0)
         if self._released:
@@ -305,6 +338,7 @@ class PooledKVCache:
         twin._key_blocks = tuple(by_id[block.block_id] for block in self._key_blocks)
         twin._value_blocks = tuple(by_id[block.block_id] for block in self._value_blocks)
         twin._table_version += 1
+        twin._extent_version += 1
         twin._n_tokens = self._n_tokens
         twin._offsets[:] = self._offsets
         self._last_may_be_shared = twin._last_may_be_shared = bool(self._key_blocks)
@@ -312,25 +346,32 @@ class PooledKVCache:
         return twin
 
     def release(self) -> None:
-        """Return every block to the pool and release the owner. Idempotent."""
+        """Return every block to the pool and release the owner. Idempotent.
+
+        Frees the book's own handles (those still live), never "every block of the
+        owner id": blocks freed behind the book's back and checked out again under
+        the same id by someone else stay theirs.
+        """
         if self._released:
             return
-        self._released = True
-        self._key_blocks = self._value_blocks = ()
-        self._table_version += 1
-        self._n_tokens = 0
-        self._offsets[:] = [0] * len(self._offsets)
-        self._pool.free_all(self._owner)
+        self._releases.release_now(self._holding())
+        self._abandon()
+
+    def __copy__(self) -> NoReturn:
+        raise TypeError(_NO_COPIES)
+
+    def __deepcopy__(self, memo: object) -> NoReturn:
+        raise TypeError(_NO_COPIES)
 
     def __enter__(self) -> PooledKVCache:
         return self
 
     def __del__(self) -> None:
         # A finaliser: any thread, any moment, maybe inside a pool call holding the
-        # pool's lock. So it only queues the owner (SimpleQueue.put takes no lock);
-        # the next drain frees it.
+        # pool's lock. So it only queues what the book holds (SimpleQueue.put takes no
+        # lock); the next drain releases it.
         if not self._released:
-            self._releases.defer(self._owner)
+            self._releases.defer(self._holding())
 
     def __exit__(
         self,
@@ -411,6 +452,7 @@ class PooledKVCache:
             pool.mark_used(self._key_blocks[-1], last_fill)
             pool.mark_used(self._value_blocks[-1], last_fill)
         self._n_tokens = n_tokens
+        self._extent_version += 1
 
     def _shrink_to(self, n_tokens: int) -> None:
         """Keep ``n_tokens`` positions: mark the new last blocks, free the ones past them."""
@@ -422,6 +464,7 @@ class PooledKVCache:
         if tail:
             self._table_version += 1
         self._n_tokens = n_tokens
+        self._extent_version += 1
         if n_kept:
             last_fill = n_tokens - (n_kept - 1) * block_size
             if self._shares and self._key_blocks[-1].n_used != last_fill:
@@ -460,23 +503,35 @@ class PooledKVCache:
 
     def _free(self, blocks: list[Block]) -> None:
         """Free ``blocks``; keep the owner claimed even if they were its last ones."""
-        self._pool.free(blocks)
-        if not self._key_blocks:
-            # The pool released the owner with its last block; claim it again so that
-            # no other book can take the id while this one is still open.
-            self._pool.register_owner(self._owner)
+        if self._key_blocks:
+            self._pool.free(blocks)
+            return
+        # The pool releases the owner with its last block; claim it again at once (no
+        # other book can claim it in between). If code outside the books took the id
+        # in that moment, this book no longer holds anything: it counts as released.
+        if not self._releases.free_keeping_claim(self._owner, self._claim, blocks):
+            self._abandon()
+            raise OwnerAlreadyActiveError(
+                f"owner {self._owner} was taken by someone else while the KV cache gave "
+                "back its last block; the cache is now released, expected an owner id "
+                "used by this cache alone until it is released"
+            )
+
+    def _holding(self) -> BookHolding:
+        return BookHolding(self._owner, self._claim, self._key_blocks + self._value_blocks)
+
+    def _abandon(self) -> None:
+        """Forget every block and count as released (whatever held them was given back)."""
+        self._released = True
+        self._key_blocks = self._value_blocks = ()
+        self._table_version += 1
+        self._extent_version += 1
+        self._n_tokens = 0
+        self._offsets[:] = [0] * len(self._offsets)
 
 
-def _claim_owner(pool: BlockPoolAllocator, owner: int | None) -> int:
-    """Register ``owner`` in ``pool``, or the first unused automatic id if ``None``."""
-    if owner is not None:
-        require_int("owner", owner)
-        pool.register_owner(owner)
-        return owner
-    for candidate in _AUTO_OWNERS:
-        try:
-            pool.register_owner(candidate)
-        except OwnerAlreadyActiveError:
-            continue
-        return candidate
-    raise AssertionError("itertools.count() ended")  # pragma: no cover
+_NO_COPIES: Final = (
+    "a PooledKVCache cannot be copied: it holds a claim on its owner id and the blocks "
+    "checked out to it, which only one object can give back; build a new cache "
+    "(PooledKVCache(pool), or make_pool_backed_cache) and copy the positions instead"
+)

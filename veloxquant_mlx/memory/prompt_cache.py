@@ -5,21 +5,23 @@
 generators take as ``prompt_cache``: all its layers share one block table
 (:class:`~veloxquant_mlx.memory.pooled_kv_cache.PooledKVCache`) and one
 device copy of it; it returns every block on ``release()`` or as a context
-manager, and a dropped list still returns them (the book's finaliser).
-:func:`make_pool_backed_cache` builds one for a model, the way mlx-lm's
-``make_prompt_cache`` does, and in fused mode routes the model's decode
-attention to the caches (:mod:`~veloxquant_mlx.memory.attention_hook`).
+manager, and a dropped list still returns them (the book's finaliser);
+``save`` writes it as a file that mlx-lm alone loads and ``load`` pages such
+a file again. :func:`make_pool_backed_cache` builds one for a model, the way
+mlx-lm's ``make_prompt_cache`` does, and in fused mode routes the model's
+decode attention to the caches (:mod:`~veloxquant_mlx.memory.attention_hook`).
 
-Complexity: construction O(layers); ``release`` O(blocks held); ``copy_from``
-O(positions copied). Thread safety: a list belongs to one request, used
-from one thread at a time; the pool and the store lock themselves.
+Complexity: construction O(layers); ``release`` O(blocks held); ``copy_from``,
+``save`` and ``load`` O(positions copied). Thread safety: a list belongs to
+one request, used from one thread at a time; the pool and the store lock
+themselves.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from types import TracebackType
-from typing import Final
+from typing import Final, NoReturn
 
 import mlx.core as mx
 
@@ -27,7 +29,7 @@ from veloxquant_mlx.memory.attention_hook import install_paged_attention
 from veloxquant_mlx.memory.block_table import DeviceBlockTable
 from veloxquant_mlx.memory.cache_storage import AttentionMode, MLXStorage, resolve_attention
 from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache
-from veloxquant_mlx.memory.mlx_lm_protocol import split_state
+from veloxquant_mlx.memory.mlx_lm_protocol import save_kv_caches, split_state
 from veloxquant_mlx.memory.model_kv_layout import attention_layers
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.memory.storage import CopiesBlocks
@@ -42,8 +44,11 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
     """A model's per-layer caches for one request, which returns its blocks on release.
 
     A plain list to mlx-lm (``generate_step(prompt_cache=...)``,
-    ``trim_prompt_cache``, ``save_prompt_cache``); also a context manager.
-    Dropped without ``release()``, its blocks still come back (module docstring).
+    ``trim_prompt_cache``); also a context manager. Dropped without
+    ``release()``, its blocks still come back (module docstring). Save it with
+    :meth:`save` rather than mlx-lm's ``save_prompt_cache``: that one records
+    the class name ``PoolBackedKVCache``, which a process without this package
+    cannot load.
     """
 
     def __init__(
@@ -127,6 +132,40 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
             self._book.trim(self._book.offset)
             raise
 
+    def save(self, file_name: str, metadata: dict[str, str] | None = None) -> None:
+        """Save every layer's positions as mlx-lm ``KVCache`` layers (``.safetensors``).
+
+        ``mlx_lm.models.cache.load_prompt_cache(file_name)`` loads the file in any
+        process, this package imported or not, and decodes on exactly as this list
+        would; :meth:`load` pages it into a pool again.
+
+        Raises:
+            ValueError: As mlx-lm's ``save_prompt_cache`` for the file or metadata.
+        """
+        save_kv_caches(file_name, [layer.state for layer in self], metadata)
+
+    def load(self, file_name: str) -> dict[str, str]:
+        """Fill this empty list from a file of ``KVCache`` layers (:meth:`save`'s, or any
+        saved with mlx-lm's ``save_prompt_cache`` for the same model); return its metadata.
+
+        Raises:
+            As :meth:`copy_from`; nothing changes. And as mlx-lm's ``load_prompt_cache``
+            for the file.
+        """
+        from mlx_lm.models.cache import load_prompt_cache  # noqa: PLC0415
+
+        caches, metadata = load_prompt_cache(file_name, return_metadata=True)  # type: ignore[no-untyped-call]
+        self.copy_from(caches)
+        return dict(metadata)
+
+    def __deepcopy__(self, memo: object) -> NoReturn:
+        # mlx-lm's LRUPromptCache deep-copies prompt caches; say what to do instead of
+        # failing deep inside the store (a lock cannot be copied) or the book.
+        raise TypeError(
+            "a pool-backed cache list cannot be deep-copied: its blocks belong to one "
+            "request; build another with make_pool_backed_cache and copy_from(this list)"
+        )
+
     def __enter__(self) -> PoolBackedPromptCache:
         return self
 
@@ -152,6 +191,11 @@ def make_pool_backed_cache(
     Like mlx-lm's ``make_prompt_cache``: one cache per layer of
     ``model.layers``; a model with ``make_cache()`` is accepted when every
     cache it makes is a plain ``KVCache`` (its full-attention layers).
+
+    The caches cannot be quantized: ``generate_step(..., kv_bits=...)`` with
+    them raises ``ValueError`` at the prompt's first chunk, before any block
+    is taken, whatever ``quantized_kv_start`` says (quantized keys would
+    leave the pool); so does any later ``to_quantized`` look-up.
 
     Args:
         model: An mlx-lm model.

@@ -40,13 +40,16 @@ Rules every implementation keeps (the storage conformance suite in
    per block) and looks for the culprit only when that says no.
 5. ``resident_bytes`` is what the store holds now; after the pool's id range
    shrinks, ``sync()`` (called by every operation) brings it down.
-6. ``sync()`` first returns the blocks of KV caches dropped without
-   ``release()`` (``deferred_release.deferred_releases_for(pool).drain()``),
-   so any store call is a point where they come back to the pool.
-7. A store that offers :class:`CopiesBlocks` (both of ours do) copies a block
+6. A store that offers :class:`CopiesBlocks` (both of ours do) copies a block
    the pool moved with ``make_writable`` (docs/CONTRACT.md#c-make-writable):
    ``copy_block`` reads an id that is still checked out and writes only
-   through a live handle, under the same checks as ``write``.
+   through a live handle, under the same checks as ``write``. Both refuse a
+   handle whose block is shared (``pool.is_shared``): a shared block is
+   read-only (docs/CONTRACT.md#c-shared-read-only).
+
+A store knows nothing of KV caches: the blocks of a cache dropped without
+``release()`` come back through the cache layer
+(:mod:`~veloxquant_mlx.memory.deferred_release`), never through a store.
 
 Thread safety: implementations must be safe to share between threads in the
 same way as the pool (the MLX and NumPy stores hold a lock around slab
@@ -57,9 +60,12 @@ updates). Complexity: ``write`` O(slots written); ``gather`` and
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, TypeVar, runtime_checkable
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import Block
+
+if TYPE_CHECKING:
+    from veloxquant_mlx_spec.operations import CheckedBlockPool
 
 ArrayT = TypeVar("ArrayT")
 
@@ -69,7 +75,7 @@ class BlockStorage(Protocol[ArrayT]):
     """A backing store for one pool: slabs of token slots indexed by block id."""
 
     @property
-    def pool(self) -> BlockPoolAllocator:
+    def pool(self) -> CheckedBlockPool[Block]:
         """The pool whose block ids this store covers."""
         ...
 
@@ -119,8 +125,7 @@ class BlockStorage(Protocol[ArrayT]):
         ...
 
     def sync(self) -> None:
-        """Return dropped caches' blocks, then follow the pool: grow to cover new ids,
-        give back a retired tail."""
+        """Follow the pool: grow to cover new ids, give back a retired tail."""
         ...
 
 

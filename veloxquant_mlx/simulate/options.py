@@ -4,8 +4,9 @@
 value types that reject bad input at parse time (the message names the value
 and what was expected). :func:`validate` then checks the rules that span
 several options, and refuses a pool or a workload whose estimated memory
-(:func:`memory_estimate`) exceeds what is available, and returns a message
-for ``parser.error``. The
+(:func:`memory_estimate`) exceeds the machine's memory, and returns a message
+for ``parser.error``. The value types are those of
+:mod:`veloxquant_mlx.commandline.values`, shared by every command. The
 ``*_from`` helpers build the library's configuration objects from the parsed
 namespace.
 
@@ -15,11 +16,10 @@ Complexity: O(number of options). Thread safety: pure functions.
 from __future__ import annotations
 
 import argparse
-import math
-from collections.abc import Callable
 
 from veloxquant_mlx.commandline.bad_input import require_fits_in_memory
 from veloxquant_mlx.commandline.sizes import REQUEST_BYTES, STEP_BYTES, pool_bytes
+from veloxquant_mlx.commandline.values import any_int, finite_float, int_at_least
 from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.simulate.workload import (
     DECODE_DISTRIBUTIONS,
@@ -29,54 +29,6 @@ from veloxquant_mlx.simulate.workload import (
 
 DEFAULT_DURATION = 10_000  # arrival window in steps when neither --duration nor --requests
 DEFAULT_CHECK_EVERY = 100  # steps between checks for a bare --check-invariants
-
-
-def _parse_int(text: str, expected: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-
-
-def int_at_least(minimum: int) -> Callable[[str], int]:
-    """An argparse type: an int that is at least ``minimum``."""
-    expected = f"an int >= {minimum}"
-
-    def parse(text: str) -> int:
-        value = _parse_int(text, expected)
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    parse.__name__ = f"int >= {minimum}"
-    return parse
-
-
-def any_int(text: str) -> int:
-    """An argparse type: any int (e.g. a seed)."""
-    return _parse_int(text, "an int")
-
-
-def finite_float(
-    low: float, high: float = math.inf, *, low_inclusive: bool
-) -> Callable[[str], float]:
-    """An argparse type: a finite float above ``low`` (or equal to it) and at most ``high``."""
-    expected = f"a number {'>=' if low_inclusive else '>'} {low:g}"
-    if math.isfinite(high):
-        expected += f" and <= {high:g}"
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}") from None
-        above_low = value >= low if low_inclusive else value > low
-        if not (math.isfinite(value) and above_low and value <= high):
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    parse.__name__ = expected
-    return parse
 
 
 def _add_pool_arguments(parser: argparse.ArgumentParser) -> None:

@@ -2,7 +2,7 @@
 
 :func:`add_arguments` declares the options, :func:`validate` checks those
 that span several options (and refuses a pool or a search too big for the
-memory available), :func:`run` runs the stress test (or, with ``--replay
+machine's memory), :func:`run` runs the stress test (or, with ``--replay
 FILE``, replays a linearized trace or re-checks a reproducer). A profile
 (``--profile smoke|nightly``) gives every default; any option given
 overrides it. ``--out`` must be a new folder, or one without an earlier
@@ -23,18 +23,28 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
-from veloxquant_mlx.commandline.bad_input import human_bytes, require_fits_in_memory
+from veloxquant_mlx.commandline.bad_input import (
+    human_bytes,
+    memory_note,
+    require_fits_in_memory,
+)
 from veloxquant_mlx.commandline.files import out_dir_argument, prepare_out_dir
 from veloxquant_mlx.commandline.interrupts import InterruptRequest, report_interrupt
-from veloxquant_mlx.commandline.sizes import pool_bytes, slab_bytes
+from veloxquant_mlx.commandline.sizes import (
+    EVENT_BYTES,
+    PROCESS_BYTES,
+    pool_bytes,
+    search_bytes,
+    slab_bytes,
+)
+from veloxquant_mlx.commandline.values import any_int, finite_float, int_at_least, int_in
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import PoolConfig
-from veloxquant_mlx.simulate.options import any_int, finite_float, int_at_least
 from veloxquant_mlx.stress.config import (
+    MAX_WINDOW_OPS,
     PROFILES,
     OperationMix,
     StressConfig,
@@ -55,8 +65,8 @@ __all__ = [
 PROG: Final = "veloxquant-mlx stress"
 #: More threads than this is a mistake, not a stress test (each has a stack).
 MAX_THREADS: Final = 1024
-#: Bytes one configuration of a window's search holds, beyond its state's ids and history.
-_CONFIGURATION_BYTES: Final = 400
+#: Recorded calls of the barrier's observations and the audit, beyond the workers' calls.
+_OBSERVATION_CALLS: Final = 16
 
 SUMMARY = "hammer one pool from many threads; check linearizability and replay on MLX"
 
@@ -76,10 +86,16 @@ and the linearization is replayed through the aliasing replay on MLX
 storage and saved as linearized.jsonl. At the end a conservation audit
 checks that no block was lost or duplicated.
 
-The calls stop after --duration (or --ops); the checking then has
+The calls stop after --duration or --ops, whichever comes first (--ops
+alone keeps the profile's duration as a bound); the checking then has
 --check-budget seconds more to finish, so the run's wall time is at most the
 sum of the two (both are printed at the start). What is not checked in time
 is listed in the report, and the verdict is then INCONCLUSIVE, never OK.
+
+OK means every check that was asked for was made, on every call: with
+--replay-backend none (no replay on a store) or --check-interval 0 (no
+check_invariants() during the run) the verdict line names the check that
+was off.
 
 The run's folder (--out) receives report.json (with "verdict"), summary.txt,
 linearized.jsonl (linearized.partial.jsonl if not every call was checked or
@@ -123,7 +139,12 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help=f"worker threads (1..{MAX_THREADS})",
     )
-    group.add_argument("--ops", type=int_at_least(1), metavar="N", help="stop after N calls")
+    group.add_argument(
+        "--ops",
+        type=int_at_least(1),
+        metavar="N",
+        help="stop after N calls, or after the profile's duration if that comes first",
+    )
     group.add_argument(
         "--duration",
         type=finite_float(0, low_inclusive=False),
@@ -138,9 +159,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--window-ops",
-        type=int_at_least(1),
+        type=int_in(1, MAX_WINDOW_OPS),
         metavar="N",
-        help="calls per thread between two barriers (quiescent points)",
+        help=f"calls per thread between two barriers (quiescent points; 1..{MAX_WINDOW_OPS})",
     )
     group.add_argument(
         "--switch-interval",
@@ -222,20 +243,6 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--no-progress", action="store_true", help="no progress lines on stderr")
 
 
-def int_in(low: int, high: int) -> Callable[[str], int]:
-    """An argparse type: an int from ``low`` to ``high``."""
-    expected = f"an int from {low} to {high}"
-
-    def parse(text: str) -> int:
-        value = any_int(text)
-        if not low <= value <= high:
-            raise argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
-        return value
-
-    parse.__name__ = expected
-    return parse
-
-
 def validate(args: argparse.Namespace) -> str | None:
     """A usage error message for options that conflict or cannot fit, else ``None``."""
     if args.mix is not None:
@@ -255,19 +262,22 @@ def validate(args: argparse.Namespace) -> str | None:
 
 
 def memory_estimate(config: StressConfig) -> int:
-    """Bytes a run of ``config`` may hold at once: pools, stores, and a window's search.
+    """The most bytes a run of ``config`` may hold at once (see :func:`memory_parts`)."""
+    return sum(memory_parts(config))
 
-    The shared pool and store and the replay's pool and store cover at most
-    ``max_blocks`` ids (twice ``n_blocks`` when growth has no cap: a guess);
-    a search holds up to ``search_budget`` configurations, each with its
-    state's ids and history.
+
+def memory_parts(config: StressConfig) -> tuple[int, int]:
+    """``(run, search)``: bytes of everything but the search, and of a full search.
+
+    The run: the process, the shared pool and store and the replay's pool
+    and store (at most ``max_blocks`` ids, or twice ``n_blocks`` when growth
+    has no cap: a guess), and the windows recorded but not yet checked. The
+    search: one window's linearizability search holding its whole
+    ``search_budget`` of configurations, which only a window far more
+    concurrent than the barriers allow needs (figures: :mod:`~veloxquant_mlx.commandline.sizes`).
     """
-    pool = config.pool
-    if not pool.grow_on_exhaustion:
-        ids = pool.n_blocks
-    else:
-        ids = pool.max_blocks if pool.max_blocks is not None else 2 * pool.n_blocks
-    store = config.store
+    pool, store = config.pool, config.store
+    ids = _most_ids(pool)
     slabs = slab_bytes(
         n_layers=store.n_layers,
         n_ids=ids,
@@ -275,15 +285,29 @@ def memory_estimate(config: StressConfig) -> int:
         slot_values=store.slot_count(),
         itemsize=8,
     )
-    per_configuration = _CONFIGURATION_BYTES + 8 * (ids + config.history_len)
-    return 2 * (pool_bytes(ids) + slabs) + config.search_budget * per_configuration
+    window_calls = config.threads * config.window_ops + _OBSERVATION_CALLS
+    windows = (config.max_queued_windows + 2) * window_calls * EVENT_BYTES  # + being made, checked
+    run = PROCESS_BYTES + 2 * (pool_bytes(ids) + slabs) + windows
+    search = search_bytes(
+        config.search_budget, n_ids=ids + config.history_len, window_calls=window_calls
+    )
+    return run, search
+
+
+def _most_ids(pool: PoolConfig) -> int:
+    if not pool.grow_on_exhaustion:
+        return pool.n_blocks
+    return pool.max_blocks if pool.max_blocks is not None else 2 * pool.n_blocks
 
 
 def _sizes_named(config: StressConfig) -> str:
-    pool = config.pool
+    pool, store = config.pool, config.store
     return (
-        f"a run with --n-blocks {pool.n_blocks}, --max-blocks {pool.max_blocks}, "
-        f"--history-len {config.history_len} and --search-budget {config.search_budget}"
+        f"a run with --block-size {pool.block_size}, --n-blocks {pool.n_blocks}, "
+        f"--max-blocks {pool.max_blocks}, --threads {config.threads}, --window-ops "
+        f"{config.window_ops}, --history-len {config.history_len} and --search-budget "
+        f"{config.search_budget} (store: {store.n_layers} layers of {store.n_kv_heads} x "
+        f"{store.head_dim} {store.dtype} values per token)"
     )
 
 
@@ -306,8 +330,10 @@ def config_from(args: argparse.Namespace) -> StressConfig:
     """
     base = profile(args.profile)
     changes: dict[str, object] = {"pool": _pool_from(args, base.pool)}
-    if args.ops is not None or args.duration is not None:
+    if args.duration is not None:  # a time-bound run: the profile's ops go, unless given
         changes["ops"], changes["duration"] = args.ops, args.duration
+    elif args.ops is not None:  # the profile's duration stays, as the wall-time bound
+        changes["ops"] = args.ops
     simple = {
         "threads": args.threads,
         "seed": args.seed,
@@ -353,8 +379,8 @@ def run(args: argparse.Namespace) -> int:
         return report_interrupt(
             PROG,
             f"after {report.wall_seconds:.1f} s of calls, {report.operations:,} calls, "
-            f"{report.percent_checked():g}% of them checked, {len(report.findings)} "
-            f"violations; partial report in {config.out_dir}",
+            f"{report.percent_checked_text()} of them checked, "
+            f"{len(report.findings)} violations; partial report in {config.out_dir}",
         )
     if args.json:
         json.dump(report.to_json(), sys.stdout, indent=2)
@@ -376,10 +402,12 @@ def start_line(config: StressConfig) -> str:
         if config.duration is not None
         else ""
     )
+    run, search = memory_parts(config)
     return (
         f"[stress {config.profile}] {config.threads} threads until {' or '.join(limits)}, "
-        f"then at most {config.check_budget:g} s of checking{most}; "
-        f"memory estimate {human_bytes(memory_estimate(config))}; writing to {config.out_dir}"
+        f"then at most {config.check_budget:g} s of checking{most}; memory "
+        f"{memory_note(run + search)} at most ({human_bytes(run)}, plus {human_bytes(search)} "
+        f"if a window's search fills its budget); writing to {config.out_dir}"
     )
 
 

@@ -12,8 +12,8 @@ the preset of a profile, which command-line options then override:
   minutes of checking after the last call.
 
 Every run's wall time is at most its ``duration`` plus its ``check_budget``
-(plus one window): checking that does not finish in time is cut, and the
-run's verdict is then inconclusive, never OK.
+(plus one call per thread, and the joins): checking that does not finish in
+time is cut, and the run's verdict is then inconclusive, never OK.
 
 Complexity: O(1). Thread safety: immutable values.
 """
@@ -33,6 +33,7 @@ from veloxquant_mlx_spec.table import declarations
 
 __all__ = [
     "DEFAULT_MIX",
+    "MAX_WINDOW_OPS",
     "OPERATION_KINDS",
     "PROFILES",
     "OperationMix",
@@ -70,6 +71,11 @@ _WEIGHTS: Final = {
 DEFAULT_MIX: Final = MappingProxyType({kind: _WEIGHTS.get(kind, 1) for kind in OPERATION_KINDS})
 
 StorageName = Literal["mlx", "numpy", "none"]
+
+#: The most calls per thread between two barriers. A window's search grows
+#: steeply with its size: past a few dozen calls per thread it rarely
+#: finishes, and the recorded calls of a huge window fill the memory first.
+MAX_WINDOW_OPS: Final = 1_000
 
 
 @dataclass(frozen=True)
@@ -146,8 +152,9 @@ class StressConfig:
         pool: The shared pool's configuration.
         history_len: The pool's ``history_len`` (small: it is part of every spec state).
         mix: Relative weights of the kinds of call.
-        window_ops: Calls per thread between two barriers, i.e. quiescent points. The
-            checker's cost grows steeply with a window's size, so keep it small.
+        window_ops: Calls per thread between two barriers, i.e. quiescent points, at
+            most :data:`MAX_WINDOW_OPS`. The checker's cost grows steeply with a
+            window's size, so keep it small.
         switch_interval: ``sys.setswitchinterval`` for the run; ``None`` leaves it.
         check_interval: Seconds between ``check_invariants()`` calls; 0 disables them.
         progress_interval: Seconds between progress lines; 0 disables them.
@@ -194,12 +201,29 @@ class StressConfig:
             raise ValueError(f"ops must be >= 1, got {self.ops}")
         if self.duration is not None and self.duration <= 0:
             raise ValueError(f"duration must be > 0 seconds, got {self.duration}")
-        if self.window_ops < 1:
-            raise ValueError(f"window_ops must be >= 1, got {self.window_ops}")
+        if not 1 <= self.window_ops <= MAX_WINDOW_OPS:
+            raise ValueError(
+                f"window_ops must be an int from 1 to {MAX_WINDOW_OPS}, got {self.window_ops}"
+            )
         if self.history_len < 0:
             raise ValueError(f"history_len must be >= 0, got {self.history_len}")
         if not self.check_budget > 0:
             raise ValueError(f"check_budget must be > 0 seconds, got {self.check_budget}")
+
+    def checks_off(self) -> tuple[str, ...]:
+        """The checks this run was asked to leave out, each naming the option that did.
+
+        The verdict OK means every check asked for was made on every call;
+        these are named beside it, so that OK never claims more.
+        """
+        off = []
+        if self.storage == "none":
+            off.append("the threads' calls on a shared store (--storage none)")
+        if self.check_interval == 0:
+            off.append("check_invariants() during the run (--check-interval 0)")
+        if self.replay_backend == "none":
+            off.append("the replay of the linearized history on a store (--replay-backend none)")
+        return tuple(off)
 
     def with_options(self, **changes: object) -> StressConfig:
         """A copy with some fields changed (validated again)."""

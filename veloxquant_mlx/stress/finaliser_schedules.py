@@ -35,14 +35,24 @@ exploration creates and joins its own threads, and swaps
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one line too
+    from veloxquant_mlx.commandline.sigint import run_program
+
+    run_program(
+        "python -m veloxquant_mlx.stress.finaliser_schedules",
+        "veloxquant_mlx.stress.finaliser_schedules",
+    )
+
 import inspect
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
+from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory import block_pool
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.deferred_release import reclaim_dropped_caches
@@ -52,12 +62,21 @@ from veloxquant_mlx.stress.controlled_scheduler import ControlledLock, Controlle
 if TYPE_CHECKING:
     from _typeshed import TraceFunction
 
-__all__ = ["BookFactory", "FinaliserExploration", "explore_finaliser", "main"]
+__all__ = [
+    "DEFAULT_MAX_RUNS",
+    "BookFactory",
+    "FinaliserDropper",
+    "FinaliserExploration",
+    "explore_finaliser",
+    "main",
+]
 
 #: Builds the victim book: ``(pool, owner) -> book``; a planted bug passes a subclass.
 BookFactory = Callable[[BlockPoolAllocator, int], PooledKVCache]
 
 _VICTIM, _WORKER = 1, 2  # owner ids
+#: Runs an exploration may make by default: the scenario needs a few thousand.
+DEFAULT_MAX_RUNS: Final = 20_000
 _POOL_FILE: Final = inspect.getsourcefile(block_pool)
 
 
@@ -72,9 +91,10 @@ class FinaliserExploration:
             the exploration is exhaustive, no schedule has a further locked line).
         fired_inside_lock: Runs in which the finaliser fired while its thread held
             the pool's lock (every run that reached its drop point).
-        exhaustive: Every schedule of every drop point ran (no budget cut).
+        exhaustive: Every schedule of every drop point ran (no budget cut, no interrupt).
         violations: What broke, one line per failing run (the first only, by default).
         seconds: Wall-clock time.
+        interrupted: Stopped between two runs on a Ctrl-C.
     """
 
     runs: int
@@ -83,10 +103,28 @@ class FinaliserExploration:
     exhaustive: bool
     violations: tuple[str, ...]
     seconds: float
+    interrupted: bool = False
+
+    @property
+    def gap(self) -> Gap | None:
+        """The runs not made, and why; ``None`` when the exploration was exhaustive."""
+        if self.exhaustive:
+            return None
+        why = "interrupted by Ctrl-C" if self.interrupted else "the max_runs budget ran out"
+        return Gap(f"the schedules after the first {self.runs:,} runs", why)
+
+    @property
+    def verdict(self) -> Verdict:
+        """Interrupted, violation, inconclusive (a budget cut) or OK."""
+        gaps = () if self.gap is None else (self.gap,)
+        return verdict_of(violations=len(self.violations), gaps=gaps, interrupted=self.interrupted)
 
 
-class _Dropper:
-    """Drops the victim's last reference at the ``drop_at``-th locked line of the pool module."""
+class FinaliserDropper:
+    """Drops the victim's last reference at the ``drop_at``-th locked line of the pool module
+    (``fired_by``: the controlled thread it fired on, if it did).
+
+    Shared with the owner-reuse exploration in the tests."""
 
     def __init__(self, victim: PooledKVCache, lock: ControlledLock, drop_at: int) -> None:
         self.holder = [victim]  # the victim's only strong reference
@@ -121,7 +159,7 @@ class _Run:
         victim.append(3)
         self.control = ControlledRun(2, choices, frozenset())
         self.lock = ControlledLock(self.control)
-        self.dropper = _Dropper(victim, self.lock, drop_at)
+        self.dropper = FinaliserDropper(victim, self.lock, drop_at)
         self.unraisable: list[str] = []
 
     def run(self) -> str | None:
@@ -175,8 +213,9 @@ class _Run:
 def explore_finaliser(
     factory: BookFactory = PooledKVCache,
     *,
-    max_runs: int = 20_000,
+    max_runs: int = DEFAULT_MAX_RUNS,
     stop_at_first: bool = True,
+    interrupt: threading.Event | None = None,
 ) -> FinaliserExploration:
     """Run the scenario for every drop point and every schedule; judge each run.
 
@@ -184,16 +223,20 @@ def explore_finaliser(
         factory: Builds the victim book (``PooledKVCache``, or a planted bug).
         max_runs: Stop after this many runs (the result is then not exhaustive).
         stop_at_first: Stop at the first violation.
+        interrupt: Polled between runs: once set (by Ctrl-C), the exploration
+            stops there, ``interrupted``. A run is never cut inside, where its
+            threads hand a baton over semaphores.
     """
     started = time.perf_counter()
     violations: list[str] = []
     runs = fired = drop_points = 0
-    drop_at, exhaustive = 1, True
+    drop_at, exhaustive, interrupted = 1, True, False
     while True:
         reached = False
         choices: list[int] | None = []
         while choices is not None:
-            if runs >= max_runs or (violations and stop_at_first):
+            interrupted = interrupt is not None and interrupt.is_set()
+            if interrupted or runs >= max_runs or (violations and stop_at_first):
                 exhaustive = False
                 break
             run = _Run(factory, drop_at, choices)
@@ -215,17 +258,15 @@ def explore_finaliser(
         exhaustive=exhaustive,
         violations=tuple(violations),
         seconds=time.perf_counter() - started,
+        interrupted=interrupted,
     )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ...finaliser_schedules [--max-runs N]``: ``veloxquant-mlx schedules`` with
     only this scenario (exit status 0 OK, 1 violation, 2 bad input, 3 inconclusive, 130)."""
-    from veloxquant_mlx.cli import main as cli_main  # noqa: PLC0415
+    from veloxquant_mlx.cli import run_alias  # noqa: PLC0415
+    from veloxquant_mlx.stress.schedules_command import FINALISER  # noqa: PLC0415
 
-    arguments = list(sys.argv[1:] if argv is None else argv)
-    return cli_main(["schedules", "--scenario", "finaliser_inside_the_lock", *arguments])
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    prog = "python -m veloxquant_mlx.stress.finaliser_schedules"
+    return run_alias(prog, "schedules", argv, preset=("--scenario", FINALISER))

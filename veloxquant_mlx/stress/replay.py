@@ -37,6 +37,7 @@ from typing import Any, Final, TextIO
 from veloxquant_mlx.commandline.files import atomic_file
 from veloxquant_mlx.commandline.verdicts import Gap
 from veloxquant_mlx.memory.block_pool import PoolConfig
+from veloxquant_mlx.stress.report import PARTIAL_TRACE_NAME, TRACE_NAME
 from veloxquant_mlx.testing import traces
 from veloxquant_mlx.testing.aliasing import (
     AliasingReplay,
@@ -47,11 +48,6 @@ from veloxquant_mlx.testing.aliasing import (
 from veloxquant_mlx.testing.traces import TraceLine
 
 __all__ = ["PARTIAL_TRACE_NAME", "TRACE_NAME", "LinearizedReplay", "backend_named"]
-
-#: The linearized trace of a run whose every call was checked and replayed.
-TRACE_NAME: Final = "linearized.jsonl"
-#: The trace while it is written, and what an interrupted or inconclusive run leaves.
-PARTIAL_TRACE_NAME: Final = "linearized.partial.jsonl"
 
 
 def backend_named(name: str) -> StorageBackend[Any] | None:

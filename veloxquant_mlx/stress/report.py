@@ -19,10 +19,12 @@ errors_by_kind, invariant_checks, histories_checked{windows, events,
 configurations, max_end_states, largest_window, largest_search,
 inconclusive_window, events_not_checked, gave_up_because, percent_checked},
 replay{backend, ops_replayed, ops_written, trace}, conservation{problems},
-not_checked[{what, why}], violations[{kind, message, path}]``.
-``ok`` is ``verdict == "ok"``; ``partial`` is true when the run was
-interrupted. ``wall_seconds`` is the time the calls took; ``timing`` adds
-the checking.
+not_checked[{what, why}], checks_off[...], violations[{kind, message, path}]``.
+``ok`` is ``verdict == "ok"``: every check that was asked for was made on
+every call; ``checks_off`` names the checks the options left out (e.g.
+``--replay-backend none``), which the summary's verdict line repeats.
+``partial`` is true when the run was interrupted. ``wall_seconds`` is the
+time the calls took; ``timing`` adds the checking.
 
 Complexity: O(kinds + findings). Thread safety: immutable once built.
 """
@@ -36,13 +38,18 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
-from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
+from veloxquant_mlx.commandline.verdicts import Gap, Verdict, percent_text, verdict_of
 from veloxquant_mlx.memory.block_pool import PoolConfig
 
 __all__ = [
+    "PARTIAL_TRACE_NAME",
     "REPORT_NAME",
+    "REPRODUCER_NAME",
+    "RUN_FILE_NAMES",
     "SCHEMA_VERSION",
+    "STACKS_NAME",
     "SUMMARY_NAME",
+    "TRACE_NAME",
     "Finding",
     "StressReport",
     "Timing",
@@ -52,17 +59,28 @@ __all__ = [
 ]
 
 SCHEMA_VERSION: Final = 2
+# The files a run writes into its folder, declared here once: the writers use these names
+# and --out/--force derive what an earlier run left from them.
 REPORT_NAME: Final = "report.json"
 SUMMARY_NAME: Final = "summary.txt"
-#: What a run may write into its folder besides the two above (the traces, in .replay).
-_OTHER_RUN_FILES: Final = ("linearized.jsonl", "linearized.partial.jsonl", "stacks.txt")
+#: The linearized trace of a run whose every call was checked and replayed.
+TRACE_NAME: Final = "linearized.jsonl"
+#: The trace while it is written, and what an interrupted or inconclusive run leaves.
+PARTIAL_TRACE_NAME: Final = "linearized.partial.jsonl"
+#: A linearizability violation's reproducer (a trace).
+REPRODUCER_NAME: Final = "violation-linearizability.jsonl"
+#: Every thread's stack, dumped by the watchdog when the run hangs.
+STACKS_NAME: Final = "stacks.txt"
+RUN_FILE_NAMES: Final = frozenset(
+    (REPORT_NAME, SUMMARY_NAME, TRACE_NAME, PARTIAL_TRACE_NAME, REPRODUCER_NAME, STACKS_NAME)
+)
+#: What earlier versions wrote and no longer do: the version 1 reproducer.
+_FORMER_RUN_FILE_NAMES: Final = frozenset({"violation-linearizability.json"})
 
 
 def is_run_file(name: str) -> bool:
     """Whether a stress run writes a file of this name (an earlier run's report, trace...)."""
-    return name in (REPORT_NAME, SUMMARY_NAME, *_OTHER_RUN_FILES) or (
-        name.startswith("violation-") and name.endswith((".json", ".jsonl"))
-    )
+    return name in RUN_FILE_NAMES or name in _FORMER_RUN_FILE_NAMES
 
 
 @dataclass(frozen=True)
@@ -126,6 +144,7 @@ class StressReport:
     conservation_problems: tuple[str, ...]
     findings: tuple[Finding, ...]
     gaps: tuple[Gap, ...] = ()
+    checks_off: tuple[str, ...] = ()  # left out as asked: not gaps, but named beside OK
     interrupted: bool = False
     timing: Timing | None = None
     python: Mapping[str, object] = field(default_factory=python_description)
@@ -142,12 +161,23 @@ class StressReport:
         """True iff every call was checked and nothing was found."""
         return self.verdict is Verdict.OK
 
-    def percent_checked(self) -> float:
-        """Calls checked for linearizability, as a percentage of the calls recorded."""
+    def calls_checked(self) -> tuple[int, int]:
+        """``(checked, recorded)``: calls checked for linearizability, of those recorded."""
         checked = int(self.histories_checked.get("events") or 0)
         missed = int(self.histories_checked.get("events_not_checked") or 0)
-        total = checked + missed
-        return 100.0 if total == 0 else round(100.0 * checked / total, 3)
+        return checked, checked + missed
+
+    def percent_checked(self) -> float:
+        """Calls checked for linearizability, as a percentage of the calls recorded.
+
+        Three decimals, rounded down: 100 only when every call was checked.
+        """
+        checked, total = self.calls_checked()
+        return 100.0 if total == 0 else 100_000 * checked // total / 1000
+
+    def percent_checked_text(self) -> str:
+        """:meth:`percent_checked` as a person reads it: one decimal, ``'62.1%'``."""
+        return percent_text(*self.calls_checked())
 
     @property
     def operations(self) -> int:
@@ -203,6 +233,7 @@ class StressReport:
             "replay": dict(self.replay),
             "conservation": {"problems": list(self.conservation_problems)},
             "not_checked": [gap.to_json() for gap in self.gaps],
+            "checks_off": list(self.checks_off),
             "violations": [dataclasses.asdict(finding) for finding in self.findings],
         }
 
@@ -212,8 +243,9 @@ def summary_text(report: StressReport) -> str:
     python = report.python
     gil = "GIL" if python.get("gil_enabled") else "free-threaded"
     checked = report.histories_checked
+    off = f" (left out, as asked: {'; '.join(report.checks_off)})" if report.checks_off else ""
     lines = [
-        f"stress {report.profile}: {report.verdict.label}",
+        f"stress {report.profile}: {report.verdict.label}{off}",
         f"  Python {python.get('version')} ({gil}), {report.threads} threads, seed "
         f"{report.seed}, calls for {report.wall_seconds:.1f} s",
         f"  pool: {report.pool}",
@@ -229,7 +261,7 @@ def summary_text(report: StressReport) -> str:
     lines += [
         f"  invariant checks: {report.invariant_checks:,}",
         f"  linearizability: {checked.get('windows', 0):,} windows, "
-        f"{checked.get('events', 0):,} calls checked ({report.percent_checked():g}%), "
+        f"{checked.get('events', 0):,} calls checked ({report.percent_checked_text()}), "
         f"{checked.get('configurations', 0):,} configurations; largest window "
         f"{checked.get('largest_window', 0)} calls, costliest "
         f"{checked.get('largest_search', 0):,} configurations, at most "

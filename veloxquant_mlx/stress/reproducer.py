@@ -36,6 +36,7 @@ from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.checker import Violation
 from veloxquant_mlx.stress.linearizability import DEFAULT_BUDGET, search
 from veloxquant_mlx.stress.minimal import explain
+from veloxquant_mlx.stress.report import REPRODUCER_NAME
 from veloxquant_mlx.stress.specstep import (
     Checkpoint,
     compact,
@@ -58,7 +59,6 @@ from veloxquant_mlx_spec.table import declaration_of
 
 __all__ = ["REPRODUCER_NAME", "recheck", "replay_trace", "write_reproducer"]
 
-REPRODUCER_NAME: Final = "violation-linearizability.jsonl"
 _COMPACT_AFTER: Final = 256
 
 

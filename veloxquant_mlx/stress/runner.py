@@ -6,11 +6,15 @@ or ``config.duration`` passed, or a violation was found:
 
 - ``threads`` **workers** (:class:`~veloxquant_mlx.stress.workload.Worker`),
   each making ``window_ops`` recorded calls, then meeting the others at a
-  barrier. The barrier is a quiescent point: its action (run by the last
-  thread to arrive, while the others wait) makes a few recorded observation
-  calls (stats, history, ``n_free``, shared owners' ``blocks_for``,
-  ``id_bound``), names the ``Block`` objects that ``blocks_for`` calls
-  returned, and queues the window for the checker. A full queue makes the
+  barrier. A window closes early once the calls must end (``duration``
+  passed, a violation, Ctrl-C), and the last windows are shortened so that
+  the calls stop at ``ops``: every stop condition is seen within one call
+  per thread, whatever ``window_ops`` is. The barrier is a quiescent
+  point: its action (run by the last thread to arrive, while the others
+  wait) makes a few recorded observation calls (stats, history,
+  ``n_free``, shared owners' ``blocks_for``, ``id_bound``), names the
+  ``Block`` objects that ``blocks_for`` calls returned, and queues the
+  window for the checker. A full queue makes the
   workers wait, which bounds the memory of a long run;
 - the **history checker**: the linearizability checker, window by window,
   feeding each decided stretch of the linearization to the storage replay
@@ -66,13 +70,15 @@ from veloxquant_mlx.stress.recording import record_call
 from veloxquant_mlx.stress.replay import LinearizedReplay, backend_named
 from veloxquant_mlx.stress.report import (
     REPORT_NAME,
+    REPRODUCER_NAME,
+    STACKS_NAME,
     SUMMARY_NAME,
     Finding,
     StressReport,
     Timing,
     summary_text,
 )
-from veloxquant_mlx.stress.reproducer import REPRODUCER_NAME, write_reproducer
+from veloxquant_mlx.stress.reproducer import write_reproducer
 from veloxquant_mlx.stress.workload import (
     FOREIGN_OWNER,
     SHARED_OWNERS,
@@ -95,9 +101,10 @@ _JOIN_POLL_SECONDS: Final = 0.2
 class _Run:
     """One stress run's threads and shared state (see the module docstring).
 
-    Invariants: ``_stopping`` changes only in the barrier action, while every
-    worker waits, so all workers see the same value after a barrier;
-    ``_findings`` is appended to under ``_findings_lock`` only.
+    Invariants: ``_stopping`` and ``_window_calls`` change only in the barrier
+    action (or before the workers start), while every worker waits, so all
+    workers see the same values after a barrier; ``_findings`` is appended
+    to under ``_findings_lock`` only.
     """
 
     def __init__(
@@ -149,6 +156,7 @@ class _Run:
         self.started = time.monotonic()
         self._stop_requested: Final = threading.Event()
         self._stopping = False
+        self._window_calls = self._next_window_calls()  # calls per worker in this window
         self._findings: Final[list[Finding]] = []
         self._findings_lock: Final = threading.Lock()
 
@@ -174,10 +182,12 @@ class _Run:
     # -- workers and the barrier ------------------------------------------------------------
 
     def work(self, index: int) -> None:
-        worker, window_ops = self.workers[index], self.config.window_ops
+        worker = self.workers[index]
         try:
             while True:
-                for _ in range(window_ops):
+                for _ in range(self._window_calls):
+                    if self._window_must_close():
+                        break  # every worker sees it too: the condition never clears
                     worker.step()
                 self.barrier.wait()
                 if self._stopping:
@@ -198,6 +208,7 @@ class _Run:
             self._purge_registry()
             self.windows.put(events, may_wait=lambda: not self._calls_should_end())
             self._stopping = self._calls_should_end()
+            self._window_calls = self._next_window_calls()
         except Exception:
             self._violation("crash", f"the barrier action crashed:\n{traceback.format_exc()}")
             self._stopping = True
@@ -205,13 +216,26 @@ class _Run:
     def _calls_should_end(self) -> bool:
         """A violation, Ctrl-C, or the run's ``ops`` or ``duration`` reached."""
         config = self.config
-        elapsed = time.monotonic() - self.started
+        return self._window_must_close() or (
+            config.ops is not None and sum(self.calls_by_kind.values()) >= config.ops
+        )
+
+    def _window_must_close(self) -> bool:
+        """A violation, Ctrl-C, or ``duration`` reached: checked before every call."""
+        duration = self.config.duration
         return (
             self._stop_requested.is_set()
             or self.interrupt.is_set()
-            or (config.ops is not None and sum(self.calls_by_kind.values()) >= config.ops)
-            or (config.duration is not None and elapsed >= config.duration)
+            or (duration is not None and time.monotonic() - self.started >= duration)
         )
+
+    def _next_window_calls(self) -> int:
+        """Calls per worker in the next window: ``window_ops``, fewer to stop at ``ops``."""
+        config = self.config
+        if config.ops is None:
+            return config.window_ops
+        left = max(config.ops - sum(self.calls_by_kind.values()), 1)
+        return min(config.window_ops, -(-left // config.threads))
 
     def _observe(self) -> None:
         """Recorded queries at the quiescent point: they pin down the state between windows.
@@ -393,7 +417,7 @@ def _run_threads(run: _Run) -> float:
         progress_interval=config.progress_interval if run.progress is not None else 0,
         stall_timeout=config.stall_timeout,
         on_stall=on_stall,
-        stacks_path=None if config.out_dir is None else config.out_dir / "stacks.txt",
+        stacks_path=None if config.out_dir is None else config.out_dir / STACKS_NAME,
         stream=run.progress,
     )
     stop_invariants = threading.Event()
@@ -489,6 +513,7 @@ def _report(run: _Run, calls_seconds: float, total_seconds: float, finished: flo
         conservation_problems=run.conservation_problems,
         findings=run.findings,
         gaps=_gaps(run),
+        checks_off=config.checks_off(),
         interrupted=run.interrupt.is_set(),
         timing=Timing(
             total_seconds=total_seconds,

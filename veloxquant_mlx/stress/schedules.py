@@ -55,7 +55,15 @@ exploration per thread.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one line too
+    from veloxquant_mlx.commandline.sigint import run_program
+
+    run_program(
+        "python -m veloxquant_mlx.stress.schedules", "veloxquant_mlx.stress.schedules_command"
+    )
+
 import inspect
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -229,14 +237,15 @@ class Exploration:
         max_preemptions: The preemption bound (``None``: unbounded).
         schedules: Schedules run.
         exhaustive: True if no schedule was cut by the bound or ``max_schedules``.
-        complete: True if no schedule within the bound was left (``max_schedules``
-            was not reached): what the verdict requires.
         sequential_orders: Program-order merges the spec ran to get the allowed outcomes.
         outcomes_allowed: Distinct outcomes (results and final state) those orders give.
         outcomes_seen: How many of them some schedule produced; all of them, when the
             exploration is exhaustive and every call takes the lock.
         violations: The failing schedules found (the first only, by default).
         seconds: Wall-clock time of the exploration.
+        complete: True if no schedule within the bound was left (``max_schedules``
+            was not reached, no interrupt): what the verdict OK requires.
+        interrupted: The exploration stopped between two schedules on a Ctrl-C.
     """
 
     scenario: str
@@ -250,6 +259,7 @@ class Exploration:
     violations: tuple[ScheduleViolation, ...]
     seconds: float
     complete: bool = True
+    interrupted: bool = False
 
     @property
     def gap(self) -> Gap | None:
@@ -258,14 +268,14 @@ class Exploration:
             return None
         return Gap(
             f"schedules of {self.scenario!r} after the first {self.schedules:,}",
-            "the max_schedules budget ran out",
+            "interrupted by Ctrl-C" if self.interrupted else "the max_schedules budget ran out",
         )
 
     @property
     def verdict(self) -> Verdict:
-        """Violation, inconclusive (``max_schedules`` ran out) or OK (within the bound)."""
+        """Interrupted, violation, inconclusive (``max_schedules`` ran out) or OK."""
         gaps = () if self.gap is None else (self.gap,)
-        return verdict_of(violations=len(self.violations), gaps=gaps)
+        return verdict_of(violations=len(self.violations), gaps=gaps, interrupted=self.interrupted)
 
 
 def explore(
@@ -276,6 +286,7 @@ def explore(
     max_preemptions: int | None = None,
     max_schedules: int = 100_000,
     stop_at_first: bool = True,
+    interrupt: threading.Event | None = None,
 ) -> Exploration:
     """Run ``scenario`` under every schedule (DFS), checking each against the spec.
 
@@ -286,6 +297,9 @@ def explore(
         max_preemptions: Preemptions allowed per schedule; ``None`` for no bound.
         max_schedules: Stop after this many schedules (the result is then not exhaustive).
         stop_at_first: Stop at the first violation.
+        interrupt: Polled between schedules: once set (by Ctrl-C), the
+            exploration stops there, ``interrupted``. A schedule is never cut
+            inside, where its threads hand a baton over semaphores.
 
     Returns:
         The counts and any violations; deterministic for a given scenario and pool.
@@ -294,8 +308,11 @@ def explore(
     checker = _Checker(scenario, factory, granularity)
     violations: list[ScheduleViolation] = []
     choices: list[int] | None = []
-    schedules, any_pruned = 0, False
+    schedules, any_pruned, interrupted = 0, False, False
     while choices is not None and schedules < max_schedules:
+        if interrupt is not None and interrupt.is_set():
+            interrupted = True
+            break
         run, violation = checker.run_once(choices)
         schedules += 1
         if violation is not None:
@@ -316,6 +333,7 @@ def explore(
         violations=tuple(violations),
         seconds=time.perf_counter() - started,
         complete=choices is None,
+        interrupted=interrupted,
     )
 
 
@@ -335,7 +353,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     from veloxquant_mlx.stress.schedules_command import main as command_main  # noqa: PLC0415
 
     return command_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

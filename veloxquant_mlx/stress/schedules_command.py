@@ -15,7 +15,10 @@ budget (for the finaliser scenario: runs): a scenario that reaches it is
 inconclusive.
 
 Exit status (:mod:`veloxquant_mlx.commandline.verdicts`): 0 OK, 1 a
-violation, 2 bad input, 3 inconclusive, 130 Ctrl-C. ``python -m
+violation, 2 bad input, 3 inconclusive, 130 Ctrl-C. Ctrl-C is polled
+between schedules and between the finaliser's runs
+(:class:`~veloxquant_mlx.commandline.interrupts.InterruptRequest`), never
+raised inside one, whose threads hand a baton over semaphores. ``python -m
 veloxquant_mlx.stress.schedules`` is the same command; ``python -m
 veloxquant_mlx.stress.finaliser_schedules [--max-runs N]`` runs the
 finaliser scenario alone.
@@ -27,12 +30,13 @@ scenario. Thread safety: one command per process.
 from __future__ import annotations
 
 import argparse
-import sys
+import threading
 from collections.abc import Sequence
 from typing import Final
 
-from veloxquant_mlx.commandline.verdicts import Gap, Verdict, combined, verdict_of
-from veloxquant_mlx.simulate.options import int_at_least
+from veloxquant_mlx.commandline.interrupts import InterruptRequest, report_interrupt
+from veloxquant_mlx.commandline.values import int_at_least
+from veloxquant_mlx.commandline.verdicts import Verdict, combined
 from veloxquant_mlx.stress.schedule_scenarios import SCENARIOS
 
 __all__ = ["DESCRIPTION", "FINALISER", "SUMMARY", "add_arguments", "main", "run", "validate"]
@@ -97,25 +101,32 @@ def _row(result: object, threads: int) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Explore the chosen scenarios; the exit status (module docstring)."""
+    with InterruptRequest(args.prog) as interrupt:
+        return _explore_all(args, interrupt.requested)
+
+
+def _explore_all(args: argparse.Namespace, interrupt: threading.Event) -> int:
     from veloxquant_mlx.stress.schedules import explore  # noqa: PLC0415
 
     chosen = args.scenario
     bound = args.max_preemptions
-    scope = "every schedule" if bound is None else f"every schedule with <= {bound} preemptions"
-    print(f"granularity={args.granularity} max_preemptions={bound} ({scope})")
-    print(
-        f"{'scenario':<36} {'threads':>7} {'orders':>6} {'outcomes':>8} {'seen':>4} "
-        f"{'schedules':>9} exhaustive  seconds  verdict"
-    )
-    verdicts = []
-    for scenario in SCENARIOS:
-        if chosen is not None and scenario.name not in chosen:
-            continue
+    scenarios = [s for s in SCENARIOS if chosen is None or s.name in chosen]
+    if scenarios:
+        scope = "every schedule" if bound is None else f"every schedule with <= {bound} preemptions"
+        print(f"granularity={args.granularity} max_preemptions={bound} ({scope})", flush=True)
+        print(
+            f"{'scenario':<36} {'threads':>7} {'orders':>6} {'outcomes':>8} {'seen':>4} "
+            f"{'schedules':>9} exhaustive  seconds  verdict",
+            flush=True,
+        )
+    verdicts: list[Verdict] = []
+    for scenario in scenarios:
         result = explore(
             scenario,
             granularity=args.granularity,
             max_preemptions=bound,
             max_schedules=args.max_schedules,
+            interrupt=interrupt,
         )
         verdicts.append(result.verdict)
         print(_row(result, len(scenario.threads)), flush=True)
@@ -123,31 +134,41 @@ def run(args: argparse.Namespace) -> int:
             print(violation)
         if result.gap is not None and not result.violations:
             print(f"  NOT CHECKED: {result.gap}")
+        if result.interrupted:
+            return report_interrupt(
+                args.prog,
+                f"in scenario {len(verdicts)} of {len(scenarios)}, after {result.schedules:,} "
+                "schedules of it",
+            )
     if chosen is None or FINALISER in chosen:
-        verdicts.append(_finaliser(args.max_schedules))
+        verdicts.append(_finaliser(args.max_schedules, interrupt))
+        if verdicts[-1] is Verdict.INTERRUPTED:
+            return report_interrupt(args.prog, f"in {FINALISER}")
     return combined(verdicts).exit_status
 
 
-def _finaliser(max_runs: int) -> Verdict:
+def _finaliser(max_runs: int, interrupt: threading.Event) -> Verdict:
     from veloxquant_mlx.stress.finaliser_schedules import explore_finaliser  # noqa: PLC0415
 
-    result = explore_finaliser(max_runs=max_runs)
-    gaps = () if result.exhaustive else (Gap(f"runs after the first {result.runs:,}", "budget"),)
-    verdict = verdict_of(violations=len(result.violations), gaps=gaps)
-    cut = "" if result.exhaustive else " (INCONCLUSIVE: --max-schedules runs ran out)"
+    print(f"{FINALISER}: every schedule of every drop point, at most {max_runs:,} runs", flush=True)
+    result = explore_finaliser(max_runs=max_runs, interrupt=interrupt)
+    if result.interrupted:
+        return result.verdict
     print(
-        f"{FINALISER}: {result.drop_points} drop points, {result.runs} runs, "
-        f"{result.fired_inside_lock} fired inside the lock, {result.seconds:.2f} s, "
-        f"{verdict.label}{cut}",
+        f"{FINALISER}: {result.verdict.label}: {result.drop_points} drop points, "
+        f"{result.runs:,} runs, {result.fired_inside_lock:,} fired inside the lock, "
+        f"{result.seconds:.2f} s",
         flush=True,
     )
     for violation in result.violations:
         print(f"  {violation}")
-    return verdict
+    if result.gap is not None and not result.violations:
+        print(f"  NOT CHECKED: {result.gap}")
+    return result.verdict
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m veloxquant_mlx.stress.schedules``: the ``schedules`` subcommand."""
-    from veloxquant_mlx.cli import main as cli_main  # noqa: PLC0415
+    from veloxquant_mlx.cli import run_alias  # noqa: PLC0415
 
-    return cli_main(["schedules", *(sys.argv[1:] if argv is None else argv)])
+    return run_alias("python -m veloxquant_mlx.stress.schedules", "schedules", argv)

@@ -44,6 +44,13 @@ one thread.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one line too
+    from veloxquant_mlx.commandline.sigint import run_program
+
+    run_program(
+        "python -m veloxquant_mlx.testing.aliasing", "veloxquant_mlx.testing.replay_command"
+    )
+
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -574,7 +581,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     from veloxquant_mlx.testing.replay_command import main as command_main  # noqa: PLC0415
 
     return command_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

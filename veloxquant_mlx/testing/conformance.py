@@ -6,8 +6,11 @@ spec in a few lines::
 
     from veloxquant_mlx.testing.conformance import conformance_test_case
 
-    TestMyPool = conformance_test_case(lambda config, history_len: MyPool(
-        config, history_len=history_len))
+    TestMyPool = conformance_test_case(MyPool, config_class=MyPoolConfig)
+
+The factory gets a config and, only if it takes one, ``history_len``; the
+port's own ``Block`` and error classes can be passed (the whole factory
+contract is docs/CONFORMANCE_KIT.md and :mod:`veloxquant_mlx.testing.port`).
 
 pytest (or unittest) then runs :class:`PoolConformanceMachine` on it: random
 pools (both stream modes, growth on and off, ``max_blocks``, ``n_blocks``
@@ -21,7 +24,9 @@ any call with one bad argument; the arguments come from
 observable with the spec. A port without the project's additions (``is_live``,
 ``all_live``, ``id_bound``, ``check_invariants``) passes
 ``capabilities=REFERENCE_CALLS``. The Hypothesis profile (``ci``,
-``nightly``, ``mutation``) comes from :mod:`veloxquant_mlx.testing.profiles`.
+``nightly``, ``mutation``) comes from :mod:`veloxquant_mlx.testing.profiles`
+and ``VELOXQUANT_HYPOTHESIS_PROFILE``, in a port's own test file too. For
+every deviation at once, readable, see :mod:`veloxquant_mlx.testing.report`.
 
 Requires the ``dev`` extra (Hypothesis). Complexity: per step O(handles
 issued). Thread safety: each machine instance drives its own allocator.
@@ -33,11 +38,14 @@ import unittest
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, ClassVar
 
+from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.testing.lockstep import ALL_CALLS, AllocatorFactory, Lockstep, Oracle
+from veloxquant_mlx.testing.lockstep import AllocatorFactory, Lockstep, Oracle
+from veloxquant_mlx.testing.port import ALL_CALLS, DEFAULT_HISTORY_LEN, Port, as_port
+from veloxquant_mlx.testing.profiles import profile_settings
 from veloxquant_mlx.testing.strategies import bad_call, call, spec_configs
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.operations import BlockPool
@@ -62,6 +70,10 @@ class PoolConformanceMachine(RuleBasedStateMachine):
 
     allocator_factory: ClassVar[AllocatorFactory] = staticmethod(default_factory)
     capabilities: ClassVar[frozenset[str]] = ALL_CALLS
+    #: The port under test with its own classes; ``None``: ``allocator_factory`` as it is.
+    port: ClassVar[Port | None] = None
+    #: What drives the pool and the spec (a report's records failures and goes on).
+    lockstep_class: ClassVar[type[Lockstep]] = Lockstep
 
     def oracles(self, config: model.SpecConfig, history_len: int) -> Sequence[Oracle]:
         """Third parties compared with the spec after every call (none by default)."""
@@ -78,13 +90,21 @@ class PoolConformanceMachine(RuleBasedStateMachine):
 
     @initialize(config=spec_configs(), history_len=st.sampled_from([0, 1, 3, 1024]))
     def build_pool(self, config: model.SpecConfig, history_len: int) -> None:
-        self.lockstep = Lockstep(
-            type(self).allocator_factory,
+        port = type(self).port or Port(type(self).allocator_factory, capabilities=ALL_CALLS)
+        if not port.takes_history_len:  # such a factory keeps the default length only
+            history_len = DEFAULT_HISTORY_LEN
+        self.lockstep = self.lockstep_class(
+            port,
             config,
             history_len,
             capabilities=self.capabilities,
             oracles=self.oracles(config, history_len),
         )
+
+    def stopped(self) -> bool:
+        """Whether the rest of this run draws and makes no calls (a report's, once it
+        has recorded a failure or run out of time); never, here."""
+        return False
 
     def offered(self, candidates: Iterable[Declaration]) -> list[Declaration]:
         """The calls among ``candidates`` that this pool offers."""
@@ -97,11 +117,15 @@ class PoolConformanceMachine(RuleBasedStateMachine):
 
     @rule(data=st.data())
     def call_a_query(self, data: st.DataObject) -> None:
+        if self.stopped():
+            return
         queries = self.offered(d for d in declarations() if not d.changes_state)
         self.runner.apply(self.draw_call(data, data.draw(st.sampled_from(queries))))
 
     @rule(data=st.data())
     def call_with_a_bad_argument(self, data: st.DataObject) -> None:
+        if self.stopped():
+            return
         spec = self.runner.spec
         offered = self.offered(declarations())
         names = {"live": spec.live_names(), "issued": spec.names}
@@ -116,7 +140,7 @@ class PoolConformanceMachine(RuleBasedStateMachine):
 
 def _rule_for(declaration: Declaration) -> Callable[[PoolConformanceMachine, st.DataObject], None]:
     def make_the_call(self: PoolConformanceMachine, data: st.DataObject) -> None:
-        if declaration.name in self.capabilities:
+        if declaration.name in self.capabilities and not self.stopped():
             self.runner.apply(self.draw_call(data, declaration))
 
     make_the_call.__name__ = f"call_{declaration.name}"
@@ -139,22 +163,34 @@ for _declaration in declarations():
 
 
 def conformance_test_case(
-    factory: AllocatorFactory, *, capabilities: Iterable[str] = ALL_CALLS
+    factory: Port | Callable[..., Any],
+    *,
+    capabilities: Iterable[str] | None = None,
+    **classes: Any,
 ) -> type[unittest.TestCase]:
     """A ``TestCase`` running the conformance machine against ``factory``'s allocators.
 
+    Its Hypothesis settings are the profile ``VELOXQUANT_HYPOTHESIS_PROFILE`` names.
+
     Args:
-        factory: ``(PoolConfig, history_len) -> allocator`` with the reference API.
+        factory: A :class:`~veloxquant_mlx.testing.port.Port`, or a factory taking a
+            config and optionally ``history_len`` (docs/CONFORMANCE_KIT.md).
         capabilities: The calls the allocator offers (``REFERENCE_CALLS`` for a port
-            without the project's additions).
+            without the project's additions; default: all, or the port's).
+        classes: ``config_class``, ``block_class``, ``errors``: the port's own classes.
 
     Returns:
         A test case class; bind it to a ``Test*`` name in a test module.
     """
+    port = as_port(factory, capabilities=capabilities, **classes)
 
     class PortConformanceMachine(PoolConformanceMachine):
-        allocator_factory: ClassVar[AllocatorFactory] = staticmethod(factory)
+        allocator_factory: ClassVar[AllocatorFactory] = staticmethod(port.allocator_factory())
 
-    PortConformanceMachine.capabilities = frozenset(capabilities)
+    PortConformanceMachine.port = port
+    PortConformanceMachine.capabilities = port.offered
     test_case: type[unittest.TestCase] = PortConformanceMachine.TestCase
+    test_case.settings = settings(  # type: ignore[attr-defined]
+        profile_settings(), deadline=None, suppress_health_check=list(HealthCheck)
+    )
     return test_case

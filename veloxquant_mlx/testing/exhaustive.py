@@ -66,15 +66,23 @@ A letters (about 60) and depth D; memory O(S). Thread safety: none; each
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one line too
+    from veloxquant_mlx.commandline.sigint import run_program
+
+    run_program(
+        "python -m veloxquant_mlx.testing.exhaustive", "veloxquant_mlx.testing.exhaustive_command"
+    )
+
 import json
 import time
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError, Lockstep
+from veloxquant_mlx.testing.port import ALL_CALLS, Port
 from veloxquant_mlx.testing.templates import Live, Names, Template, small_scope
 from veloxquant_mlx.testing.traces import Trace, TraceLine, encode_line
 from veloxquant_mlx_spec import model
@@ -105,6 +113,12 @@ SCOPES: tuple[Scope, ...] = (
 )
 #: Depth (letters per sequence) of each profile.
 PROFILE_DEPTHS = {"ci": 4, "nightly": 6}
+
+
+def port_scope(port: Port, scope: Scope) -> Scope:
+    """``scope`` with a history length ``port``'s factory can be given (its default, if it
+    takes none)."""
+    return replace(scope, history_len=port.history_len_for(scope.history_len))
 
 
 def default_factory(config: PoolConfig, history_len: int) -> BlockPool[Any]:
@@ -261,6 +275,8 @@ class Counterexample:
     operations: tuple[object, ...]  # replays with a fresh Lockstep, labelled 0, 1, 2...
     message: str  # the ConformanceError's
     scope: Scope | None = None  # where it was found
+    #: The lockstep failure itself (what differed, and the calls), when there was one.
+    error: ConformanceError | None = field(default=None, compare=False, repr=False)
 
     @property
     def trace(self) -> Trace:
@@ -348,7 +364,7 @@ class _ReplayLockstep(Lockstep):
     seam; this package owns both). ``last_prediction`` keeps the spec's latest.
     """
 
-    def __init__(self, factory: AllocatorFactory, scope: Scope) -> None:
+    def __init__(self, factory: AllocatorFactory | Port, scope: Scope) -> None:
         super().__init__(factory, scope.config, scope.history_len)
         self.checking = True
         self.script: list[Prediction] = []  # popped from the end
@@ -372,17 +388,22 @@ class _Explorer:
     def __init__(
         self,
         scope: Scope,
-        factory: AllocatorFactory,
+        factory: AllocatorFactory | Port,
         *,
         max_states: int | None = None,
         deadline: float | None = None,
+        on_failure: Callable[[Counterexample], None] | None = None,
     ) -> None:
         initial = model.new_pool(scope.config, scope.history_len)
         if isinstance(initial, model.Err):
             raise ValueError(f"scope {scope.name!r} is rejected by the spec: {initial}")
         self.scope = scope
         self.factory = factory
-        self.letters = alphabet(scope.config)
+        # A port is explored through the calls it offers (a reference port: no sharing).
+        offered = factory.offered if isinstance(factory, Port) else ALL_CALLS
+        self.letters = tuple(
+            letter for letter in alphabet(scope.config) if letter.declaration.name in offered
+        )
         self.nodes = [_Node(initial, (), None, 0, -1, "", None, None)]
         self.seen = {canonical_key(initial, None)}
         self.transitions = 0
@@ -392,6 +413,9 @@ class _Explorer:
         self.max_states = max_states
         self.deadline = deadline  # time.monotonic() after which the search stops
         self.gap: Gap | None = None  # set when a budget stopped the search
+        #: Told every counterexample, when the search goes on after one (the report's mode):
+        #: a failing transition is then not followed, and the search carries on.
+        self.on_failure = on_failure
 
     def _out_of_budget(self, level: int, target: int, expanded: int, layer: int) -> bool:
         """Whether a budget ran out while checking length ``level``; if so, record the gap."""
@@ -452,12 +476,20 @@ class _Explorer:
                 lockstep.checking = True
                 lockstep.compare_observations()  # also covers the unchanged run before it
             except ConformanceError as error:
-                return self._counterexample(index, run, lockstep, error)
+                found = self._counterexample(index, run, lockstep, error)
+                if self.on_failure is None:
+                    return found
+                self.on_failure(found)
+                lockstep = None
+                continue
             child = self._add_child(index, repr(letter), operation, lockstep.last_prediction)
             if child is not None:
                 new.append(child)
             elif self.probe_failure is None:
                 self._probe(index, repr(letter), operation, lockstep)
+                if self.on_failure is not None and self.probe_failure is not None:
+                    self.on_failure(self.probe_failure)
+                    self.probe_failure = None
             lockstep = None  # the next letter starts from this node's state again
         return new if lockstep is None else self._check_run(index, run, lockstep, new)
 
@@ -473,7 +505,10 @@ class _Explorer:
             lockstep.checking = True
             lockstep.compare_observations()
         except ConformanceError as error:
-            return self._counterexample(index, run, lockstep, error)
+            found = self._counterexample(index, run, lockstep, error)
+            if self.on_failure is None:
+                return found
+            self.on_failure(found)
         return new
 
     def _add_child(
@@ -509,12 +544,17 @@ class _Explorer:
                 lockstep.apply(call)
             except ConformanceError as error:
                 self.probe_failure = self._probe_counterexample(
-                    index, letter, operation, calls[: position + 1], str(error)
+                    index, letter, operation, calls[: position + 1], error
                 )
                 return
 
     def _probe_counterexample(
-        self, index: int, letter: str, operation: object, calls: list[object], message: str
+        self,
+        index: int,
+        letter: str,
+        operation: object,
+        calls: list[object],
+        error: ConformanceError,
     ) -> Counterexample:
         """The merged path and the first probe call that fails alone, else all of them."""
         for call in calls if len(calls) > 1 else ():
@@ -523,10 +563,10 @@ class _Explorer:
                 fresh.apply(operation)
                 fresh.apply(call)
             except ConformanceError as alone:
-                calls, message = [call], str(alone)
+                calls, error = [call], alone
                 break
         letters = [letter, *(PROBE_LETTER for _ in calls)]
-        return self._after_path(index, letters, [operation, *calls], message)
+        return self._after_path(index, letters, [operation, *calls], str(error), error)
 
     def _counterexample(
         self,
@@ -538,19 +578,23 @@ class _Explorer:
         """The path and the first letter of ``run`` that fails alone, else all of ``run``."""
         if lockstep is None:  # the replay itself went another way: nondeterminism
             message = f"replaying the checked path to this state diverged:\n{error}"
-            return self._after_path(index, [], [], message)
-        message = str(error)
+            return self._after_path(index, [], [], message, error)
         for letter, operation in run if len(run) > 1 else ():
             try:
                 self.replay(index).apply(operation)
             except ConformanceError as alone:
-                run, message = [(letter, operation)], str(alone)
+                run, error = [(letter, operation)], alone
                 break
         letters, operations = [name for name, _ in run], [op for _, op in run]
-        return self._after_path(index, letters, operations, message)
+        return self._after_path(index, letters, operations, str(error), error)
 
     def _after_path(
-        self, index: int, letters: list[str], operations: list[object], message: str
+        self,
+        index: int,
+        letters: list[str],
+        operations: list[object],
+        message: str,
+        error: ConformanceError | None = None,
     ) -> Counterexample:
         path = self.path(index)
         return Counterexample(
@@ -558,6 +602,7 @@ class _Explorer:
             (*(node.operation for node in path if node.operation is not None), *operations),
             message,
             self.scope,
+            error,
         )
 
     def search(self, depth: int, progress: Callable[[str], None] | None) -> Counterexample | None:
@@ -570,7 +615,7 @@ class _Explorer:
         try:
             self.replay(0).compare_observations()
         except ConformanceError as error:
-            return Counterexample((), (), str(error), self.scope)
+            return Counterexample((), (), str(error), self.scope, error)
         start, layer = time.perf_counter(), [0]
         for level in range(1, depth + 1):
             next_layer: list[int] = []
@@ -598,11 +643,12 @@ class _Explorer:
 def explore(
     scope: Scope,
     depth: int,
-    factory: AllocatorFactory = default_factory,
+    factory: AllocatorFactory | Port = default_factory,
     progress: Callable[[str], None] | None = None,
     *,
     max_states: int | None = None,
     deadline: float | None = None,
+    on_failure: Callable[[Counterexample], None] | None = None,
 ) -> Exploration:
     """Check every sequence of up to ``depth`` letters on ``scope``'s pool, breadth first.
 
@@ -613,13 +659,18 @@ def explore(
         progress: Called with one line per depth.
         max_states: Stop once this many distinct states are known (``None``: never).
         deadline: Stop at this ``time.monotonic()`` (``None``: never).
+        on_failure: Go on after a counterexample, telling it to this (each failing
+            transition is then not followed); the one returned is then the initial
+            state's, if that fails.
 
     Returns:
         The counts, the first (hence a shortest) counterexample if any, and
         the gap a budget left (then the verdict is inconclusive).
     """
     start = time.perf_counter()
-    explorer = _Explorer(scope, factory, max_states=max_states, deadline=deadline)
+    explorer = _Explorer(
+        scope, factory, max_states=max_states, deadline=deadline, on_failure=on_failure
+    )
     counterexample = explorer.search(depth, progress)
     return Exploration(
         scope=scope.name,
@@ -639,7 +690,3 @@ def main(argv: Sequence[str] | None = None) -> int:
     from veloxquant_mlx.testing.exhaustive_command import main as command_main  # noqa: PLC0415
 
     return command_main(argv)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

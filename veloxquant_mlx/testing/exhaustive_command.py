@@ -5,12 +5,17 @@ to the profile's depth (or ``--depth``), printing one summary line per scope
 (or, with ``--json``, one JSON document) and progress on stderr. With
 ``--out DIR``, each counterexample is also written there as a trace
 (``counterexample-SCOPE.jsonl``), which ``veloxquant-mlx replay`` replays.
+``--factory module:callable`` checks a port instead of our allocator
+(docs/CONFORMANCE_KIT.md gives the factory contract).
 
 Budgets: ``--max-states`` bounds each scope's distinct states (the memory:
-about :data:`BYTES_PER_STATE` each; a value that cannot fit in the memory
-available is refused up front), ``--time-budget`` the whole command's time.
-A scope cut by either is inconclusive: its line says which sequences were
-not checked and why.
+about :data:`BYTES_PER_STATE` each; a value that cannot fit in this
+machine's memory is refused up front), ``--time-budget`` the whole
+command's time. Both have defaults, so that any ``--depth`` ends: at most
+:data:`DEFAULT_MAX_STATES` states, or what half the machine's memory holds
+if that is fewer (an 8 GB laptop runs the defaults), and the profile's
+:data:`DEFAULT_TIME_BUDGETS`. A scope cut by either is inconclusive: its
+line says which sequences were not checked and why.
 
 Exit status (:mod:`veloxquant_mlx.commandline.verdicts`): 0 every scope
 checked in full, 1 a counterexample, 2 bad input, 3 inconclusive, 130 Ctrl-C.
@@ -30,28 +35,48 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
-from veloxquant_mlx.commandline.bad_input import require_fits_in_memory
+from veloxquant_mlx.commandline.bad_input import (
+    memory_note,
+    physical_memory_bytes,
+    require_fits_in_memory,
+)
 from veloxquant_mlx.commandline.files import atomic_write_text, out_dir_argument, prepare_out_dir
+from veloxquant_mlx.commandline.sizes import PROCESS_BYTES
+from veloxquant_mlx.commandline.values import finite_float, int_at_least
 from veloxquant_mlx.commandline.verdicts import combined
-from veloxquant_mlx.simulate.options import finite_float, int_at_least
-from veloxquant_mlx.testing.exhaustive import PROFILE_DEPTHS, SCOPES, Exploration, explore
+from veloxquant_mlx.testing.exhaustive import (
+    PROFILE_DEPTHS,
+    SCOPES,
+    Exploration,
+    default_factory,
+    explore,
+    port_scope,
+)
+from veloxquant_mlx.testing.port import Port, factory_from_text
 from veloxquant_mlx.testing.traces import dumps
 
 __all__ = [
     "BYTES_PER_STATE",
     "DEFAULT_MAX_STATES",
+    "DEFAULT_TIME_BUDGETS",
     "DESCRIPTION",
     "SUMMARY",
     "add_arguments",
+    "default_max_states",
     "main",
+    "memory_estimate",
     "run",
     "validate",
 ]
 
-#: Heap bytes per distinct state (measured with tracemalloc: about 2,200), rounded up.
-BYTES_PER_STATE: Final = 3_000
-#: The default state budget per scope: the nightly depth needs about a million.
+#: Bytes per distinct state. Measured: about 2,200 with tracemalloc, and 1,850
+#: resident (300,000 states of ``separate-4`` at depth 6: 584 MiB, the process included).
+BYTES_PER_STATE: Final = 2_200
+#: The most states per scope by default: the nightly depth needs up to about a million.
 DEFAULT_MAX_STATES: Final = 3_000_000
+#: The default time budget of each profile, all scopes together: a ``--depth`` far
+#: past the profile's then ends, inconclusive. The ci profile takes about 20 s here.
+DEFAULT_TIME_BUDGETS: Final = {"ci": 15 * 60.0, "nightly": 8 * 3600.0}
 
 SUMMARY: Final = "check every call sequence up to a depth on small pools, against the spec"
 DESCRIPTION: Final = """\
@@ -66,7 +91,12 @@ ran out), 130 interrupted.
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``exhaustive``'s options."""
-    parser.add_argument("--profile", choices=sorted(PROFILE_DEPTHS), default="ci")
+    parser.add_argument(
+        "--profile",
+        choices=sorted(PROFILE_DEPTHS),
+        default="ci",
+        help="the depth and time budget (ci: 4 and 15 min, nightly: 6 and 8 h; default: ci)",
+    )
     parser.add_argument(
         "--depth", type=int_at_least(0), help="overrides the profile's depth (ci 4, nightly 6)"
     )
@@ -75,15 +105,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-states",
         type=int_at_least(1),
-        default=DEFAULT_MAX_STATES,
         metavar="N",
-        help="distinct states per scope before it stops, inconclusive (default: %(default)s)",
+        help=f"distinct states per scope before it stops, inconclusive (default: "
+        f"{DEFAULT_MAX_STATES:,}, or what half this machine's memory holds if fewer)",
     )
     parser.add_argument(
         "--time-budget",
         type=finite_float(0, low_inclusive=False),
         metavar="SECONDS",
-        help="stop (inconclusive) after this long, all scopes together (default: no limit)",
+        help="stop (inconclusive) after this long, all scopes together (default: the profile's)",
+    )
+    parser.add_argument(
+        "--factory",
+        type=_factory,
+        metavar="MODULE:CALLABLE",
+        help="check this pool instead of ours: a factory taking a config "
+        "(docs/CONFORMANCE_KIT.md); MODULE is imported from the current directory",
     )
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
@@ -94,13 +131,34 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def validate(args: argparse.Namespace) -> str | None:
-    """Refuse a state budget that cannot fit in memory."""
+def _factory(text: str) -> Port:
     try:
-        require_fits_in_memory(args.max_states * BYTES_PER_STATE, f"--max-states {args.max_states}")
+        return factory_from_text(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def validate(args: argparse.Namespace) -> str | None:
+    """Refuse a state budget that cannot fit in this machine's memory."""
+    if args.max_states is None:
+        return None
+    try:
+        require_fits_in_memory(memory_estimate(args.max_states), f"--max-states {args.max_states}")
     except ValueError as error:
         return str(error)
     return None
+
+
+def default_max_states(physical: int | None) -> int:
+    """:data:`DEFAULT_MAX_STATES`, or fewer: what half of ``physical`` bytes holds."""
+    if physical is None:
+        return DEFAULT_MAX_STATES
+    return max(1, min(DEFAULT_MAX_STATES, (physical // 2 - PROCESS_BYTES) // BYTES_PER_STATE))
+
+
+def memory_estimate(max_states: int) -> int:
+    """The most bytes a run of ``max_states`` states per scope holds (one scope at a time)."""
+    return PROCESS_BYTES + max_states * BYTES_PER_STATE
 
 
 def _is_counterexample(name: str) -> bool:
@@ -112,16 +170,31 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         prepare_out_dir(args.out, force=args.force, is_run_file=_is_counterexample)
     depth: int = PROFILE_DEPTHS[args.profile] if args.depth is None else args.depth
-    deadline = None if args.time_budget is None else time.monotonic() + args.time_budget
+    max_states: int = args.max_states
+    if max_states is None:
+        max_states = default_max_states(physical_memory_bytes())
+    seconds: float = (
+        DEFAULT_TIME_BUDGETS[args.profile] if args.time_budget is None else args.time_budget
+    )
+    print(
+        f"exploring to depth {depth}, at most {max_states:,} states per scope (memory "
+        f"{memory_note(memory_estimate(max_states))} if all are reached) and {seconds:g} s "
+        "in all",
+        file=sys.stderr,
+        flush=True,
+    )
+    deadline = time.monotonic() + seconds
     results: list[Exploration] = []
     for scope in SCOPES:
         if args.scope is not None and scope.name not in args.scope:
             continue
+        port: Port | None = args.factory
         result = explore(
-            scope,
+            scope if port is None else port_scope(port, scope),
             depth,
+            port or default_factory,
             progress=lambda line: print(line, file=sys.stderr, flush=True),
-            max_states=args.max_states,
+            max_states=max_states,
             deadline=deadline,
         )
         results.append(result)
@@ -143,6 +216,6 @@ def _save(result: Exploration, scope: str, folder: Path | None) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m veloxquant_mlx.testing.exhaustive``: the ``exhaustive`` subcommand."""
-    from veloxquant_mlx.cli import main as cli_main  # noqa: PLC0415
+    from veloxquant_mlx.cli import run_alias  # noqa: PLC0415
 
-    return cli_main(["exhaustive", *(sys.argv[1:] if argv is None else argv)])
+    return run_alias("python -m veloxquant_mlx.testing.exhaustive", "exhaustive", argv)

@@ -32,10 +32,12 @@ at ``OUTCOMES``. Thread safety: none; one thread drives one ``Lockstep``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final, NoReturn, Protocol
 
-from veloxquant_mlx.memory.block_pool import Block, PoolConfig
+from veloxquant_mlx.memory.block_pool import PoolConfig
+from veloxquant_mlx.testing.port import ALL_CALLS, REFERENCE_CALLS, Port
 from veloxquant_mlx.testing.sides import (
     HANDLE_FIELDS,
     PoolSide,
@@ -43,7 +45,6 @@ from veloxquant_mlx.testing.sides import (
     SpecSide,
     UnknownHandleError,
     describe,
-    error_outcome,
     observation_keys,
     observe,
     query_plan,
@@ -56,9 +57,9 @@ from veloxquant_mlx_spec.table import (
     Handle,
     Outcome,
     Raised,
+    Returned,
     Returns,
     declaration_of,
-    declarations,
     matches,
     named_values,
     observation_ops,
@@ -78,11 +79,6 @@ __all__ = [
 #: Builds a fresh allocator for a config and a ``history_len``.
 AllocatorFactory = Callable[[PoolConfig, int], BlockPool[Any]]
 
-#: Every call of the table: what our allocator offers.
-ALL_CALLS: Final = frozenset(d.name for d in declarations())
-#: The reference's and the contract's calls (docs/API.md **R** and **C**): what any port offers.
-REFERENCE_CALLS: Final = frozenset(d.name for d in declarations() if d.source != "P")
-
 
 #: The queries observed per (config, capabilities, owners, handles): the same keys recur across
 #: the many short lockstep runs of a search, so they are derived once (bounded, cleared when full).
@@ -98,8 +94,43 @@ class Check(Enum):
     EVERYTHING = "everything"  # plus every stale handle
 
 
+@dataclass(frozen=True)
+class Discrepancy:
+    """What differed, for a report: where, and both values.
+
+    ``where`` is the call (``Allocate(...)``) whose outcome differs, or the
+    observation (``Stats()``, ``h(0, 1)``) whose value differs after the last
+    call; ``field`` narrows it (``n_frees``, ``owner``); ``kind`` is
+    ``"outcome"``, ``"observation"`` or ``"other"`` (a message only).
+    """
+
+    kind: str
+    where: object
+    field: str
+    actual: object
+    predicted: object
+
+
 class ConformanceError(AssertionError):
-    """The allocator and the spec disagree; the message holds a replayable sequence."""
+    """The allocator and the spec disagree; the message holds a replayable sequence.
+
+    ``discrepancy`` says what differed; ``trace`` and ``config`` are the calls
+    (labelled) and the spec config up to and including the one that failed.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        discrepancy: Discrepancy | None = None,
+        trace: Sequence[tuple[int, object]] = (),
+        config: model.SpecConfig | None = None,
+        history_len: int = 1024,
+    ) -> None:
+        super().__init__(message)
+        self.discrepancy = discrepancy
+        self.trace = tuple(trace)
+        self.config = config
+        self.history_len = history_len
 
 
 class Oracle(Protocol):
@@ -126,24 +157,26 @@ class Lockstep:
 
     def __init__(
         self,
-        factory: AllocatorFactory,
+        factory: AllocatorFactory | Port,
         config: model.SpecConfig,
         history_len: int = 1024,
         *,
-        block_type: Callable[[int], object] = Block,
+        block_type: Callable[[int], object] | None = None,
         check: Check = Check.EVERYTHING,
-        capabilities: Iterable[str] = ALL_CALLS,
+        capabilities: Iterable[str] | None = None,
         oracles: Sequence[Oracle] = (),
     ) -> None:
         """Build the allocator and the spec's initial state.
 
         Args:
-            factory: Makes the allocator under test (and a second, foreign one).
+            factory: Makes the allocator under test (and a second, foreign one); a
+                :class:`~veloxquant_mlx.testing.port.Port` also gives the port's block and
+                error classes and its capabilities.
             config: A valid spec config; its ``PoolConfig`` twin is built here.
             history_len: Passed to both.
-            block_type: Builds a block by hand (``ForeignBlock(None)``).
+            block_type: Builds a block by hand (``ForeignBlock(None)``; default: the port's).
             check: What is compared after each call.
-            capabilities: The calls the allocator offers (names in the table).
+            capabilities: The calls the allocator offers (default: the port's, or all).
             oracles: Third parties compared with the spec after every call.
         """
         state = model.new_pool(config, history_len)
@@ -156,14 +189,20 @@ class Lockstep:
             config.grow_on_exhaustion,
             config.max_blocks,
         )
+        if not isinstance(factory, Port):  # a bare factory offers every call unless told
+            factory = Port(factory, capabilities=ALL_CALLS)
+        port = factory
+        make = port.allocator_factory()
+        pool = make(pool_config, history_len)
         self.spec: Final = SpecSide(state)
         self.pool_side: Final = PoolSide[object](
-            factory(pool_config, history_len),
-            block_type=block_type,
-            foreign_pool=lambda: factory(PoolConfig(block_size=4, n_blocks=64), 0),
+            pool,
+            block_type=port.block_class if block_type is None else block_type,
+            foreign_pool=lambda: make(PoolConfig(block_size=4, n_blocks=64), history_len),
+            error_names=port.error_names(pool) if port.errors is not None else None,
         )
         self.check: Final = check
-        self.capabilities: Final = frozenset(capabilities)
+        self.capabilities: Final = frozenset(port.offered if capabilities is None else capabilities)
         # Third parties still compared: one that does not model a call which changed the
         # spec's state (sharing, for a model older than it) can no longer be, and leaves.
         self.oracles: list[Oracle] = list(oracles)
@@ -217,7 +256,7 @@ class Lockstep:
         except UnknownHandleError as unknown:
             self._fail(f"malformed sequence: {unknown}")
         if error is not None:
-            actual: Outcome = error_outcome(error)
+            actual: Outcome = pool_side.error_outcome(error)
         else:
             actual = pool_side.encoder(declaration.returns)(value)
         if actual != predicted or expect is not None:
@@ -250,7 +289,10 @@ class Lockstep:
         self, op: object, actual: Outcome, predicted: Outcome, expect: Outcome | None
     ) -> None:
         if actual != predicted:
-            self._fail(f"{op!r} {describe(actual)}; the spec predicts it {describe(predicted)}")
+            self._fail(
+                f"{op!r} {describe(actual)}; the spec predicts it {describe(predicted)}",
+                Discrepancy("outcome", op, "", actual, predicted),
+            )
         if expect is not None and not matches(expect, actual):
             self._fail(f"{op!r} {describe(actual)}; the trace records it {describe(expect)}")
 
@@ -267,9 +309,15 @@ class Lockstep:
                 self.pool_side.name(label, [value])
             return
         if not isinstance(value, list):
-            self._fail(f"{op!r} returned {value!r}; the spec predicts a list of handles")
+            self._fail(
+                f"{op!r} returned {value!r}; the spec predicts a list of handles",
+                Discrepancy("outcome", op, "type", type(value).__name__, "list"),
+            )
         if len({id(b) for b in value}) != len(value) or any(map(self.pool_side.knows, value)):
-            self._fail(f"{op!r} returned a handle object that was handed out before")
+            self._fail(
+                f"{op!r} returned a handle object that was handed out before",
+                Discrepancy("outcome", op, "new handle objects", "reused", "new"),
+            )
         self.pool_side.name(label, value)
 
     def _check_unowned(self, op: object, actual: Outcome) -> None:
@@ -282,7 +330,10 @@ class Lockstep:
         if isinstance(ref, ForeignBlock) and ref.owner is None:
             shown = getattr(self.pool_side.last_hand_made, value, None)
             if shown != getattr(op, value):
-                self._fail(f"{op!r} left the hand-made block's {value} at {shown!r}")
+                self._fail(
+                    f"{op!r} left the hand-made block's {value} at {shown!r}",
+                    Discrepancy("outcome", op, f"hand-made {value}", shown, getattr(op, value)),
+                )
 
     # -- comparing -----------------------------------------------------------------------
 
@@ -322,33 +373,41 @@ class Lockstep:
         actual = observe(self.pool_side, queries, handles)
         if actual != predicted:
             keys = observation_keys(queries, handles)
-            self._fail(
-                _first_difference(
-                    list(zip(keys, actual, strict=True)), list(zip(keys, predicted, strict=True))
-                )
+            where = [*handles, *(plan.op for plan in queries)]
+            message, discrepancy = _first_difference(
+                list(zip(keys, actual, strict=True)),
+                list(zip(keys, predicted, strict=True)),
+                where,
             )
+            self._fail(message, discrepancy)
         for oracle in self.oracles:
             ours = dict(zip(observation_keys(queries, handles), predicted, strict=True))
             for key, theirs in oracle.observe().items():
                 if theirs != ours.get(key):
                     self._fail(f"{oracle!r} shows {key} = {theirs!r}; the spec: {ours.get(key)!r}")
 
-    def _fail(self, message: str) -> NoReturn:
+    def _fail(self, message: str, discrepancy: Discrepancy | None = None) -> NoReturn:
         calls = "\n".join(
             f"  {op!r}" + ("" if label == index else f"  # call {label}")
             for index, (label, op) in enumerate(self.trace)
         )
         raise ConformanceError(
             f"{message}\nconfig: {self.state.config}, history_len={self.state.history_len}\n"
-            f"calls so far (handle h(c, i) is the i-th block call c returned):\n{calls}"
+            f"calls so far (handle h(c, i) is the i-th block call c returned):\n{calls}",
+            discrepancy,
+            self.trace,
+            self.state.config,
+            self.state.history_len,
         )
 
 
 def _first_difference(
-    actual: Sequence[tuple[str, object]], predicted: Sequence[tuple[str, object]]
-) -> str:
+    actual: Sequence[tuple[str, object]],
+    predicted: Sequence[tuple[str, object]],
+    where: Sequence[object],
+) -> tuple[str, Discrepancy]:
     """The first observation that differs, said as a reader would check it."""
-    for (key, got), (_, want) in zip(actual, predicted, strict=True):
+    for (key, got), (_, want), place in zip(actual, predicted, where, strict=True):
         if got == want:
             continue
         if key.startswith("h("):
@@ -356,20 +415,33 @@ def _first_difference(
             name, a, b = next(
                 (n, a, b) for n, a, b in zip(HANDLE_FIELDS, got, want, strict=True) if a != b
             )
-            return f"{key} shows {name}={a!r}; the spec predicts {name}={b!r}"
+            message = f"{key} shows {name}={a!r}; the spec predicts {name}={b!r}"
+            return message, Discrepancy("observation", place, name, a, b)
         assert isinstance(got, Outcome) and isinstance(want, Outcome), "query outcomes"
-        return (
-            f"{key} {describe(got)}; the spec predicts it {describe(want)}{_field(key, got, want)}"
-        )
+        name, a, b = _field(key, got, want)
+        shown = {"Stats()": "stats.", "History()": "history"}.get(key, "") + name
+        shown = "len(history)" if shown == "historylen" else shown
+        said = f" ({shown} is {a!r}; the spec predicts {b!r})" if name else ""
+        message = f"{key} {describe(got)}; the spec predicts it {describe(want)}{said}"
+        return message, Discrepancy("observation", place, name, a, b)
     raise AssertionError("called with two equal observations")
 
 
-def _field(key: str, got: Outcome, want: Outcome) -> str:
-    """For a stats snapshot, which field differs."""
-    shown, predicted = getattr(got, "value", None), getattr(want, "value", None)
-    if key != "Stats()" or not (isinstance(shown, tuple) and isinstance(predicted, tuple)):
-        return ""
-    for name, a, b in zip(model.STATS_FIELDS, shown, predicted, strict=False):
-        if a != b:
-            return f" (stats.{name} is {a!r}; the spec predicts {b!r})"
-    return ""
+def _field(key: str, got: Outcome, want: Outcome) -> tuple[str, object, object]:
+    """Which field of a stats snapshot (or a history's) differs, with both values.
+
+    ``("", got, want)`` when the values are not snapshots.
+    """
+    shown, predicted = getattr(got, "value", got), getattr(want, "value", want)
+    if key == "History()" and isinstance(shown, tuple) and isinstance(predicted, tuple):
+        if len(shown) != len(predicted):
+            return "len", len(shown), len(predicted)
+        for i, (a, b) in enumerate(zip(shown, predicted, strict=True)):
+            if a != b:
+                name, x, y = _field("Stats()", Returned(a), Returned(b))
+                return f"[{i}].{name}" if name else f"[{i}]", x, y
+    if key == "Stats()" and isinstance(shown, tuple) and isinstance(predicted, tuple):
+        for name, a, b in zip(model.STATS_FIELDS, shown, predicted, strict=False):
+            if a != b:
+                return name, a, b
+    return "", shown, predicted

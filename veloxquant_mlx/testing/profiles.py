@@ -6,7 +6,9 @@
   sees the same examples and a kill is found as fast as possible.
 
 The environment variable ``VELOXQUANT_HYPOTHESIS_PROFILE`` selects one
-(``tests/conftest.py`` calls :func:`load_profile_from_environment`).
+(``tests/conftest.py`` calls :func:`load_profile_from_environment`; the
+test cases ``conformance_test_case`` builds carry :func:`profile_settings`,
+so it works in a port's own test file with no conftest).
 
 Complexity and thread safety: registration only, at import.
 """
@@ -36,15 +38,36 @@ settings.register_profile(
 )
 
 
+PROFILES = ("ci", "nightly", "mutation")
+
+
+def profile_name() -> str:
+    """The profile ``VELOXQUANT_HYPOTHESIS_PROFILE`` names (default ``ci``).
+
+    Raises:
+        ValueError: The variable names no registered profile.
+    """
+    name = os.environ.get(PROFILE_VARIABLE, DEFAULT_PROFILE)
+    if name not in PROFILES:
+        raise ValueError(f"{PROFILE_VARIABLE} must be one of {PROFILES}, got {name!r}")
+    return name
+
+
+def profile_settings() -> settings:
+    """The settings of the profile ``VELOXQUANT_HYPOTHESIS_PROFILE`` names, without loading it.
+
+    Raises:
+        ValueError: The variable names no registered profile.
+    """
+    return settings.get_profile(profile_name())
+
+
 def load_profile_from_environment() -> str:
     """Load the profile named by ``VELOXQUANT_HYPOTHESIS_PROFILE`` (default ``ci``).
 
     Raises:
         ValueError: The variable names no registered profile.
     """
-    name = os.environ.get(PROFILE_VARIABLE, DEFAULT_PROFILE)
-    known = ("ci", "nightly", "mutation")
-    if name not in known:
-        raise ValueError(f"{PROFILE_VARIABLE} must be one of {known}, got {name!r}")
+    name = profile_name()
     settings.load_profile(name)
     return name

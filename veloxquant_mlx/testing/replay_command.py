@@ -12,7 +12,7 @@ linearized on the spec first (``--budget`` bounds that search); see
 Every trace named is read and checked before any is replayed: the file must
 exist and be a trace, its store's dtype one the backend stores, and what
 replaying it allocates (the pool's books, the store's slabs, the replay's
-shadow copy) must fit in the memory available. Anything else is bad input:
+shadow copy) must fit in the machine's memory. Anything else is bad input:
 one line naming the file and the value, exit status 2, and nothing replayed.
 Then each trace is replayed, one line each, stopping at the first failure.
 
@@ -38,8 +38,8 @@ from typing import Any, Final
 
 from veloxquant_mlx.commandline.bad_input import BadInputError, require_fits_in_memory
 from veloxquant_mlx.commandline.sizes import pool_bytes, slab_bytes
+from veloxquant_mlx.commandline.values import int_at_least
 from veloxquant_mlx.commandline.verdicts import Verdict, combined
-from veloxquant_mlx.simulate.options import int_at_least
 from veloxquant_mlx.testing.storage_backends import StorageBackend, builtin_backend, mlx_backend
 from veloxquant_mlx.testing.store_operations import Write
 from veloxquant_mlx.testing.traces import Trace, TraceFormatError, load
@@ -110,9 +110,9 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m veloxquant_mlx.testing.aliasing``: the ``replay`` subcommand."""
-    from veloxquant_mlx.cli import main as cli_main  # noqa: PLC0415
+    from veloxquant_mlx.cli import run_alias  # noqa: PLC0415
 
-    return cli_main(["replay", *(sys.argv[1:] if argv is None else argv)])
+    return run_alias("python -m veloxquant_mlx.testing.aliasing", "replay", argv)
 
 
 def _backend(on: str) -> StorageBackend[Any] | None:
@@ -178,7 +178,7 @@ def load_checked(path: Path, backend: StorageBackend[Any] | None) -> Trace:
     Raises:
         BadInputError: The file cannot be read or is not a trace, its store's
             dtype is not one ``backend`` stores, or replaying it would need
-            more memory than is available. The message names the file.
+            more memory than the machine has. The message names the file.
     """
     try:
         size = path.stat().st_size

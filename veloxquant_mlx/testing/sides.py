@@ -26,7 +26,7 @@ at a time (a schedule's threads take turns).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Final, Generic, TypeVar
 
@@ -59,6 +59,7 @@ from veloxquant_mlx_spec.table import (
 
 __all__ = [
     "HandleFields",
+    "NoAttribute",
     "PoolSide",
     "QueryPlan",
     "SpecSide",
@@ -82,6 +83,43 @@ _FIELDS: Final = operator.attrgetter(*HANDLE_FIELDS)
 
 class UnknownHandleError(LookupError):
     """A call names a handle no earlier call returned: the sequence is malformed."""
+
+
+@dataclass(frozen=True, slots=True)
+class NoAttribute:
+    """What a pool shows where docs/API.md names an attribute its object lacks (C-NAMES).
+
+    Compared like any value, so a port without ``ever_allocated`` or ``n_grown``
+    gets a finding that names the attribute, not a bare ``AttributeError``.
+    """
+
+    owner: str  # "block", "stats", "history[2]"
+    name: str
+
+    def __repr__(self) -> str:
+        return f"<no attribute {self.owner}.{self.name}>"
+
+
+def fields_of(block: object) -> HandleFields:
+    """What a pool's handle shows; a missing field shows as :class:`NoAttribute`."""
+    try:
+        return _FIELDS(block)
+    except AttributeError:
+        return tuple(getattr(block, name, NoAttribute("block", name)) for name in HANDLE_FIELDS)
+
+
+def _pool_stats(value: object, owner: str = "stats") -> object:
+    """A pool's stats object as ``stats_values``; a missing field as :class:`NoAttribute`."""
+    try:
+        return stats_values(value)
+    except AttributeError as missing:
+        return NoAttribute(owner, missing.name or str(missing))
+
+
+def _pool_history(value: object) -> object:
+    if not isinstance(value, Iterable):
+        return value
+    return tuple(_pool_stats(view, f"history[{i}]") for i, view in enumerate(value))
 
 
 def describe(outcome: Outcome) -> str:
@@ -227,9 +265,13 @@ def parse_prometheus(text: str) -> tuple[tuple[str, float], ...]:
     )
 
 
-def error_outcome(error: BaseException) -> Raised:
-    """What a raised exception is: its class name (and the exception, to report it)."""
-    return Raised(type(error).__name__, cause=error)
+def error_outcome(
+    error: BaseException, names: Mapping[type[BaseException], str] | None = None
+) -> Raised:
+    """What a raised exception is: its class's contract name (by default its ``__name__``;
+    ``names`` maps a port's own classes to the contract's), and the exception, to report it."""
+    kind = type(error).__name__ if names is None else names.get(type(error), type(error).__name__)
+    return Raised(kind, cause=error)
 
 
 def pool_encoder(
@@ -255,11 +297,9 @@ def pool_encoder(
             else value
         )
     if returns is Returns.STATS:
-        return lambda value: Returned(stats_values(value))
+        return lambda value: Returned(_pool_stats(value))
     if returns is Returns.HISTORY:
-        return lambda value: Returned(
-            tuple(map(stats_values, value)) if isinstance(value, Iterable) else value
-        )
+        return lambda value: Returned(_pool_history(value))
     if returns is Returns.METRICS:
         return lambda value: Returned(parse_prometheus(value) if isinstance(value, str) else value)
     return Returned
@@ -284,6 +324,7 @@ class PoolSide(Generic[BlockT]):
         *,
         block_type: Callable[[int], object],
         foreign_pool: Callable[[], Any],
+        error_names: Mapping[type[BaseException], str] | None = None,
     ) -> None:
         """Drive ``pool``; build hand-made blocks with ``block_type``.
 
@@ -299,6 +340,11 @@ class PoolSide(Generic[BlockT]):
         self._foreign: dict[int, object] = {}
         self.last_hand_made: object = None  # the block built by hand for the latest call
         self._encode: dict[Returns, Callable[[object], Outcome]] = {}  # by what a call returns
+        self.error_names = error_names  # the port's error classes -> the contract's names
+
+    def error_outcome(self, error: BaseException) -> Raised:
+        """What an exception this pool raised is, under the contract's class names."""
+        return error_outcome(error, self.error_names)
 
     def resolve(self, ref: HandleRef) -> object:
         """The object a reference stands for.
@@ -353,7 +399,7 @@ class PoolSide(Generic[BlockT]):
         """Make the call labelled ``label``; name the handles it returned; its outcome."""
         value, error = self.invoke(op)
         if error is not None:
-            return error_outcome(error)
+            return self.error_outcome(error)
         new = [b for b in returned_blocks(declaration_of(op), value) if not self.knows(b)]
         if new:
             self.name(label, new)
@@ -373,7 +419,7 @@ class PoolSide(Generic[BlockT]):
             else:
                 value = getattr(self.pool, plan.last)(*plan.arguments)
         except Exception as error:  # every error is an outcome, compared with the spec's
-            return error_outcome(error)
+            return self.error_outcome(error)
         return Returned(value) if plan.plain else self.encoder(plan.declaration.returns)(value)
 
     def encoder(self, returns: Returns) -> Callable[[object], Outcome]:
@@ -386,13 +432,13 @@ class PoolSide(Generic[BlockT]):
     def observe(self, plans: Sequence[QueryPlan], handles: Sequence[Handle]) -> list[object]:
         """Each handle's fields, then each query's outcome (see :func:`observe`)."""
         objects = self.objects
-        shown: list[object] = [_FIELDS(objects[name]) for name in handles]
+        shown: list[object] = [fields_of(objects[name]) for name in handles]
         shown += map(self.ask, plans)
         return shown
 
     def fields(self, name: Handle) -> HandleFields:
         """What the handle ``name`` shows now."""
-        return _FIELDS(self.objects[name])
+        return fields_of(self.objects[name])
 
 
 # ---- observations --------------------------------------------------------------------
@@ -418,11 +464,14 @@ _PLANS_KEPT: Final = 4096
 def query_plan(op: object) -> QueryPlan:
     """The plan of query ``op``; observations ask the same few queries over and over.
 
-    Keyed by the op's class and arguments (names and plain values), which the
-    interpreter hashes itself: CrossHair cannot run a dataclass's own ``__hash__``.
+    Keyed by the op's class and arguments (names and plain values) with their types,
+    which the interpreter hashes itself: CrossHair cannot run a dataclass's own
+    ``__hash__``.
     """
     declaration = declaration_of(op)
-    key = (type(op), *declaration.arguments(op))
+    values = declaration.arguments(op)
+    # With the arguments' types: True == 1 == 1.0 as keys, but not as arguments.
+    key = (type(op), *values, *map(type, values))
     plan = _PLANS.get(key)
     if plan is None:
         transition = declaration.transition

@@ -6,47 +6,17 @@ a :class:`Trace`: a pool configuration, a store shape, and lines, each one
 call of the operation table (``veloxquant_mlx_spec.operations``, or a store
 call of :mod:`~veloxquant_mlx.testing.store_operations`) with its label and,
 if recorded, its outcome and timing. Any of them replays with one command on
-the spec, on a pool or on a store (``veloxquant-mlx replay``;
-docs/TRACE_FORMAT.md has the grammar). The codec derives every line from
+the spec, on a pool or on a store (``veloxquant-mlx replay``). The codec derives every line from
 the call's declaration: it has no per-call code.
 
-File format (one JSON object per line, blank lines ignored)::
-
-    {"trace": "veloxquant-mlx", "version": 2,
-     "pool": {"block_size": 4, "n_blocks": 8, "separate_kv": true,
-              "grow_on_exhaustion": false, "max_blocks": null},
-     "history_len": 0,
-     "store": {"n_layers": 2, "n_kv_heads": 2, "head_dim": 3, "dtype": "float32"}}
-    {"op": "allocate", "call": 0, "stream": "k", "n_tokens": 5, "owner": 1,
-     "format": "fp16", "expect": "ok", "returned": [0, 1]}
-    {"op": "write", "layer": 0, "block": [0, 1], "start": 1, "n_tokens": 2}
-    {"op": "free", "blocks": [[0, 0]], "expect": "ok"}
-    {"op": "free", "call": 17, "blocks": [[0, 0]], "expect": "InvalidFreeError",
-     "thread": 2, "invoke_ns": 1200, "return_ns": 1300}
-
-- A line names its call (``"op"``) and its arguments by the names of
-  docs/API.md. A handle is ``[call, position]``: the ``position``-th block
-  returned by the line labelled ``call``; labels are any distinct ints, so
-  lines can be dropped or reordered without renaming, and a name stays valid
-  after its block is freed (it then names the stale handle). A reference that
-  is no name is ``{"foreign": owner}`` (another pool's live handle),
-  ``{"hand_made": true}`` or ``{"not_a_block": true}``; a list of handles is
-  a list, ``{"tuple": [...]}`` or ``{"not_a_list": true}``. A ``bytes`` value
-  is ``{"bytes": "<hex>"}``.
-- ``call`` is the line's label; a line that hands out handles must have one.
-- ``expect`` is ``"ok"`` or the class name of the error the call must raise;
-  with ``ok``, ``returned`` is what it must return (block ids for handles
-  handed out, names for handles listed, a value, stats fields, metric pairs).
-  No ``expect``: not checked.
-- ``thread``, ``invoke_ns`` and ``return_ns`` (``null``: never returned)
-  mark a timed line: a maximal run of them is one concurrent window, checked
-  for linearizability; untimed lines apply in order.
-- A header may add ``"partial": true``: the lines are the beginning of a
-  longer history whose end was never recorded. Its clean replay is
-  inconclusive, never OK.
-
-Traces of version 1 (``handles``/``handle``, ``read``, ``block_ids``,
-``retired``; no ``history_len``) load, upgraded; any other JSON (a v1
+The grammar is docs/TRACE_FORMAT.md: a header line (``"trace":
+"veloxquant-mlx", "version": 2``, the pool's config, ``history_len``, the
+store's shape, ``"partial"``), then one JSON object per call: ``op``, its
+parameters by name (a handle is ``[call, position]``; ``{"foreign": owner}``,
+``{"hand_made": true}``, ``{"not_a_block": true}``, ``{"tuple": [...]}``,
+``{"not_a_list": true}`` and ``{"bytes": hex}`` encode the rest), ``call``,
+``expect``/``returned``/``message``, and ``thread``/``invoke_ns``/``return_ns``
+on a timed line. Version 1 traces load, upgraded; any other JSON (a v1
 stress reproducer, an ``exhaustive --json`` report) is refused with the
 format expected.
 
@@ -84,6 +54,7 @@ from veloxquant_mlx_spec.table import (
     declaration_named,
     declaration_of,
     declarations,
+    returned_blocks,
 )
 
 __all__ = [
@@ -385,10 +356,7 @@ def decode_line(text: str, *, version: int = FORMAT_VERSION) -> TraceLine:
         TraceFormatError: Not JSON, not an object, unknown op or field, a field of
             the wrong type, or a required field missing.
     """
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        raise TraceFormatError(f"not JSON: {error}") from None
+    record = _parse_json(text, "not JSON")
     if not isinstance(record, dict):
         raise TraceFormatError(f"a line must be a JSON object, got {record!r}")
     if version == 1:
@@ -457,6 +425,21 @@ def save(trace: Trace, path: str | Path) -> None:
     atomic_write_text(Path(path), dumps(trace))
 
 
+def _parse_json(text: str, what: str) -> object:
+    """``json.loads(text)``; whatever it refuses is a :class:`TraceFormatError` saying ``what``.
+
+    Besides malformed JSON, that is an integer of more digits than Python
+    converts (``ValueError``) and arrays nested deeper than the parser
+    recurses (``RecursionError``): bad input, never a traceback.
+    """
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise TraceFormatError(f"{what}: nested too deeply to read") from None
+    except ValueError as error:  # JSONDecodeError, or an int of over 4,300 digits
+        raise TraceFormatError(f"{what}: {error}") from None
+
+
 def _not_a_trace(record: object, line: str) -> TraceFormatError:
     expected = f'a header {{"trace": "{FORMAT_NAME}", "version": {FORMAT_VERSION}, ...}}'
     if isinstance(record, dict) and record.get("reproducer") == "veloxquant-mlx-linearizability":
@@ -470,10 +453,7 @@ def _not_a_trace(record: object, line: str) -> TraceFormatError:
 
 
 def _decode_header(line: str) -> tuple[Trace, int]:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as error:
-        raise TraceFormatError(f"header is not JSON: {error}") from None
+    record = _parse_json(line, "header is not JSON")
     if not isinstance(record, dict) or record.get("trace") != FORMAT_NAME:
         raise _not_a_trace(record, line)
     version = record.get("version")
@@ -514,7 +494,7 @@ def loads(text: str) -> Trace:
     try:
         trace, version = _decode_header(header_line)
     except TraceFormatError as error:
-        raise TraceFormatError(f"line {header_number}: {error}") from None
+        raise _one_document(text) or TraceFormatError(f"line {header_number}: {error}") from None
     lines: list[TraceLine] = []
     for number, line in numbered[1:]:
         try:
@@ -522,6 +502,23 @@ def loads(text: str) -> Trace:
         except TraceFormatError as error:
             raise TraceFormatError(f"line {number}: {error}") from None
     return trace.with_lines(lines)
+
+
+def _one_document(text: str) -> TraceFormatError | None:
+    """Why ``text``, read as one JSON document, is another kind of file; ``None`` if it is not.
+
+    A version 1 reproducer or an ``exhaustive --json`` report is one document,
+    indented over many lines or compact on one: whichever, it is named.
+    """
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    if isinstance(record, dict) and record.get("trace") == FORMAT_NAME:
+        return None  # a trace's own header: its error is the line's
+    if isinstance(record, list) or (isinstance(record, dict) and "reproducer" in record):
+        return _not_a_trace(record, text)
+    return None
 
 
 def load(path: str | Path) -> Trace:
@@ -585,10 +582,17 @@ class TraceRecorder:
             outcome: Outcome = Raised(error_outcome(error).kind)
         else:
             outcome = pool_outcome(op, result, self.name_of)
-            if declaration_of(op).may_issue_handles and isinstance(result, list):
-                for position, block in enumerate(result):
-                    self._names[id(block)] = (Handle(call, position), block)
+            declaration = declaration_of(op)
+            handed_out = returned_blocks(declaration, result)
+            if declaration.returns is Returns.HANDLE and self._named(result):
+                handed_out = []  # make_writable returned its argument: it keeps its name
+            for position, block in enumerate(handed_out):
+                self._names[id(block)] = (Handle(call, position), block)
         self.lines.append(TraceLine(op, call, outcome))
+
+    def _named(self, block: object) -> bool:
+        entry = self._names.get(id(block))
+        return entry is not None and entry[1] is block
 
     def call(self, make: Callable[[], object], op: object) -> object:
         """Make a call (``make()``) and record it as ``op``; its result, or it re-raises."""

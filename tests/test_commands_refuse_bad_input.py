@@ -1,35 +1,39 @@
-"""Every command refuses bad input in one line (status 2) and stops on Ctrl-C in one line (130).
+"""Every command refuses bad input in one line naming the value, with status 2.
 
 The commands: ``veloxquant-mlx simulate`` and ``stress`` (also ``python -m
-stress``), ``python -m veloxquant_mlx.testing.aliasing``, ``...testing.exhaustive``
-and ``...stress.schedules``. Bad input is refused before anything is
-allocated or written: a huge store header, pool or search is refused by its
-estimated size, an ``--out`` that cannot be used leaves nothing behind.
-Ctrl-C is sent to real processes, in the middle of their work.
+stress``), ``python -m veloxquant_mlx.testing.aliasing``, ``...testing.exhaustive``,
+``...stress.schedules`` and ``...stress.finaliser_schedules``. Bad input is
+refused before anything is allocated or written: a huge store header, pool
+or search is refused by its estimated size (only what cannot fit in the
+machine's memory: the defaults run on an 8 GB machine), a number beyond any
+float is one line too, an ``--out`` that cannot be used leaves nothing
+behind. (Ctrl-C: ``test_commands_on_ctrl_c.py``.)
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import pytest
 
 from veloxquant_mlx import cli
+from veloxquant_mlx.commandline import bad_input
 from veloxquant_mlx.memory.block_pool import PoolConfig
-from veloxquant_mlx.stress import schedules
-from veloxquant_mlx.testing import aliasing, exhaustive
+from veloxquant_mlx.stress import finaliser_schedules, schedules
+from veloxquant_mlx.stress.cli import memory_estimate
+from veloxquant_mlx.stress.config import PROFILES
+from veloxquant_mlx.testing import aliasing, exhaustive, exhaustive_command
+from veloxquant_mlx.testing.exhaustive_command import default_max_states
+from veloxquant_mlx.testing.exhaustive_command import memory_estimate as exhaustive_memory
 from veloxquant_mlx.testing.traces import StoreSpec, Trace, TraceLine, dumps, save
 from veloxquant_mlx_spec.operations import Allocate, Free
 from veloxquant_mlx_spec.table import Returned, h
 
-ROOT = Path(__file__).resolve().parents[1]
+#: What an 8 GB laptop reports as its memory (MemTotal: the kernel keeps some).
+LAPTOP_BYTES = 7_800 * 2**20
+HUGE = "1" + "0" * 400  # beyond any float: once an OverflowError traceback in every command
 HEADER = {
     "trace": "veloxquant-mlx",
     "version": 1,
@@ -76,8 +80,13 @@ def refused(
         (header_with(n_layers="two"), "n_layers must be an int >= 1, got 'two'"),
         (header_with(n_layers=True), "n_layers must be an int >= 1, got True"),
         (header_with(n_layers=100_000_000_000), "n_layers=100000000000"),
+        (header_with(n_layers=10**400), "needs about 2**"),
         (header_with() + '{"op": "bogus"}\n', "line 2: 'op' must be one of"),
         ('{"trace": "other"}\n', 'expected a header {"trace": "veloxquant-mlx", "version": 2'),
+        (header_with() + '{"op": "n_free", "stream": ' + "9" * 5000 + "}\n", "line 2: not JSON"),
+        ('{"trace": "veloxquant-mlx", "x": ' + "1" * 5000 + "}\n", "header is not JSON"),
+        (header_with() + "[" * 200_000 + "]" * 200_000 + "\n", "line 2: not JSON: nested too"),
+        ("[" * 200_000 + "\n", "header is not JSON: nested too deeply"),
     ],
     ids=[
         "missing",
@@ -86,8 +95,13 @@ def refused(
         "n_layers-two",
         "n_layers-bool",
         "n_layers-huge",
+        "n_layers-beyond-floats",
         "bad-op",
         "not-a-trace",
+        "int-of-5000-digits",
+        "int-of-5000-digits-in-the-header",
+        "arrays-nested-200000-deep",
+        "header-nested-200000-deep",
     ],
 )
 def test_the_aliasing_cli_refuses_a_bad_trace_in_one_line(
@@ -187,6 +201,7 @@ def test_stress_refuses_a_reused_out_unless_forced_and_then_keeps_no_stale_file(
         (["--threads", "100000"], "got '100000'"),
         (["--check-budget", "0"], "argument --check-budget: expected a number > 0, got '0'"),
         (["--mix", "allocate=lots"], "allocate=lots"),
+        (["--window-ops", "100000000000"], "expected an int from 1 to 1000"),
     ],
 )
 def test_stress_refuses_bad_options_before_creating_its_folder(
@@ -218,6 +233,9 @@ def test_stress_replay_refuses_what_is_not_a_trace(
         (exhaustive.main, ["--depth", "-1"], "argument --depth: expected an int >= 0, got '-1'"),
         (exhaustive.main, ["--max-states", "100000000000"], "--max-states 100000000000"),
         (exhaustive.main, ["--scope", "nowhere"], "invalid choice: 'nowhere'"),
+        (exhaustive.main, ["--factory", "nowhere:Pool"], "cannot import 'nowhere'"),
+        (exhaustive.main, ["--factory", "json"], "expected module:callable, got 'json'"),
+        (exhaustive.main, ["--factory", "json:nothing"], "'json' has no 'nothing'"),
         (schedules.main, ["--max-preemptions", "-1"], "got '-1'"),
         (schedules.main, ["--max-schedules", "0"], "got '0'"),
     ],
@@ -228,82 +246,71 @@ def test_every_other_command_refuses_bad_input_in_one_line(
     refused(capsys, main, args, fragment)
 
 
-# -- Ctrl-C ---------------------------------------------------------------------------------------
-
-
-def start(args: Sequence[str], tmp_path: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    return subprocess.Popen(
-        [sys.executable, *args],
-        cwd=tmp_path,
-        env={**env, "PYTHONPATH": f"{ROOT}{os.pathsep}{ROOT / 'spec'}"},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
+def test_stress_names_every_option_that_sizes_a_run_too_big(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    err = refused(
+        capsys, cli.main, stress("--out", str(tmp_path / "run"), "--block-size", "10**11")
     )
-
-
-def wait_for(condition: Callable[[], bool], what: str, seconds: float = 60.0) -> None:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        assert time.monotonic() < deadline, f"never saw {what}"
-        time.sleep(0.05)
-
-
-def interrupt(process: subprocess.Popen[str]) -> tuple[int, str, str]:
-    process.send_signal(signal.SIGINT)
-    out, err = process.communicate(timeout=120)
-    return process.returncode, out, err
-
-
-def long_trace(path: Path) -> None:
-    """A trace that takes far longer to replay than the test waits."""
-    pool = PoolConfig(block_size=4, n_blocks=64)
-    lines: list[TraceLine] = []
-    for call in range(40_000):
-        lines.append(TraceLine(Allocate("k", 16, 1), call))
-        lines.append(TraceLine(Free(tuple(h(call, i) for i in range(4)))))
-    save(Trace(pool, StoreSpec(2, 2, 8), tuple(lines)), path)
-
-
-def test_ctrl_c_in_a_stress_run_is_one_line_130_and_a_partial_report(tmp_path: Path) -> None:
-    out = tmp_path / "run"
-    process = start(["-m", "stress", "--duration", "120", "--out", str(out), "--no-progress"], ROOT)
-    wait_for((out / "linearized.partial.jsonl").exists, "the run start")
-    time.sleep(0.5)  # let the workers make some calls
-    status, _, err = interrupt(process)
-    assert status == 130, err
-    assert "Traceback" not in err
-    assert "terminate called" not in err
-    assert err.splitlines()[-1].startswith("veloxquant-mlx stress: interrupted: after ")
-    report = json.loads((out / "report.json").read_text())
-    assert (report["verdict"], report["partial"]) == ("interrupted", True)
-    assert not (out / "linearized.jsonl").exists()
-    assert not [path for path in out.iterdir() if path.name.endswith(".tmp")]
+    assert "argument --block-size" in err  # not an int: refused by its type
+    err = refused(
+        capsys, cli.main, stress("--out", str(tmp_path / "run"), "--block-size", "100000000000")
+    )
+    for option in ("--block-size 100000000000", "--n-blocks", "--threads", "--window-ops"):
+        assert option in err
+    assert "store: 2 layers of 1 x 2 float32 values per token" in err
 
 
 @pytest.mark.parametrize(
-    "command",
-    ["simulate", "exhaustive", "schedules", "aliasing"],
+    ("main", "args", "option"),
+    [
+        (cli.main, ["simulate", "--n-blocks", HUGE], "--n-blocks"),
+        (cli.main, ["simulate", "--seed", HUGE], "--seed"),
+        (cli.main, ["simulate", "--arrival-rate", HUGE], "--arrival-rate"),
+        (cli.main, ["stress", "--search-budget", HUGE], "--search-budget"),
+        (cli.main, ["stress", "--ops", HUGE], "--ops"),
+        (exhaustive.main, ["--max-states", HUGE], "--max-states"),
+        (exhaustive.main, ["--depth", "9" * 5000], "--depth"),  # more digits than int() reads
+        (schedules.main, ["--max-schedules", HUGE], "--max-schedules/--max-runs"),
+        (finaliser_schedules.main, ["--max-runs", HUGE], "--max-schedules/--max-runs"),
+    ],
 )
-def test_ctrl_c_in_every_other_command_is_one_line_and_130(tmp_path: Path, command: str) -> None:
-    if command == "simulate":
-        args = ["-m", "veloxquant_mlx", "simulate", "--duration", "2000000", "--no-progress"]
-        prog = "veloxquant-mlx"
-    elif command == "exhaustive":
-        args = ["-m", "veloxquant_mlx.testing.exhaustive", "--profile", "nightly"]
-        prog = "veloxquant-mlx exhaustive"
-    elif command == "schedules":
-        args = ["-m", "veloxquant_mlx.stress.schedules", "--granularity", "line"]
-        prog = "veloxquant-mlx schedules"
-    else:
-        long_trace(tmp_path / "long.jsonl")
-        args = ["-m", "veloxquant_mlx.testing.aliasing", "long.jsonl", "--backend", "numpy"]
-        prog = "veloxquant-mlx replay"
-    process = start(args, tmp_path)
-    time.sleep(3.0)  # past the imports, into the work (each command runs for minutes)
-    assert process.poll() is None, "the command ended before it could be interrupted"
-    status, _, err = interrupt(process)
-    assert status == 130, err
-    assert "Traceback" not in err
-    assert err.splitlines()[-1] in (f"{prog}: interrupted", f"{prog} simulate: interrupted")
+def test_a_number_beyond_any_float_is_one_short_line_on_every_command(
+    capsys: pytest.CaptureFixture[str], main: Main, args: list[str], option: str
+) -> None:
+    err = refused(capsys, main, args, f"argument {option}: expected ", "characters)")
+    assert len(err) < 200
+
+
+def test_the_finaliser_explorer_refuses_a_bad_budget_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    refused(capsys, finaliser_schedules.main, ["--max-runs", "0"], "expected an int >= 1, got '0'")
+
+
+# -- memory: refuse only what cannot fit --------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(PROFILES))
+def test_the_stress_profiles_fit_an_8_gb_machine(name: str) -> None:
+    bad_input.require_fits_in_memory(memory_estimate(PROFILES[name]), name, limit=LAPTOP_BYTES)
+
+
+def test_stress_refuses_only_what_exceeds_the_machine_not_what_is_free_now(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(bad_input, "physical_memory_bytes", lambda: LAPTOP_BYTES)
+    monkeypatch.setattr(bad_input, "available_memory_bytes", lambda: 2**30)  # a busy machine
+    args = ["stress", "--profile", "nightly", "--ops", "50", "--no-progress", "--storage", "none"]
+    assert cli.main([*args, "--replay-backend", "none", "--out", str(tmp_path)]) == 0
+    assert "more than the 1 GiB free now" in capsys.readouterr().err  # said, not refused
+
+
+def test_the_exhaustive_defaults_fit_an_8_gb_machine(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert exhaustive_memory(default_max_states(LAPTOP_BYTES)) <= LAPTOP_BYTES // 2
+    monkeypatch.setattr(exhaustive_command, "physical_memory_bytes", lambda: LAPTOP_BYTES)
+    assert exhaustive.main(["--depth", "1", "--scope", "shared-4"]) == 0
+    states = default_max_states(LAPTOP_BYTES)
+    assert f"at most {states:,} states per scope" in capsys.readouterr().err

@@ -1,0 +1,289 @@
+"""The conformance kit as a backend author adopts it (docs/CONFORMANCE_KIT.md).
+
+A port of the reference API (``tests/reference_port.py``: ``MyPool(config)``,
+its own ``PoolConfig``, ``Block`` and error classes) passes with the README's
+recipe; the factory contract is forgiving; a deliberately deviant port
+(``tests/deviant_port.py``) gets every planted deviation listed once, under
+its contract rule, in one run, and passes with them allowed.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+import pytest
+import reference_port
+from deviant_port import DEVIANT_ERRORS, DEVIATIONS, DeviantConfig, DeviantPort
+from reference_port import MyPool
+
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.testing import exhaustive
+from veloxquant_mlx.testing.conformance import conformance_test_case
+from veloxquant_mlx.testing.findings import Finding
+from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
+from veloxquant_mlx.testing.port import ALL_CALLS, REFERENCE_CALLS, Port, as_port
+from veloxquant_mlx.testing.profiles import PROFILE_VARIABLE
+from veloxquant_mlx.testing.python_text import as_python
+from veloxquant_mlx.testing.report import conformance_report
+from veloxquant_mlx.testing.surface import check_config_validation, check_names
+from veloxquant_mlx_spec import model
+from veloxquant_mlx_spec.operations import Allocate, Stats
+from veloxquant_mlx_spec.table import Raised, h
+
+# The README's recipe, unchanged, on a port of the reference API.
+TestMyPoolConforms = conformance_test_case(MyPool)
+
+
+# ---- the factory contract ---------------------------------------------------------------
+
+
+def test_a_reference_port_offers_the_reference_calls_only() -> None:
+    assert as_port(MyPool).capabilities == REFERENCE_CALLS
+    assert as_port(BlockPoolAllocator).capabilities == ALL_CALLS
+
+
+def test_the_factory_gets_the_ports_own_config_class() -> None:
+    pool = Port(MyPool, config_class=reference_port.PoolConfig).build(PoolConfig(4, 8))
+    assert type(pool.config) is reference_port.PoolConfig
+    assert (pool.config.block_size, pool.config.n_blocks) == (4, 8)
+
+
+def test_a_factory_without_config_class_gets_plain_values() -> None:
+    seen: dict[str, object] = {}
+
+    def make_pool(history_len: int = 1024, **fields: Any) -> MyPool:
+        seen.update(fields, history_len=history_len)
+        return MyPool(reference_port.PoolConfig(**fields))
+
+    Port(make_pool, config_class=None).build(PoolConfig(4, 8), 3)
+    assert seen == {
+        "block_size": 4,
+        "n_blocks": 8,
+        "separate_kv": True,
+        "grow_on_exhaustion": False,
+        "max_blocks": None,
+        "history_len": 3,
+    }
+
+
+def test_history_len_reaches_a_factory_that_takes_it() -> None:
+    port = Port(BlockPoolAllocator)
+    assert port.takes_history_len
+    assert port.build(PoolConfig(2, 2), 3).history.maxlen == 3  # type: ignore[attr-defined]
+
+
+def test_a_factory_without_history_len_is_checked_at_the_default_only() -> None:
+    port = Port(MyPool)
+    assert not port.takes_history_len
+    assert port.history_lens == (1024,)
+    with pytest.raises(ValueError, match="MyPool takes no history_len"):
+        port.build(PoolConfig(2, 2), 3)
+
+
+def test_the_ports_block_class_builds_the_hand_made_blocks() -> None:
+    lockstep = Lockstep(Port(MyPool, block_class=reference_port.Block), model.SpecConfig(2, 4))
+    hand_made = lockstep.pool_side.resolve(model.ForeignBlock(None))
+    assert type(hand_made) is reference_port.Block
+
+
+def test_the_ports_error_classes_compare_under_the_contracts_names() -> None:
+    lockstep = Lockstep(Port(MyPool), model.SpecConfig(2, 1))
+    lockstep.apply(Allocate("k", 2, 0))
+    # The port raises its own class, named as the contract's.
+    assert lockstep.apply(Allocate("k", 2, 0)) == Raised("BlockPoolExhaustedError")
+
+
+def test_an_unknown_capability_is_refused_by_name() -> None:
+    with pytest.raises(ValueError, match="'defragment'"):
+        Port(MyPool, capabilities=frozenset({"allocate", "defragment"}))
+
+
+def test_a_config_class_that_refuses_an_empty_pool_is_a_finding() -> None:
+    class NoEmptyPools(reference_port.PoolConfig):
+        def __init__(self, *args: Any, **fields: Any) -> None:
+            super().__init__(*args, **fields)
+            if self.n_blocks == 0:
+                raise ValueError("n_blocks must be >= 1")
+
+    findings = check_config_validation(Port(MyPool, config_class=NoEmptyPools))
+    assert [(f.rule, f.field) for f in findings] == [
+        ("C-CONFIG-EMPTY", "n_blocks=0"),
+        ("C-CONFIG-EMPTY", "n_blocks=0, grow_on_exhaustion=True"),
+    ]
+
+
+# ---- no private field, no bare AttributeError ------------------------------------------
+
+
+class _StatsWithoutGrowth:
+    """A stats object without ``n_grown`` (and without anything private)."""
+
+    def __init__(self, stats: object) -> None:
+        self._stats = stats
+
+    def __getattr__(self, name: str) -> object:
+        if name == "n_grown":
+            raise AttributeError(name)
+        return getattr(self._stats, name)
+
+
+class _NoGrowthCounter(MyPool):
+    @property
+    def stats(self) -> Any:
+        return _StatsWithoutGrowth(self.books.stats)
+
+
+def test_a_missing_stats_field_is_a_named_difference() -> None:
+    lockstep = Lockstep(Port(_NoGrowthCounter), model.SpecConfig(2, 4))
+    with pytest.raises(ConformanceError) as raised:
+        lockstep.apply(Stats())
+    assert "<no attribute stats.n_grown>" in str(raised.value)
+    assert check_names(Port(_NoGrowthCounter))[0].key == ("C-NAMES", "stats", "n_grown")
+
+
+def test_the_kit_reads_nothing_private_of_a_stats_object() -> None:
+    assert check_names(Port(MyPool)) == []
+    lockstep = Lockstep(Port(MyPool), model.SpecConfig(2, 4))
+    lockstep.apply(Allocate("k", 3, 0))  # stats, history and every handle compared
+
+
+# ---- Hypothesis profiles in a port's own test file -------------------------------------
+
+
+@pytest.mark.parametrize(("profile", "examples"), [("nightly", 5_000), ("mutation", 200)])
+def test_the_profile_variable_reaches_a_ports_test_case(
+    monkeypatch: pytest.MonkeyPatch, profile: str, examples: int
+) -> None:
+    monkeypatch.setenv(PROFILE_VARIABLE, profile)
+    test_case: Any = conformance_test_case(MyPool)
+    assert test_case.settings.max_examples == examples
+
+
+# ---- every deviation in one run --------------------------------------------------------
+
+
+def _python_of(finding: Finding) -> list[str]:
+    config = finding.config or model.SpecConfig()
+    port = Port(DeviantPort, config_class=DeviantConfig, errors=DEVIANT_ERRORS)
+    return as_python(port, finding.calls, config, finding.history_len, finding.discrepancy)
+
+
+def _runs_and_shows_the_pools_value(finding: Finding) -> None:
+    *setup, last = _python_of(finding)
+    scope: dict[str, object] = {
+        "DeviantPort": DeviantPort,
+        "DeviantConfig": DeviantConfig,
+        "Block": reference_port.Block,
+        "suppress": suppress,
+    }
+    exec("\n".join(setup), scope)
+    assert eval(last.split("  #")[0], scope) == finding.actual
+
+
+@pytest.mark.slow
+def test_one_run_lists_each_planted_deviation_once_readably() -> None:
+    # One test, not three: the run is the expensive part, and xdist would repeat a fixture.
+    report = conformance_report(DeviantPort, config_class=DeviantConfig, errors=DEVIANT_ERRORS)
+    print(report.render())  # the figures: total seconds and the longest shrink
+    assert sorted(f.rule for f in report.findings) == sorted(DEVIATIONS)
+    assert all(len(f.calls) <= 5 for f in report.findings)
+    assert not report.gaps  # every part ran to its end within the time budget
+
+    text = report.render()
+    assert all(len(block.splitlines()) <= 20 for block in text.split("\n\n")[1:])
+    assert "docs/CONTRACT.md#c-counters-nfrees" in text
+    assert "Lockstep" not in text and "ForeignBlock" not in text and "h(" not in text
+
+    after_a_call = [
+        f
+        for f in report.findings
+        if f.calls and f.discrepancy is not None and f.discrepancy.kind == "observation"
+    ]
+    assert after_a_call, "the deviant port has a deviation seen after a call"
+    for finding in after_a_call:
+        _runs_and_shows_the_pools_value(finding)
+
+
+@pytest.mark.slow
+def test_the_deviant_port_passes_with_its_deviations_allowed() -> None:
+    allow = {rule: "planted on purpose" for rule in DEVIATIONS}
+    report = conformance_report(
+        DeviantPort, config_class=DeviantConfig, errors=DEVIANT_ERRORS, allow=allow, examples=100
+    )
+    assert report.conforms, report.render()
+    assert sorted(f.rule for f, _ in report.expected) == sorted(DEVIATIONS)
+
+
+def test_a_finding_shows_a_shortest_sequence_as_python() -> None:
+    port = Port(DeviantPort, config_class=DeviantConfig, errors=DEVIANT_ERRORS)
+    lockstep = Lockstep(port, model.SpecConfig(2, 4))
+    lockstep.apply(Allocate("k", 3, 0))
+    from veloxquant_mlx_spec.operations import Free
+
+    with pytest.raises(ConformanceError) as raised:
+        lockstep.apply(Free((h(0, 1), h(0, 0))))
+    error = raised.value
+    assert error.discrepancy is not None
+    text = as_python(
+        port, [op for _, op in error.trace], model.SpecConfig(2, 4), 1024, error.discrepancy
+    )
+    assert text == [
+        "pool = DeviantPort(DeviantConfig(block_size=2, n_blocks=4))",
+        "b0 = pool.allocate('k', 3, 0)",
+        "pool.free([b0[1], b0[0]])",
+        "pool.stats.n_frees  # pool: 2; spec: 1",
+    ]
+
+
+# ---- the exhaustive checker on a port ---------------------------------------------------
+
+
+def test_the_exhaustive_command_checks_a_factory_named_on_its_command_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(Path(__file__).parent)
+    found = exhaustive.main(
+        ["--factory", "deviant_port:DeviantPort", "--depth", "1", "--scope", "separate-4"]
+    )
+    assert found == 1
+    assert "MarkUsed(block=ForeignBlock(owner=None), n_used=1)" in capsys.readouterr().out
+    passed = exhaustive.main(["--factory", "reference_port:MyPool", "--depth", "2"])
+    assert passed == 0
+
+
+# ---- a light install -------------------------------------------------------------------
+
+
+def test_the_kit_imports_without_mlx(tmp_path: Path) -> None:
+    blocker = tmp_path / "sitecustomize.py"
+    blocker.write_text(
+        textwrap.dedent(
+            """
+            import sys
+
+            class _NoMLX:
+                def find_spec(self, name, path=None, target=None):
+                    if name == "mlx" or name.startswith(("mlx.", "mlx_lm")):
+                        raise ImportError(f"{name} is blocked for this test")
+                    return None
+
+            sys.meta_path.insert(0, _NoMLX())
+            """
+        )
+    )
+    code = (
+        "import veloxquant_mlx.testing, veloxquant_mlx.testing.conformance, "
+        "veloxquant_mlx.testing.report, veloxquant_mlx.testing.exhaustive, sys; "
+        "assert not any(m == 'mlx' or m.startswith('mlx.') for m in sys.modules)"
+    )
+    environment = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}spec{os.pathsep}."}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=False
+    )
+    assert done.returncode == 0, done.stderr
