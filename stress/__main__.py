@@ -6,9 +6,9 @@ imports (:func:`~veloxquant_mlx.commandline.sigint.program_main`).
 
 import sys
 
-from veloxquant_mlx.commandline.sigint import program_main
+from veloxquant_mlx.commandline.sigint import exit_process, program_main
 
 if __name__ == "__main__":
-    raise SystemExit(
+    exit_process(
         program_main("veloxquant-mlx stress", "veloxquant_mlx.cli", ["stress", *sys.argv[1:]])
     )

@@ -7,14 +7,26 @@ and status 130 too (:func:`~veloxquant_mlx.commandline.sigint.program_main`).
 
 from __future__ import annotations
 
-from veloxquant_mlx.commandline.sigint import program_main, run_program
+from veloxquant_mlx.commandline.sigint import (
+    INTERRUPTED_STATUS,
+    exit_process,
+    program_main,
+    run_program,
+)
 
 PROG = "veloxquant-mlx"
 
 
 def main() -> int:
-    """The ``veloxquant-mlx`` script: run the command line on ``sys.argv[1:]``."""
-    return program_main(PROG, "veloxquant_mlx.cli")
+    """The ``veloxquant-mlx`` script: run the command line on ``sys.argv[1:]``.
+
+    An interrupted run ends the process here, with status 130
+    (:func:`~veloxquant_mlx.commandline.sigint.exit_process` says why).
+    """
+    status = program_main(PROG, "veloxquant_mlx.cli")
+    if status == INTERRUPTED_STATUS:
+        exit_process(status)
+    return status
 
 
 if __name__ == "__main__":

@@ -16,9 +16,11 @@ from any thread.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +32,7 @@ __all__ = [
     "REPEAT_SECONDS",
     "SigintHandler",
     "active_handler",
+    "exit_process",
     "install",
     "program_main",
     "run_program",
@@ -130,7 +133,25 @@ def program_main(prog: str, module: str, argv: Sequence[str] | None = None) -> i
 
 def run_program(prog: str, module: str) -> NoReturn:
     """:func:`program_main` for a ``python -m`` entry point: exit with its status."""
-    raise SystemExit(program_main(prog, module))
+    exit_process(program_main(prog, module))
+
+
+def exit_process(status: int) -> NoReturn:
+    """End the process with ``status``; an interrupted run ends at once, streams flushed.
+
+    Why at once: a ``KeyboardInterrupt`` that passed through C code running Python
+    with ``PyRun_*`` (an extension's import, MLX's bindings among them) is marked
+    unhandled by CPython even though the command caught it, and the interpreter's
+    normal exit then kills the process with SIGINT (status -2, not 130). Seen about
+    once in 20-40 Ctrl-Cs during imports on a loaded machine (strace: SIG_IGN, then
+    SIG_DFL and ``kill(self, SIGINT)`` at exit).
+    """
+    if status != INTERRUPTED_STATUS:
+        raise SystemExit(status)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(status)
 
 
 def _main_of(module: str) -> CommandMain:

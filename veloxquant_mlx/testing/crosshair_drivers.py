@@ -56,7 +56,7 @@ from typing import Any, Final
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.testing.lockstep import ALL_CALLS, ConformanceError, Lockstep
-from veloxquant_mlx.testing.sides import SpecSide
+from veloxquant_mlx.testing.sides import SpecSide, plans_uncached
 from veloxquant_mlx.testing.templates import Issued, Names, Pick, Template, small_scope
 from veloxquant_mlx_spec import invariants, model, transitions
 from veloxquant_mlx_spec.model import ForeignBlock
@@ -262,8 +262,9 @@ def allocate_agrees_with_spec(
     """
     lockstep = Lockstep(_allocator, CONFIGS[config_code], HISTORY_LEN, capabilities=CALLS)
     try:
-        lockstep.apply(Allocate(STREAMS[stream_code], n_tokens, owner))
-        lockstep.apply(FreeAll(owner))
+        with plans_uncached():  # the owner and token count are symbolic here
+            lockstep.apply(Allocate(STREAMS[stream_code], n_tokens, owner))
+            lockstep.apply(FreeAll(owner))
     except ConformanceError:
         return False
     return True

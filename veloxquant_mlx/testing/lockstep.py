@@ -47,6 +47,7 @@ from veloxquant_mlx.testing.sides import (
     describe,
     observation_keys,
     observe,
+    plans_are_cached,
     query_plan,
 )
 from veloxquant_mlx_spec import invariants, model
@@ -351,15 +352,16 @@ class Lockstep:
         )  # as its fields: hashed by the interpreter (see sides.query_plan)
         fields = (config.block_size, config.n_blocks, config.separate_kv, config.max_blocks)
         key = (*fields, config.grow_on_exhaustion, self.capabilities, owners, tuple(handles))
-        queries = _OBSERVED.get(key)
+        queries = _OBSERVED.get(key) if plans_are_cached() else None
         if queries is None:
             every = observation_ops(self.state.config, owners, handles)
             queries = [
                 query_plan(op) for op in every if declaration_of(op).name in self.capabilities
             ]
-            if len(_OBSERVED) > _OBSERVED_KEPT:
-                _OBSERVED.clear()
-            _OBSERVED[key] = queries
+            if plans_are_cached():
+                if len(_OBSERVED) > _OBSERVED_KEPT:
+                    _OBSERVED.clear()
+                _OBSERVED[key] = queries
         return queries
 
     def compare_observations(self) -> None:

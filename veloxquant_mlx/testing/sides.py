@@ -26,7 +26,8 @@ at a time (a schedule's threads take turns).
 from __future__ import annotations
 
 import operator
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import Any, Final, Generic, TypeVar
 
@@ -459,6 +460,29 @@ class QueryPlan:
 
 _PLANS: dict[tuple[object, ...], QueryPlan] = {}
 _PLANS_KEPT: Final = 4096
+#: Whether plans are cached (here and in the lockstep runner's observations); off
+#: inside :func:`plans_uncached`.
+_CACHING: list[bool] = [True]
+
+
+def plans_are_cached() -> bool:
+    """Whether query plans may be looked up in (and added to) the module's caches."""
+    return _CACHING[-1]
+
+
+@contextmanager
+def plans_uncached() -> Iterator[None]:
+    """Build every plan afresh inside the block: for symbolic execution (CrossHair).
+
+    A cache keyed by symbolic values (an owner, a token count) makes a path depend on
+    what earlier iterations stored, which CrossHair rejects as non-deterministic.
+    Not thread-safe: the drivers that use it run on one thread.
+    """
+    _CACHING.append(False)
+    try:
+        yield
+    finally:
+        _CACHING.pop()
 
 
 def query_plan(op: object) -> QueryPlan:
@@ -472,7 +496,7 @@ def query_plan(op: object) -> QueryPlan:
     values = declaration.arguments(op)
     # With the arguments' types: True == 1 == 1.0 as keys, but not as arguments.
     key = (type(op), *values, *map(type, values))
-    plan = _PLANS.get(key)
+    plan = _PLANS.get(key) if plans_are_cached() else None
     if plan is None:
         transition = declaration.transition
         read = getattr(transition, "__wrapped__", None)
@@ -480,12 +504,12 @@ def query_plan(op: object) -> QueryPlan:
             read = lambda state, *arguments: transition(state, *arguments)[1]  # noqa: E731
         arguments = declaration.arguments(op) if declaration.values_only else None
         *through, last = declaration.path
-        if len(_PLANS) > _PLANS_KEPT:
-            _PLANS.clear()
         plain = declaration.returns is Returns.VALUE
-        plan = _PLANS[key] = QueryPlan(
-            op, declaration, read, arguments, tuple(through), last, plain
-        )
+        plan = QueryPlan(op, declaration, read, arguments, tuple(through), last, plain)
+        if plans_are_cached():
+            if len(_PLANS) > _PLANS_KEPT:
+                _PLANS.clear()
+            _PLANS[key] = plan
     return plan
 
 
