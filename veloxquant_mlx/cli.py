@@ -28,6 +28,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 
 from veloxquant_mlx import __version__
 from veloxquant_mlx.commandline.bad_input import OneLineParser
@@ -58,6 +59,19 @@ class Subcommand:
     validate: Callable[[argparse.Namespace], str | None]  # None, or a usage error message
     run: Callable[[argparse.Namespace], int]  # returns the exit status
 
+    @classmethod
+    def of_module(cls, name: str, module: ModuleType) -> Subcommand:
+        """The subcommand a ``*_command`` module declares by its usual names
+        (``SUMMARY``, ``DESCRIPTION``, ``add_arguments``, ``validate``, ``run``)."""
+        return cls(
+            name=name,
+            summary=module.SUMMARY,
+            description=module.DESCRIPTION,
+            add_arguments=module.add_arguments,
+            validate=module.validate,
+            run=module.run,
+        )
+
 
 SUBCOMMANDS: tuple[Subcommand, ...] = (
     Subcommand(
@@ -68,38 +82,10 @@ SUBCOMMANDS: tuple[Subcommand, ...] = (
         validate=simulate_options.validate,
         run=simulate_command.run,
     ),
-    Subcommand(
-        name="stress",
-        summary=stress_command.SUMMARY,
-        description=stress_command.DESCRIPTION,
-        add_arguments=stress_command.add_arguments,
-        validate=stress_command.validate,
-        run=stress_command.run,
-    ),
-    Subcommand(
-        name="exhaustive",
-        summary=exhaustive_command.SUMMARY,
-        description=exhaustive_command.DESCRIPTION,
-        add_arguments=exhaustive_command.add_arguments,
-        validate=exhaustive_command.validate,
-        run=exhaustive_command.run,
-    ),
-    Subcommand(
-        name="replay",
-        summary=replay_command.SUMMARY,
-        description=replay_command.DESCRIPTION,
-        add_arguments=replay_command.add_arguments,
-        validate=replay_command.validate,
-        run=replay_command.run,
-    ),
-    Subcommand(
-        name="schedules",
-        summary=schedules_command.SUMMARY,
-        description=schedules_command.DESCRIPTION,
-        add_arguments=schedules_command.add_arguments,
-        validate=schedules_command.validate,
-        run=schedules_command.run,
-    ),
+    Subcommand.of_module("stress", stress_command),
+    Subcommand.of_module("exhaustive", exhaustive_command),
+    Subcommand.of_module("replay", replay_command),
+    Subcommand.of_module("schedules", schedules_command),
 )
 
 

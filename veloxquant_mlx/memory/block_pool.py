@@ -152,7 +152,11 @@ class PoolConfig:
             require_int("max_blocks", max_blocks, minimum=minimum_cap)
 
 
-@mypyc_attr(allow_interpreted_subclasses=True, acyclic=True)
+# Never acyclic=True here or on AllocationStats: mypyc's deallocator still enters
+# CPython's trashcan, which at 50 nested deallocations links the object through a
+# garbage-collector header that an acyclic instance lacks, writing into the heap
+# in front of it (tests/test_deep_deallocation.py).
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(slots=True, eq=False, init=False)
 class Block:
     """A handle of one fixed-size block of KV-cache storage, for one checkout.
@@ -202,7 +206,7 @@ class Block:
         self.ever_allocated = ever_allocated
 
 
-@mypyc_attr(allow_interpreted_subclasses=True, acyclic=True)
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(slots=True, init=False)
 class AllocationStats:
     """Running counters of a :class:`BlockPoolAllocator`, cumulative since construction.
