@@ -16,10 +16,12 @@ from conftest import (
     make_pool,
     observe,
     pool_unchanged,
+    stats_view,
     take_all_free,
 )
 
 from veloxquant_mlx.memory.block_pool import (
+    AllocationStats,
     Block,
     BlockPoolAllocator,
     BlockPoolExhaustedError,
@@ -110,6 +112,27 @@ def test_share_and_fork_each_add_one_history_snapshot() -> None:
     pool.share(blocks, owner=2)
     pool.fork(1, 3)
     assert [entry.n_shares for entry in pool.history] == [0, 1, 2]
+
+
+def test_history_holds_every_counter_before_and_after_the_first_share() -> None:
+    def sharing_view(stats: AllocationStats) -> tuple[object, ...]:
+        counts = (stats.n_shares, stats.n_copy_on_write, stats.shared_blocks())
+        return (*stats_view(stats), counts)
+
+    pool = make_pool()
+    after_each_call = []
+    for call in (
+        lambda: pool.allocate("k", 6, owner=1),
+        lambda: pool.fork(1, 2),
+        lambda: pool.make_writable(pool.blocks_for(2)[1]),
+        lambda: pool.allocate("k", 1, owner=3),
+        lambda: pool.free_all(1),
+        lambda: pool.free_all(2),
+    ):
+        call()
+        after_each_call.append(sharing_view(pool.stats))
+    assert [sharing_view(entry) for entry in pool.history] == after_each_call
+    assert after_each_call[-1][-1] == (2, 1, 0)
 
 
 SHARE_ERRORS: list[tuple[str, Callable[[BlockPoolAllocator, list[Block]], object], type]] = [

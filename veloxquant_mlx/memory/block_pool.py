@@ -72,6 +72,9 @@ _SEPARATE_STREAMS: Final = {"k": "k", "v": "v"}
 _SHARED_STREAMS: Final = {"k": "kv", "v": "kv", "kv": "kv"}
 
 DEFAULT_HISTORY_LEN: Final = 1024
+#: Length of an interpreted history entry of a pool that has never shared
+#: (``AllocationStats._counters``): nine fields and the blocks in use.
+_REFERENCE_COUNTERS: Final = 10
 
 #: Whether this module runs compiled by mypyc (``pip install .`` where a C compiler
 #: was found) rather than interpreted (the editable install, or no compiler).
@@ -412,8 +415,15 @@ class AllocationStats:
         ]
 
     def _counters(self) -> tuple[int, ...]:
-        """Every field, in declaration order, then the private counts: kept in history."""
-        return (
+        """Every counter, as interpreted history keeps it: the fields in declaration
+        order and ``_blocks_in_use``, then sharing's three once the pool has shared.
+
+        Until the first share ``n_shares`` is 0 and so are ``n_copy_on_write`` and
+        ``_shared_blocks`` (a copy or a shared block needs a share first), so the
+        short form loses nothing and a pool that never shares pays for no more than
+        it did before sharing existed; ``_from_counters`` puts the zeros back.
+        """
+        counters = (
             self.n_blocks,
             self.n_allocations,
             self.n_frees,
@@ -423,21 +433,22 @@ class AllocationStats:
             self.n_retired,
             self.peak_blocks_in_use,
             self._fragmented_count,
-            self.n_shares,
-            self.n_copy_on_write,
             self._blocks_in_use,
-            self._shared_blocks,
         )
+        if self._n_shares:
+            return (*counters, self._n_shares, self._n_copy_on_write, self._shared_blocks)
+        return counters
 
     @staticmethod
     def _from_counters(counters: tuple[int, ...]) -> AllocationStats:
-        stats = AllocationStats(*counters[:9], n_shares=counters[9], n_copy_on_write=counters[10])
-        stats._blocks_in_use = counters[11]
-        stats._shared_blocks = counters[12]
+        """The stats ``_counters()`` returned ``counters`` for, in either form."""
+        stats = AllocationStats(*counters[:9])
+        stats._blocks_in_use = counters[9]
+        if len(counters) > _REFERENCE_COUNTERS:
+            stats._n_shares, stats._n_copy_on_write, stats._shared_blocks = counters[10:]
         return stats
 
 
-@mypyc_attr(allow_interpreted_subclasses=True)
 class BlockPoolAllocator:
     """Thread-safe bookkeeping for a pool of fixed-size KV-cache blocks.
 
