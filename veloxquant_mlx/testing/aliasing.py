@@ -73,7 +73,7 @@ from veloxquant_mlx.testing.storage_backends import (
     mlx_backend,
     numpy_backend,
 )
-from veloxquant_mlx.testing.store_operations import Gather, Sync, Write
+from veloxquant_mlx.testing.store_operations import Gather, Sync, Write, fits_the_store
 from veloxquant_mlx.testing.traces import StoreSpec, Trace, TraceLine, encode_line, load
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.table import (
@@ -309,9 +309,7 @@ class AliasingReplay(Generic[ArrayT]):
         valid = (
             op.block in self._shadow
             and self._sharers(op.block) == 1  # a shared block is read-only
-            and 0 <= layer < self.spec.n_layers
-            and start >= 0
-            and start + n_tokens <= self._block_size
+            and fits_the_store(op, self.spec.n_layers, self._block_size)
         )
         if not valid:
             tokens = self.backend.tokens(self._sentinels(n_tokens), self.spec.dtype)
@@ -340,10 +338,8 @@ class AliasingReplay(Generic[ArrayT]):
         layer, n_tokens, hold = _ints(op.layer, op.n_tokens, op.hold)
         names = _names_in(op)
         blocks = [self._object(name) for name in names]
-        valid = (
-            all(name in self._shadow for name in names)
-            and 0 <= layer < self.spec.n_layers
-            and 0 <= n_tokens <= len(blocks) * self._block_size
+        valid = all(name in self._shadow for name in names) and fits_the_store(
+            op, self.spec.n_layers, self._block_size
         )
         result: list[ArrayT] = []
         outcome = self._attempt(lambda: result.append(self.store.gather(layer, blocks, n_tokens)))
