@@ -8,6 +8,7 @@ a counterexample. Each class plants one bug the contract forbids.
 from __future__ import annotations
 
 import heapq
+import time
 from collections.abc import Iterable, Sequence
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
@@ -122,3 +123,55 @@ class InUseCountsHandles(BlockPoolAllocator):
         handles = super()._issue_shares(blocks, owner)
         self._stats._blocks_in_use += len(handles)
         return handles
+
+
+class SharedCountDecrementedOutsideTheLock(BlockPoolAllocator):
+    """Planted race: freeing a handle of a shared block reads the block's count under the
+    lock, lets the lock go, and writes back that count minus one under the lock again.
+
+    Two threads releasing handles of one block (``free`` or ``free_all``) both
+    read the same count and both write back one less: a release is lost. At
+    count 2 both see "one handle left", so the block is never pushed although
+    no handle holds it; at a higher count it stays "shared" with one handle.
+    :meth:`_window` is the moment the lock is let go: ``time.sleep(0)`` makes
+    another thread run there under the GIL (as teeth do); a free-threaded
+    build needs no help (:class:`SharedCountDecrementedOutsideTheLockNoYield`).
+    """
+
+    @staticmethod
+    def _window() -> None:
+        time.sleep(0)
+
+    def _release_shared(self, blocks: Iterable[Block]) -> None:
+        blocks = list(blocks)
+        read = {block.block_id: self._shared_counts.get(block.block_id) for block in blocks}
+        self._lock.release()  # held by free / free_all, which called us
+        try:
+            self._window()
+        finally:
+            self._lock.acquire()
+        shared = self._shared_counts
+        for block in blocks:  # act on the counts read before the window
+            count = read[block.block_id]
+            if count is None:
+                self._push_onto[block.stream](block.block_id)
+                self._stats._blocks_in_use -= 1
+                self._stats._fragmented_count -= 0 < block.n_used < self._block_size
+            elif count == 2:  # one handle left after this one
+                shared.pop(block.block_id, None)
+                read[block.block_id] = None  # two handles of one id in one list: still right
+            else:
+                shared[block.block_id] = read[block.block_id] = count - 1
+            block.owner = None
+            block.n_used = 0
+        self._stats._shared_blocks = len(shared)
+        self._stats.n_frees += 1
+        self._record_history()
+
+
+class SharedCountDecrementedOutsideTheLockNoYield(SharedCountDecrementedOutsideTheLock):
+    """The same race with nothing in the window: only truly parallel threads land in it."""
+
+    @staticmethod
+    def _window() -> None:
+        return None
