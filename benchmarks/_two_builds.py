@@ -35,7 +35,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,9 +144,56 @@ def run_python(args: list[str], site: Path | None) -> subprocess.CompletedProces
     )
 
 
-def worker_command(build: Build, mode: str) -> list[str]:
-    setup = f"import sys; sys.path.insert(0, {str(BENCH_DIR)!r}); import _two_builds"
-    return [sys.executable, "-c", f"{setup}; _two_builds.{mode}({build!r})"]
+@dataclass(frozen=True)
+class Tree:
+    """A checkout whose allocator and benchmark a worker runs.
+
+    ``source_root`` goes first on an interpreted worker's path (``None``: the
+    installed package, as for this checkout); ``site`` holds the compiled
+    build (``None``: the installed one).
+    """
+
+    bench_dir: Path = BENCH_DIR
+    source_root: Path | None = None
+    site: Path | None = None
+
+    def env(self, build: Build) -> dict[str, str]:
+        env = dict(os.environ)
+        first = self.site if build == "compiled" else self.source_root
+        if first is not None:
+            env["PYTHONPATH"] = os.pathsep.join([str(first), env.get("PYTHONPATH", "")])
+        return env
+
+    def worker_command(self, build: Build, mode: str) -> list[str]:
+        setup = f"import sys; sys.path.insert(0, {str(self.bench_dir)!r}); import _two_builds"
+        return [sys.executable, "-c", f"{setup}; _two_builds.{mode}({build!r})"]
+
+
+def start_worker(build: Build, tree: Tree) -> Worker:
+    """A worker of ``tree`` that has checked it imported ``build`` from where it should."""
+    process = subprocess.Popen(
+        tree.worker_command(build, "serve"),
+        cwd=tempfile.gettempdir(),  # not the checkout: its sources would shadow a wheel
+        env=tree.env(build),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert process.stdout is not None
+    hello = json.loads(process.stdout.readline())
+    wrong_root = tree.source_root is not None and build == "interpreted"
+    if hello["compiled"] is not (build == "compiled") or (
+        wrong_root and not hello["file"].startswith(str(tree.source_root))
+    ):
+        process.kill()
+        raise SystemExit(f"the {build} worker imported {hello['file']}")
+    return Worker(build, process, hello["file"])
+
+
+def stop(started: Iterable[Worker]) -> None:
+    for worker in started:
+        worker.process.kill()
+        worker.process.wait()
 
 
 @contextmanager
@@ -155,27 +202,10 @@ def workers(site: Path | None) -> Iterator[dict[Build, Worker]]:
     started: dict[Build, Worker] = {}
     try:
         for build in BUILDS:
-            env = dict(os.environ)
-            if build == "compiled" and site is not None:
-                env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
-            process = subprocess.Popen(
-                worker_command(build, "serve"),
-                cwd=tempfile.gettempdir(),  # not the checkout: its sources would shadow a wheel
-                env=env,
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            assert process.stdout is not None
-            hello = json.loads(process.stdout.readline())
-            if hello["compiled"] is not (build == "compiled"):
-                raise SystemExit(f"the {build} worker imported {hello['file']}")
-            started[build] = Worker(build, process, hello["file"])
+            started[build] = start_worker(build, Tree(site=site))
         yield started
     finally:
-        for worker in started.values():
-            worker.process.kill()
-            worker.process.wait()
+        stop(started.values())
 
 
 def import_build(build: Build) -> ModuleType:
@@ -204,16 +234,14 @@ def run_ops(build: Build) -> None:
     bench.FIGURES_BY_KEY[figure_key].run(n)
 
 
-def instructions_per_op(build: Build, figure: str, n: int, site: Path | None) -> float:
+def instructions_per_op(build: Build, figure: str, n: int, tree: Tree) -> float:
     """Instructions one operation executes in ``build``: callgrind of 2n minus n, over n."""
 
     def instructions(ops: int) -> int:
-        env = dict(os.environ, BENCH_FIGURE=figure, BENCH_OPS=str(ops), PYTHONHASHSEED="0")
-        if build == "compiled" and site is not None:
-            env["PYTHONPATH"] = os.pathsep.join([str(site), env.get("PYTHONPATH", "")])
+        env = dict(tree.env(build), BENCH_FIGURE=figure, BENCH_OPS=str(ops), PYTHONHASHSEED="0")
         command = ["valgrind", "--tool=callgrind", "--callgrind-out-file=/dev/null"]
         result = subprocess.run(
-            [*command, *worker_command(build, "run_ops")],
+            [*command, *tree.worker_command(build, "run_ops")],
             cwd=tempfile.gettempdir(),
             env=env,
             capture_output=True,

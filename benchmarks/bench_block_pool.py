@@ -9,6 +9,7 @@ passes or fails.
     python benchmarks/bench_block_pool.py --quick      # fewer repeats, smoke only
     python benchmarks/bench_block_pool.py --compare    # interpreted vs compiled (mypyc)
     python benchmarks/bench_block_pool.py --compare --callgrind   # plus instruction counts
+    python benchmarks/bench_block_pool.py --against main --figures pair_ns_pool_1024 --callgrind
 
 ``--compare`` runs every figure in an interpreted and a compiled worker,
 alternating samples between them (see ``_two_builds.py``, which also says
@@ -16,7 +17,9 @@ where the compiled build comes from), and reports both medians and
 compiled / interpreted with issue 13's target for each; ``--callgrind``
 adds each operation's instruction count under valgrind, free of the noise
 a shared machine puts into wall-clock figures. Without ``--compare`` the
-targets are issue 2's, for the build that is installed.
+targets are issue 2's, for the build that is installed. ``--against REV``
+measures both builds of this checkout against both builds of git revision
+REV, side by side (``_against.py``); ``--figures`` picks some figures.
 
 Thread safety: single-threaded. Complexity: dominated by the 1M-block pool
 and the growth runs.
@@ -37,6 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import _against
 import _two_builds
 
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, block_pool
@@ -354,17 +358,28 @@ def side_by_side(by_build: dict[str, dict[str, float]]) -> dict[str, dict[str, A
     return table
 
 
+def callgrind_ops(figure_key: str) -> int:
+    """How many operations callgrind counts (twice) for a figure.
+
+    20,000 where an operation is small: at 2,000 the compiled pair's count
+    moved by up to 15% from run to run (a garbage collection more or less
+    within the window), at 20,000 by under 1%.
+    """
+    return 2 if figure_key.startswith("free_all_ms_") else 20_000
+
+
 def instruction_counts(site: Path | None) -> dict[str, dict[str, float | str]]:
     """Instructions per operation of each figure in each build (callgrind; slow, exact)."""
-    sizes = {"free_all_ms_16384_blocks": 2, "free_all_ms_32768_blocks": 2}
     counts: dict[str, dict[str, float | str]] = {}
     for figure in FIGURES:
         if figure.key == "pair_ns_pool_1048576":
             continue  # the 1M-block pool's set-up alone takes minutes under valgrind
-        n = sizes.get(figure.key, 2_000)
+        n = callgrind_ops(figure.key)
         print(f"callgrind {figure.key} ...", file=sys.stderr, flush=True)
         row: dict[str, float] = {
-            build: _two_builds.instructions_per_op(build, figure.key, n, site)
+            build: _two_builds.instructions_per_op(
+                build, figure.key, n, _two_builds.Tree(site=site)
+            )
             for build in _two_builds.BUILDS
         }
         row["compiled_over_interpreted"] = row["compiled"] / row["interpreted"]
@@ -374,6 +389,16 @@ def instruction_counts(site: Path | None) -> dict[str, dict[str, float | str]]:
     return counts
 
 
+def figure_keys(text: str) -> list[str]:
+    """``--figures``: comma-separated keys of FIGURES, each checked."""
+    keys = [key.strip() for key in text.split(",") if key.strip()]
+    unknown = [key for key in keys if key not in FIGURES_BY_KEY]
+    if unknown or not keys:
+        known = ", ".join(FIGURES_BY_KEY)
+        raise argparse.ArgumentTypeError(f"expected figure keys among {known}, got {text!r}")
+    return keys
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
@@ -381,7 +406,20 @@ def main(argv: list[str] | None = None) -> int:
         "--compare", action="store_true", help="interpreted vs compiled, side by side"
     )
     parser.add_argument(
-        "--callgrind", action="store_true", help="with --compare: instruction counts too"
+        "--callgrind",
+        action="store_true",
+        help="with --compare or --against: instruction counts too",
+    )
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        help="this checkout against git revision REV, both builds, side by side",
+    )
+    parser.add_argument(
+        "--figures",
+        type=figure_keys,
+        default=[figure.key for figure in FIGURES],
+        help="with --against: comma-separated figure keys (default: all)",
     )
     parser.add_argument(
         "--compiled-site",
@@ -389,7 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         help="with --compare: a directory holding a compiled build to use",
     )
     args = parser.parse_args(argv)
-    if args.compare:
+    if args.against:
+        ops = callgrind_ops if args.callgrind else None
+        report = _against.compare_against(args.against, args.figures, 3 if args.quick else 9, ops)
+    elif args.compare:
         report = compare(args.quick, args.callgrind, args.compiled_site)
     else:
         report = {"python": sys.version.split()[0], "quick": args.quick, **one_build(args.quick)}

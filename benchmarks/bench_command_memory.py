@@ -110,7 +110,7 @@ def concurrent_window(threads: int, window_ops: int) -> tuple[list[Checkpoint], 
 def search_figures(budget: int) -> dict[str, Any]:
     starts, events = concurrent_window(threads=16, window_ops=50)
     tracemalloc.start()
-    result = search(starts, events, budget=budget)
+    result = search(starts, events, store_layers=profile("nightly").store.n_layers, budget=budget)
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
     ids = 80 + profile("nightly").history_len

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import time
+from collections.abc import Iterable, Sequence
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.testing.lockstep import AllocatorFactory
@@ -134,3 +136,93 @@ class ReleaseRegistersAnUnknownOwner(BlockPoolAllocator):
         if unknown and type(owner) is int:
             with self._lock:
                 self._registered_owners.add(owner)
+
+
+# ---- sharing (docs/CONTRACT.md#sharing): the bugs engines that share have shipped ----
+
+
+class SharedBlockPushedWhileHeld(BlockPoolAllocator):
+    """Planted bug (vLLM #42571): freeing one handle of a shared block pushes the block,
+    though another handle still holds it; freeing that one pushes it again."""
+
+    def _release_shared(self, blocks: Iterable[Block]) -> None:
+        blocks = list(blocks)
+        super()._release_shared(blocks)
+        held = {block_id for owned in self._owner_blocks.values() for block_id in owned}
+        for block in blocks:
+            if block.block_id in held:
+                self._push_onto[block.stream](block.block_id)
+
+
+class FreeAllIgnoresSharing(BlockPoolAllocator):
+    """Planted bug (vLLM #3347): free_all() returns every block of the owner as if it held
+    it alone, so after a fork both owners' free_all() free each shared block."""
+
+    def free_all(self, owner: int) -> None:
+        with self._lock:
+            owned = self._owner_blocks.get(owner, {}) if type(owner) is int else {}
+            for block_id in owned:
+                self._shared_counts.pop(block_id, None)
+            self._stats._shared_blocks = len(self._shared_counts)
+        super().free_all(owner)
+
+
+class InUseCountsHandles(BlockPoolAllocator):
+    """Planted bug (SGLang #35270): blocks_in_use counts handles, so a shared block twice."""
+
+    def _issue_shares(self, blocks: Sequence[Block], owner: int) -> list[Block]:
+        handles = super()._issue_shares(blocks, owner)
+        self._stats._blocks_in_use += len(handles)
+        return handles
+
+
+class SharedCountDecrementedOutsideTheLock(BlockPoolAllocator):
+    """Planted race: freeing a handle of a shared block reads the block's count under the
+    lock, lets the lock go, and writes back that count minus one under the lock again.
+
+    Two threads releasing handles of one block (``free`` or ``free_all``) both
+    read the same count and both write back one less: a release is lost. At
+    count 2 both see "one handle left", so the block is never pushed although
+    no handle holds it; at a higher count it stays "shared" with one handle.
+    :meth:`_window` is the moment the lock is let go: ``time.sleep(0)`` makes
+    another thread run there under the GIL (as teeth do); a free-threaded
+    build needs no help (:class:`SharedCountDecrementedOutsideTheLockNoYield`).
+    """
+
+    @staticmethod
+    def _window() -> None:
+        time.sleep(0)
+
+    def _release_shared(self, blocks: Iterable[Block]) -> None:
+        blocks = list(blocks)
+        read = {block.block_id: self._shared_counts.get(block.block_id) for block in blocks}
+        self._lock.release()  # held by free / free_all, which called us
+        try:
+            self._window()
+        finally:
+            self._lock.acquire()
+        shared = self._shared_counts
+        for block in blocks:  # act on the counts read before the window
+            count = read[block.block_id]
+            if count is None:
+                self._push_onto[block.stream](block.block_id)
+                self._stats._blocks_in_use -= 1
+                self._stats._fragmented_count -= 0 < block.n_used < self._block_size
+            elif count == 2:  # one handle left after this one
+                shared.pop(block.block_id, None)
+                read[block.block_id] = None  # two handles of one id in one list: still right
+            else:
+                shared[block.block_id] = read[block.block_id] = count - 1
+            block.owner = None
+            block.n_used = 0
+        self._stats._shared_blocks = len(shared)
+        self._stats.n_frees += 1
+        self._record_history()
+
+
+class SharedCountDecrementedOutsideTheLockNoYield(SharedCountDecrementedOutsideTheLock):
+    """The same race with nothing in the window: only truly parallel threads land in it."""
+
+    @staticmethod
+    def _window() -> None:
+        return None

@@ -52,7 +52,15 @@ from veloxquant_mlx.testing.traces import (
     loads,
     save,
 )
-from veloxquant_mlx_spec.operations import Allocate, Free, FreeAll, MarkUsed, Shrink
+from veloxquant_mlx_spec.operations import (
+    Allocate,
+    Free,
+    FreeAll,
+    MakeWritable,
+    MarkUsed,
+    Share,
+    Shrink,
+)
 from veloxquant_mlx_spec.table import Raised, Returned, h
 
 NumpyArray = npt.NDArray[np.generic]
@@ -181,6 +189,25 @@ def test_recorder_names_handles_of_a_live_session_and_its_trace_replays() -> Non
     assert lines[0] == TraceLine(Allocate("kv", 3, 1), 0, Returned((0, 1)))
     assert lines[2] == TraceLine(Free((h(0, 0),)), 2, Raised("InvalidFreeError"))
     assert lines[3] == TraceLine(Write(0, h(0, 1), 0, 2), 3, Returned(None))
+    replay(recorder.trace(), numpy_backend())
+
+
+def test_recorder_names_the_handle_make_writable_moves_and_keeps_one_it_returns() -> None:
+    pool = BlockPoolAllocator(SHARED, history_len=0)
+    recorder = TraceRecorder(SHARED, SPEC)
+    first = recorder.call(lambda: pool.allocate("kv", 2, owner=1), Allocate("kv", 2, 1))
+    assert isinstance(first, list)
+    shared = recorder.call(lambda: pool.share(first, 2), Share(recorder.names(first), 2))
+    assert isinstance(shared, list)
+    moved = recorder.call(
+        lambda: pool.make_writable(shared[0]), MakeWritable(recorder.name_of(shared[0]))
+    )
+    assert isinstance(moved, Block)
+    recorder.record(Write(0, recorder.name_of(moved), 0, 2))
+    recorder.call(lambda: pool.free([first[0]]), Free(recorder.names([first[0]])))
+    same = recorder.call(lambda: pool.make_writable(moved), MakeWritable(recorder.name_of(moved)))
+    assert same is moved
+    assert recorder.name_of(moved) == h(2, 0)
     replay(recorder.trace(), numpy_backend())
 
 

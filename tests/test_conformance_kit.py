@@ -100,8 +100,8 @@ def test_the_ports_error_classes_compare_under_the_contracts_names() -> None:
 
 
 def test_an_unknown_capability_is_refused_by_name() -> None:
-    with pytest.raises(ValueError, match="'fork'"):
-        Port(MyPool, capabilities=frozenset({"allocate", "fork"}))
+    with pytest.raises(ValueError, match="'defragment'"):
+        Port(MyPool, capabilities=frozenset({"allocate", "defragment"}))
 
 
 def test_a_config_class_that_refuses_an_empty_pool_is_a_finding() -> None:

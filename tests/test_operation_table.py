@@ -215,5 +215,8 @@ def test_observations_cover_every_query_over_its_observation_points() -> None:
         "is_live",
         "id_bound",
         "check_invariants",
+        "shared_blocks",
+        "n_shares",
+        "n_copy_on_write",
     }
     assert [op for op in observed if isinstance(op, NFree)] == [NFree(s) for s in ("k", "v", "kv")]

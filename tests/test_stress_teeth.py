@@ -12,6 +12,12 @@ checker catches the race by itself; the reproducer it writes must fail
 again when re-checked. A control run of the real allocator, same settings,
 finds nothing; and a pool that never releases its lock is reported as a
 deadlock, with every thread's stack.
+
+One race is the sharing one: a shared block's reference count decremented
+outside the lock (:class:`~planted_bugs.SharedCountDecrementedOutsideTheLock`),
+reachable because the mix shares and forks (shared owners' handles, freed
+by any thread). On a free-threaded build (this file runs there too, see
+``test_free_threaded.py``) it must be caught also with nothing in the window.
 """
 
 from __future__ import annotations
@@ -22,15 +28,23 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from planted_bugs import (
+    SharedCountDecrementedOutsideTheLock,
+    SharedCountDecrementedOutsideTheLockNoYield,
+)
+from test_free_threaded import gil_is_off
 
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.config import StressConfig, profile
+from veloxquant_mlx.stress.report import StressReport
 from veloxquant_mlx.stress.reproducer import recheck
 from veloxquant_mlx.stress.runner import run_stress
 from veloxquant_mlx.testing.traces import load
 
 MAX_OPS = 20_000
+#: Runs (seeds) the no-GIL race gets: most runs show it, one in several does not within MAX_OPS.
+NO_GIL_MAX_RUNS = 8
 
 
 class CheckThenActAllocate(BlockPoolAllocator):
@@ -120,7 +134,11 @@ def teeth_config(tmp_path: Path, factory: Factory, **changes: object) -> StressC
     return profile("smoke").with_options(**options)
 
 
-@pytest.mark.parametrize("bug", [CheckThenActAllocate, CheckThenActFree], ids=["allocate", "free"])
+@pytest.mark.parametrize(
+    "bug",
+    [CheckThenActAllocate, CheckThenActFree, SharedCountDecrementedOutsideTheLock],
+    ids=["allocate", "free", "shared-count"],
+)
 @pytest.mark.parametrize(
     ("threads", "window_ops"), [(4, 24), (8, 4)], ids=["smoke-windows", "nightly-windows"]
 )
@@ -130,14 +148,48 @@ def test_a_planted_check_then_act_race_is_caught_by_the_linearizability_checker(
     """Also with the nightly profile's small windows: cutting often hides no race."""
     config = teeth_config(tmp_path, planted(bug), threads=threads, window_ops=window_ops)
     report = run_stress(config)
+    assert_caught_by_linearizability(report)
+    assert report.operations < MAX_OPS  # stopped at the violation, long before the bound
+
+
+def assert_caught_by_linearizability(report: StressReport) -> None:
+    """A linearizability finding, explained, whose reproducer still fails when re-checked."""
     found = [finding for finding in report.findings if finding.kind == "linearizability"]
     assert found, report.findings
-    assert report.operations < MAX_OPS  # stopped at the violation, long before the bound
     # The race may stay hidden for a while (a double free is linearizable until the id
     # is handed out twice), so the window shows where the spec first disagrees.
     assert "; the spec: " in found[0].message
     assert found[0].path is not None
     assert recheck(load(Path(found[0].path)))[0] is Verdict.VIOLATION
+
+
+def test_the_mix_reaches_the_shared_count_race_and_one_thread_alone_never_hits_it(
+    tmp_path: Path,
+) -> None:
+    """The mix shares, forks and copies on write; the planted pool is right but for the race."""
+    config = teeth_config(tmp_path, planted(SharedCountDecrementedOutsideTheLock), threads=1)
+    report = run_stress(config.with_options(ops=4_000))
+    assert report.ok, report.findings
+    assert report.calls_by_kind["share"] > 0
+    assert report.calls_by_kind["fork"] > 0
+    assert report.calls_by_kind["make_writable"] > 0
+
+
+if gil_is_off():
+
+    def test_a_shared_count_decremented_outside_the_lock_is_caught_without_a_gil(
+        tmp_path: Path,
+    ) -> None:
+        """Nothing in the window but letting the lock go: truly parallel threads land there."""
+        factory = planted(SharedCountDecrementedOutsideTheLockNoYield)
+        for seed in range(NO_GIL_MAX_RUNS):
+            out = tmp_path / f"seed-{seed}"
+            out.mkdir()
+            report = run_stress(teeth_config(out, factory, seed=seed))
+            if report.findings:
+                assert_caught_by_linearizability(report)
+                return
+        pytest.fail(f"{NO_GIL_MAX_RUNS} runs of {MAX_OPS:,} calls found no trace of the race")
 
 
 def test_the_real_allocator_passes_the_same_run(tmp_path: Path) -> None:

@@ -28,10 +28,28 @@ def free_lists_are_the_streams(state: PoolState) -> bool:
 
 
 def ids_are_partitioned(state: PoolState) -> bool:
-    """Every id ever issued is in exactly one of: a free list, one live handle, retired."""
+    """Every id ever issued is in exactly one of: a free list, checked out (count >= 1), retired.
+
+    So an id is on a free list iff its count is 0 and it is not retired.
+    """
     free = [b for _, stack in state.free_lists for b in stack]
-    held = [v.block_id for v in state.handles if v.owner is not None]
+    held = [block_id for block_id, _ in state.ref_counts]
     return sorted([*free, *held, *state.retired]) == list(range(state.next_block_id))
+
+
+def refcounts_match_handles(state: PoolState) -> bool:
+    """An id's count is its live handles (ids ascending, counts >= 1); one handle per owner
+    and id; the live handles of one id show the same stream, format and fill."""
+    live = [v for v in state.handles if v.owner is not None]
+    counts: dict[int, int] = {}
+    for view in live:
+        counts[view.block_id] = counts.get(view.block_id, 0) + 1
+    agreed = {v.block_id: (v.stream, v.format, v.n_used) for v in live}
+    return (
+        state.ref_counts == tuple(sorted(counts.items()))
+        and len({(v.owner, v.block_id) for v in live}) == len(live)
+        and all((v.stream, v.format, v.n_used) == agreed[v.block_id] for v in live)
+    )
 
 
 def handles_are_well_formed(state: PoolState) -> bool:
@@ -46,7 +64,7 @@ def handles_are_well_formed(state: PoolState) -> bool:
 
 def ever_allocated_is_consistent(state: PoolState) -> bool:
     """Held blocks were handed out; retired and never-issued ids were not."""
-    held = {v.block_id for v in state.handles if v.owner is not None}
+    held = {block_id for block_id, _ in state.ref_counts}
     existing = set(range(state.next_block_id)) - state.retired
     return held <= state.ever_allocated <= existing
 
@@ -81,6 +99,7 @@ INVARIANTS: tuple[Callable[[PoolState], bool], ...] = (
     config_is_valid,
     free_lists_are_the_streams,
     ids_are_partitioned,
+    refcounts_match_handles,
     handles_are_well_formed,
     ever_allocated_is_consistent,
     n_blocks_is_a_recount,

@@ -9,7 +9,9 @@ the implementation.
 
 A handle is the n-th `Block` object the pool handed out (`HandleId` n,
 counted from 0 across the whole pool). `PoolState.handles[n]` is what that
-object shows, for ever: a handle with `owner is None` is stale. Outside the
+object shows, for ever: a handle with `owner is None` is stale. Several
+live handles may show one block id (docs/CONTRACT.md#sharing): the id's
+reference count, kept in `PoolState.ref_counts`, is how many. Outside the
 spec's state a handle has one name, `veloxquant_mlx_spec.table.Handle`
 (the call that returned it and its position); `HandleArg` is what a
 transition takes.
@@ -157,6 +159,14 @@ class Counters:
 
 
 @dataclass(frozen=True)
+class SharingCounters:
+    """The cumulative counters sharing adds (C-COUNTERS-SHARE), both starting at 0."""
+
+    n_shares: int = 0  # handles issued by share() and fork()
+    n_copy_on_write: int = 0  # make_writable() calls that moved a handle
+
+
+@dataclass(frozen=True)
 class StatsView(Counters):
     """One `AllocationStats` snapshot: the counters plus three current counts."""
 
@@ -191,8 +201,9 @@ class PoolState:
     """The whole observable state of one `BlockPoolAllocator`.
 
     Invariants (named in `invariants`): every id below `next_block_id` is in
-    exactly one of a stream's free list, one live handle (hence one owner's
-    list), or `retired`; `n_blocks` is a recount; history fits history_len.
+    exactly one of a stream's free list, `ref_counts` (checked out), or
+    `retired`; an id's count is its number of live handles; `n_blocks` is a
+    recount; history fits history_len.
     """
 
     config: SpecConfig
@@ -205,6 +216,8 @@ class PoolState:
     retired: frozenset[BlockId] = frozenset()  # shrunk away, not yet re-issued
     counters: Counters = Counters()
     history: tuple[StatsView, ...] = ()  # oldest first
+    ref_counts: tuple[tuple[BlockId, int], ...] = ()  # (id, count >= 1) per checked-out id
+    sharing: SharingCounters = SharingCounters()
 
 
 def new_pool(config: SpecConfig | None = None, history_len: object = 1024) -> PoolState | Err:
@@ -230,9 +243,21 @@ def live_handles(state: PoolState) -> tuple[HandleId, ...]:
     return tuple(h for h, view in enumerate(state.handles) if view.owner is not None)
 
 
+def ref_count_of(state: PoolState, block_id: BlockId) -> int:
+    """How many live handles show `block_id` (0: free, retired or never issued)."""
+    return dict(state.ref_counts).get(block_id, 0)
+
+
+def sharing_stats(state: PoolState) -> tuple[int, int, int]:
+    """`stats.shared_blocks()`, `stats.n_shares`, `stats.n_copy_on_write` (C-COUNTERS-SHARE)."""
+    shared = sum(1 for _, count in state.ref_counts if count > 1)
+    return shared, state.sharing.n_shares, state.sharing.n_copy_on_write
+
+
 def stats(state: PoolState) -> StatsView:
-    """`BlockPoolAllocator.stats`: counters plus a recount of the current blocks."""
-    live = [state.handles[h] for h in live_handles(state)]
+    """`BlockPoolAllocator.stats`: counters plus a recount of the current blocks, per id."""
+    one_per_id = {state.handles[h].block_id: state.handles[h] for h in live_handles(state)}
+    live = list(one_per_id.values())
     c = state.counters
     return StatsView(
         n_allocations=c.n_allocations,

@@ -54,17 +54,25 @@ __all__ = [
     "CheckInvariants",
     "CheckedBlockPool",
     "ConfigLike",
+    "Fork",
     "Free",
     "FreeAll",
     "History",
     "IdBound",
     "IsLive",
+    "IsShared",
+    "MakeWritable",
     "MarkUsed",
+    "NCopyOnWrite",
     "NFree",
+    "NShares",
     "Operation",
     "Prometheus",
+    "RefCount",
     "RegisterOwner",
     "ReleaseOwner",
+    "Share",
+    "SharedBlocks",
     "Shrink",
     "Stats",
     "StatsLike",
@@ -115,6 +123,16 @@ FILL: Final = Domain(
     # part full, full, then emptied again (0 last: where one value is tried, it is 1)
     small=lambda config: (*sorted({1, config.block_size}), 0),
     bad=lambda config: (config.block_size + 1, -1, *BAD_INTS),
+)
+BLOCK_ID: Final = Domain(
+    "block_id",
+    good=lambda config: tuple(range(config.n_blocks + 2)),  # two past the first growth
+    small=lambda config: (0, 1),
+    bad=lambda config: (-1, *BAD_INTS),
+    # Not observed after every step: a query per id per step would slow every checker
+    # (CrossHair most), and a wrong count shows anyway in n_free, blocks_in_use,
+    # shared_blocks (observed) and the pool's check_invariants (observed).
+    observed="never",
 )
 DEFAULT_PROMETHEUS_PREFIX: Final = "veloxquant_block_pool"
 PREFIX: Final = Domain(
@@ -253,6 +271,139 @@ class MarkUsed:
     n_used: object
 
 
+# ---- sharing (docs/CONTRACT.md#sharing) ----------------------------------------------
+
+
+@operation(
+    returns=Returns.NEW_HANDLES,
+    transition=transitions.share,
+    domains={"owner": OWNER},
+    source="P",
+    rules=("C-SHARE", "C-SHARE-ARGS", "C-OWNER-CONTINUES", "C-COUNTERS-SHARE"),
+)
+@dataclass(frozen=True, slots=True)
+class Share:
+    """``pool.share(blocks, owner)``: a new handle of each block for ``owner``, in order."""
+
+    blocks: HandleList
+    owner: object
+
+
+@operation(
+    returns=Returns.NEW_HANDLES,
+    transition=transitions.fork,
+    domains={"src_owner": OWNER, "dst_owner": OWNER},
+    source="P",
+    rules=("C-FORK", "C-SHARE-ARGS", "C-COUNTERS-SHARE"),
+)
+@dataclass(frozen=True, slots=True)
+class Fork:
+    """``pool.fork(src_owner, dst_owner)``: ``share`` of every live handle of the source."""
+
+    src_owner: object
+    dst_owner: object
+
+
+@operation(
+    returns=Returns.HANDLE,
+    transition=transitions.make_writable,
+    counted_errors=frozenset({ErrorKind.EXHAUSTED}),
+    source="P",
+    rules=("C-MAKE-WRITABLE", "C-GROW-EXACT", "C-ALL-OR-NOTHING", "C-COUNTERS-SHARE"),
+)
+@dataclass(frozen=True, slots=True)
+class MakeWritable:
+    """``pool.make_writable(block)``: the handle itself at count 1, else a new block's."""
+
+    block: HandleRef
+
+
+@operation(
+    returns=Returns.VALUE,
+    transition=query(transitions.ref_count),
+    domains={"block_id": BLOCK_ID},
+    source="P",
+    changes_state=False,
+    rules=("C-REF-COUNT", "INV-REFCOUNT"),
+)
+@dataclass(frozen=True, slots=True)
+class RefCount:
+    """``pool.ref_count(block_id)``."""
+
+    block_id: object
+
+
+@operation(
+    returns=Returns.VALUE,
+    transition=query(transitions.is_shared),
+    domains={"block_id": BLOCK_ID},
+    source="P",
+    changes_state=False,
+    rules=("C-REF-COUNT", "C-SHARED-READ-ONLY"),
+)
+@dataclass(frozen=True, slots=True)
+class IsShared:
+    """``pool.is_shared(block_id)``: what a store asks before a write, in O(1)."""
+
+    block_id: object
+
+
+def _shared_blocks(state: PoolState) -> int:
+    """`stats.shared_blocks()`: blocks checked out with a count above 1."""
+    return model.sharing_stats(state)[0]
+
+
+def _n_shares(state: PoolState) -> int:
+    """`stats.n_shares`: handles issued by share and fork."""
+    return model.sharing_stats(state)[1]
+
+
+def _n_copy_on_write(state: PoolState) -> int:
+    """`stats.n_copy_on_write`: make_writable calls that moved a handle."""
+    return model.sharing_stats(state)[2]
+
+
+@operation(
+    returns=Returns.VALUE,
+    transition=query(_shared_blocks),
+    path=("stats", "shared_blocks"),
+    source="P",
+    changes_state=False,
+    rules=("C-COUNTERS-SHARE", "INV-REFCOUNT"),
+)
+@dataclass(frozen=True, slots=True)
+class SharedBlocks:
+    """``pool.stats.shared_blocks()``."""
+
+
+@operation(
+    returns=Returns.VALUE,
+    transition=query(_n_shares),
+    path=("stats", "n_shares"),
+    source="P",
+    is_property=True,
+    changes_state=False,
+    rules=("C-COUNTERS-SHARE",),
+)
+@dataclass(frozen=True, slots=True)
+class NShares:
+    """``pool.stats.n_shares``."""
+
+
+@operation(
+    returns=Returns.VALUE,
+    transition=query(_n_copy_on_write),
+    path=("stats", "n_copy_on_write"),
+    source="P",
+    is_property=True,
+    changes_state=False,
+    rules=("C-COUNTERS-SHARE",),
+)
+@dataclass(frozen=True, slots=True)
+class NCopyOnWrite:
+    """``pool.stats.n_copy_on_write``."""
+
+
 # ---- queries -------------------------------------------------------------------------
 
 
@@ -346,6 +497,13 @@ def prometheus_samples(
         "grown_total": view.n_grown,
         "retired_total": view.n_retired,
     }
+    shared_blocks, n_shares, n_copy_on_write = model.sharing_stats(state)
+    if n_shares:  # C-NEVER-SHARED: a pool that never shared shows the ten metrics only
+        values |= {
+            "shared_blocks": shared_blocks,
+            "shares_total": n_shares,
+            "copy_on_write_total": n_copy_on_write,
+        }
     return tuple(sorted((f"{prefix}_{name}", float(value)) for name, value in values.items()))
 
 
@@ -437,6 +595,14 @@ Operation: TypeAlias = (
     | FreeAll
     | Shrink
     | MarkUsed
+    | Share
+    | Fork
+    | MakeWritable
+    | RefCount
+    | IsShared
+    | SharedBlocks
+    | NShares
+    | NCopyOnWrite
     | BlocksFor
     | NFree
     | Stats
@@ -489,7 +655,12 @@ class StatsLike(Protocol):
     def n_retired(self) -> int: ...
     @property
     def peak_blocks_in_use(self) -> int: ...
+    @property
+    def n_shares(self) -> int: ...
+    @property
+    def n_copy_on_write(self) -> int: ...
     def blocks_in_use(self) -> int: ...
+    def shared_blocks(self) -> int: ...
     def fragmentation(self) -> float: ...
     def to_prometheus(self, prefix: str = DEFAULT_PROMETHEUS_PREFIX) -> str: ...
 
@@ -547,6 +718,11 @@ class CheckedBlockPool(BlockPool[BlockT], Protocol[BlockT]):
     checks them when a pool has them.
     """
 
+    def share(self, blocks: list[BlockT], owner: int) -> list[BlockT]: ...
+    def fork(self, src_owner: int, dst_owner: int) -> list[BlockT]: ...
+    def make_writable(self, block: BlockT) -> BlockT: ...
+    def ref_count(self, block_id: int) -> int: ...
+    def is_shared(self, block_id: int) -> bool: ...
     def is_live(self, block: object) -> bool: ...
     def all_live(self, blocks: Iterable[object]) -> bool: ...
     def id_bound(self) -> int: ...

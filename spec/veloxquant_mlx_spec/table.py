@@ -71,6 +71,7 @@ __all__ = [
     "observation_ops",
     "operation",
     "query",
+    "returned_blocks",
     "spec_call",
     "spec_outcome",
     "stats_values",
@@ -137,6 +138,8 @@ class Returns(Enum):
     NOTHING = "nothing"  # None
     NEW_HANDLES = "new_handles"  # handles never seen before, named h(call, 0), h(call, 1)...
     HANDLES = "handles"  # existing handles, by name, in order
+    #: One handle: the argument itself, or a new one named h(call, 0); compared by block id.
+    HANDLE = "handle"
     VALUE = "value"  # an int or a bool, compared with ==
     STATS = "stats"  # one snapshot: stats_values()
     HISTORY = "history"  # snapshots, oldest first: one stats_values() each
@@ -293,8 +296,8 @@ class Declaration:
 
     @property
     def may_issue_handles(self) -> bool:
-        """Whether a successful call hands out handles never seen before."""
-        return self.returns is Returns.NEW_HANDLES
+        """Whether a successful call may hand out handles never seen before."""
+        return self.returns is Returns.NEW_HANDLES or self.returns is Returns.HANDLE
 
     def changes_no_state(self, outcome: Outcome | None) -> bool:
         """Whether a call with this (recorded) outcome leaves the spec state as it was.
@@ -489,6 +492,17 @@ def spec_call(state: PoolState, op: object, resolve: SpecResolve) -> tuple[PoolS
     return declaration.transition(state, *spec_arguments(declaration, op, resolve))
 
 
+def returned_blocks(declaration: Declaration, value: object) -> list[object]:
+    """The objects a pool's successful call handed out that may be new, as a list.
+
+    A list for ``NEW_HANDLES``; the one object for ``HANDLE`` (the caller skips
+    it if it already has a name: ``make_writable`` returned its argument).
+    """
+    if declaration.returns is Returns.HANDLE:
+        return [] if value is None else [value]
+    return value if declaration.may_issue_handles and isinstance(value, list) else []
+
+
 def issued(before: PoolState, after: PoolState) -> range:
     """The serials of the handles a call issued: those at or past ``before``'s count."""
     return range(len(before.handles), len(after.handles))
@@ -510,6 +524,9 @@ def spec_outcome(
     if returns is Returns.HANDLES:
         assert isinstance(result, tuple), "handle results are serials"
         return Returned(tuple(name_of(serial) for serial in result))
+    if returns is Returns.HANDLE:
+        assert is_int(result), "a handle result is a serial"
+        return Returned(after.handles[result].block_id)
     if returns is Returns.STATS:
         return Returned(stats_values(result))
     if returns is Returns.HISTORY:

@@ -25,6 +25,7 @@ from veloxquant_mlx_spec.model import (
     PoolState,
     is_int,
     live_handles,
+    ref_count_of,
     stats,
     stream_names,
 )
@@ -54,6 +55,13 @@ def _with_handle(state: PoolState, h: HandleId, view: HandleView) -> PoolState:
     return replace(state, handles=(*state.handles[:h], view, *state.handles[h + 1 :]))
 
 
+def _with_count(state: PoolState, block_id: BlockId, delta: int) -> PoolState:
+    """`block_id`'s reference count moved by `delta`; an id whose count reaches 0 leaves."""
+    counts = dict(state.ref_counts)
+    counts[block_id] = counts.get(block_id, 0) + delta
+    return replace(state, ref_counts=tuple(sorted((b, n) for b, n in counts.items() if n)))
+
+
 def is_live(state: PoolState, block: HandleArg) -> bool:
     """`is_live(block)`: `block` is a handle of this pool that is still checked out."""
     return (
@@ -68,7 +76,8 @@ def is_active(state: PoolState, owner: int) -> bool:
 
 def _recorded(before: PoolState, after: PoolState) -> PoolState:
     """Append a snapshot of `after` if the call changed a counter; keep the newest history_len."""
-    if after.counters == before.counters or after.history_len == 0:
+    unchanged = after.counters == before.counters and after.sharing == before.sharing
+    if unchanged or after.history_len == 0:
         return after
     return replace(after, history=(*after.history, stats(after))[-after.history_len :])
 
@@ -152,8 +161,10 @@ def allocate(
         n_allocations=c.n_allocations + 1,
         n_reused=c.n_reused + len(state.ever_allocated & set(taken)),
         n_grown=c.n_grown + missing,
-        peak_blocks_in_use=max(c.peak_blocks_in_use, len(live_handles(state)) + need),
+        peak_blocks_in_use=max(c.peak_blocks_in_use, stats(state).blocks_in_use + need),
     )
+    for block_id in ids:
+        state = _with_count(state, block_id, +1)
     after = replace(
         _with_free_list(state, s, stack[: len(stack) - len(taken)]),
         handles=state.handles + views,
@@ -169,14 +180,15 @@ def allocate(
 
 
 def _returned(state: PoolState, handles: tuple[HandleId, ...]) -> PoolState:
-    """Push each handle's block onto its stream's free list, in order; the handles go stale."""
+    """Release each handle, in order; a block whose count reaches 0 is pushed (C-FREE-SHARED)."""
     after = state
     for h in handles:
         view = after.handles[h]
-        pushed = (*free_list_for(after, view.stream), view.block_id)
-        after = _with_handle(
-            _with_free_list(after, view.stream, pushed), h, replace(view, owner=None, n_used=0)
-        )
+        after = _with_count(after, view.block_id, -1)
+        if ref_count_of(after, view.block_id) == 0:
+            pushed = (*free_list_for(after, view.stream), view.block_id)
+            after = _with_free_list(after, view.stream, pushed)
+        after = _with_handle(after, h, replace(view, owner=None, n_used=0))
     still_holding = {after.handles[h].owner for h in live_handles(after)}
     emptied = {state.handles[h].owner for h in handles} - still_holding
     n_frees = state.counters.n_frees + (1 if handles else 0)
@@ -264,7 +276,108 @@ def mark_used(state: PoolState, block: HandleArg, n_used: object) -> tuple[PoolS
         return state, Err(ErrorKind.VALUE, f"block with owner {block.owner} is not from this pool")
     if not 0 <= block < len(state.handles):
         return state, Err(ErrorKind.VALUE, f"block handle {block} was never issued by this pool")
-    return _with_handle(state, block, replace(state.handles[block], n_used=n_used)), None
+    view = state.handles[block]
+    count = ref_count_of(state, view.block_id)
+    if view.owner is not None and count > 1:
+        message = f"block {view.block_id} is shared (reference count {count}); it is read-only"
+        return state, Err(ErrorKind.VALUE, message)
+    return _with_handle(state, block, replace(view, n_used=n_used)), None
+
+
+# ---- sharing (docs/CONTRACT.md#sharing) ------------------------------------------
+
+
+def _shared(
+    state: PoolState, handles: tuple[HandleId, ...], owner: int
+) -> tuple[PoolState, tuple[HandleId, ...] | Err]:
+    """A new handle for `owner` of each handle's block, in order; each count goes up by one."""
+    mine = (state.handles[h] for h in live_handles(state))
+    held = {view.block_id for view in mine if view.owner == owner}
+    clash = [state.handles[h].block_id for h in handles if state.handles[h].block_id in held]
+    if clash:
+        return state, Err(ErrorKind.VALUE, f"owner {owner} already holds block id {clash[0]}")
+    views = tuple(replace(state.handles[h], owner=owner) for h in handles)
+    n_shares = state.sharing.n_shares + len(views)
+    after = replace(
+        state, handles=state.handles + views, sharing=replace(state.sharing, n_shares=n_shares)
+    )
+    for view in views:
+        after = _with_count(after, view.block_id, +1)
+    return _recorded(state, after), tuple(range(len(state.handles), len(after.handles)))
+
+
+def share(
+    state: PoolState, blocks: tuple[HandleArg, ...] | NotAList, owner: object
+) -> tuple[PoolState, tuple[HandleId, ...] | Err]:
+    """`share(blocks, owner)`: live handles, no id twice, then an owner holding none of them."""
+    if isinstance(blocks, NotAList):
+        return state, Err(ErrorKind.TYPE, "blocks must be a list or tuple of Block")
+    ids: list[BlockId] = []
+    for ref in blocks:
+        if not is_live(state, ref):
+            return state, Err(ErrorKind.INVALID_FREE, f"blocks item {ref!r} is not a live handle")
+        block_id = state.handles[ref].block_id  # type: ignore[index]  # live: a serial
+        if block_id in ids:
+            message = f"blocks item {ref!r} names block id {block_id} twice"
+            return state, Err(ErrorKind.INVALID_FREE, message)
+        ids.append(block_id)
+    if not is_int(owner):
+        return state, _owner_type_error(owner)
+    return _shared(state, tuple(ref for ref in blocks if is_int(ref)), owner)
+
+
+def fork(
+    state: PoolState, src_owner: object, dst_owner: object
+) -> tuple[PoolState, tuple[HandleId, ...] | Err]:
+    """`fork(src_owner, dst_owner)`: `share` of every live handle of the source, in order."""
+    if not is_int(src_owner):
+        return state, Err(ErrorKind.TYPE, f"src_owner must be an int, got {src_owner!r}")
+    if not is_int(dst_owner):
+        return state, Err(ErrorKind.TYPE, f"dst_owner must be an int, got {dst_owner!r}")
+    if src_owner == dst_owner:
+        message = f"dst_owner must differ from src_owner={src_owner}, got {dst_owner}"
+        return state, Err(ErrorKind.VALUE, message)
+    mine = tuple(h for h in live_handles(state) if state.handles[h].owner == src_owner)
+    return _shared(state, mine, dst_owner)
+
+
+def make_writable(state: PoolState, block: HandleArg) -> tuple[PoolState, HandleId | Err]:
+    """`make_writable(block)`: itself at count 1; else its share moves to a new block.
+
+    The new block is taken as `allocate` takes one (top of the stream's free
+    list, else growth, else exhaustion, which counts itself).
+    """
+    if not is_live(state, block) or not is_int(block):
+        return state, Err(ErrorKind.INVALID_FREE, f"block {block!r} is not a live handle")
+    view = state.handles[block]
+    if ref_count_of(state, view.block_id) == 1:
+        return state, block
+    stack = free_list_for(state, view.stream)
+    c = state.counters
+    if not stack and not _may_grow_by(state, 1):
+        exhausted = replace(state, counters=replace(c, n_exhausted=c.n_exhausted + 1))
+        message = f"make_writable needs 1 block, 0 free on stream {view.stream!r}"
+        return _recorded(state, exhausted), Err(ErrorKind.EXHAUSTED, message)
+    new_id = stack[-1] if stack else _grown_ids(state, 1)[0]
+    grown = () if stack else (new_id,)
+    c = replace(
+        c,
+        n_reused=c.n_reused + (new_id in state.ever_allocated),
+        n_grown=c.n_grown + len(grown),
+        peak_blocks_in_use=max(c.peak_blocks_in_use, stats(state).blocks_in_use + 1),
+    )
+    moved = _with_handle(state, block, replace(view, owner=None, n_used=0))
+    after = replace(
+        _with_free_list(moved, view.stream, stack[:-1]) if stack else moved,
+        handles=(*moved.handles, replace(view, block_id=new_id)),
+        ever_allocated=state.ever_allocated | {new_id},
+        retired=state.retired - set(grown),
+        next_block_id=max(state.next_block_id, new_id + 1),
+        counters=c,
+        sharing=replace(state.sharing, n_copy_on_write=state.sharing.n_copy_on_write + 1),
+    )
+    after = _with_count(_with_count(after, view.block_id, -1), new_id, +1)
+    return _recorded(state, after), len(state.handles)
 
 
 # ---- queries -------------------------------------------------------------------
@@ -281,6 +394,21 @@ def n_free(state: PoolState, stream: object = "k") -> int | Err:
     """`n_free(stream)`: blocks on the stream's free list."""
     s = storage_stream(state, stream)
     return s if isinstance(s, Err) else len(free_list_for(state, s))
+
+
+def ref_count(state: PoolState, block_id: object) -> int | Err:
+    """`ref_count(block_id)`: the id's live handles; 0 if free, retired or never issued."""
+    if not is_int(block_id):
+        return Err(ErrorKind.TYPE, f"block_id must be an int, got {block_id!r}")
+    if block_id < 0:
+        return Err(ErrorKind.VALUE, f"block_id must be >= 0, got {block_id}")
+    return ref_count_of(state, block_id)
+
+
+def is_shared(state: PoolState, block_id: object) -> bool | Err:
+    """`is_shared(block_id)`: its count is above 1, so no handle may write to it."""
+    count = ref_count(state, block_id)
+    return count if isinstance(count, Err) else count > 1
 
 
 def id_bound(state: PoolState) -> int:

@@ -7,10 +7,13 @@ so its form depends on the build (``block_pool.COMPILED``):
 
 - interpreted, the caller appends a tuple of the counters to :attr:`StatsHistory.entries`
   itself (a tuple is the cheapest entry to build in Python, and a call into
-  this class would cost as much again);
+  this class would cost as much again); until the pool first shares, the
+  tuple leaves out sharing's three counters, all 0 then, so that a pool that
+  never shares records no more than before sharing existed
+  (``AllocationStats._counters``);
 - compiled by mypyc, the caller calls :meth:`StatsHistory.record`, which
-  overwrites the oldest of a ring of ``AllocationStats`` in place: ten
-  stores, where a tuple would box ten ints and evict another.
+  overwrites the oldest of a ring of ``AllocationStats`` in place: one
+  store per counter, where a tuple would box every int and evict another.
 
 Complexity: ``record`` O(1); ``copy`` O(capacity). Thread safety: none of
 its own; the allocator holds its lock around every call.

@@ -26,6 +26,7 @@ class PoolBooks(NamedTuple):
     config: PoolConfig
     free_lists: Mapping[str, Sequence[int]]
     owner_blocks: Mapping[int, Mapping[int, Block]]
+    shared_counts: Mapping[int, int]
     retired_ids: Sequence[int]
     retired_set: AbstractSet[int]
     id_bound: int
@@ -44,12 +45,47 @@ def _where_each_id_is(books: PoolBooks) -> tuple[dict[int, str], str | None]:
     holders.append(("the retired set", books.retired_ids))
     for place, ids in holders:
         for block_id in ids:
-            if block_id in places:
+            shared = place.startswith("owner") and places.get(block_id, "").startswith("owner")
+            if block_id in places and not shared:  # several owners: one shared id (refcount)
                 return places, (
                     f"partition: block id {block_id} is in {places[block_id]} and in {place}"
                 )
             places[block_id] = place
     return places, None
+
+
+def _holders_of_each_id(books: PoolBooks) -> dict[int, int]:
+    """Per checked-out id, how many owner maps hold a handle of it."""
+    holders: dict[int, int] = {}
+    for owned in books.owner_blocks.values():
+        for block_id in owned:
+            holders[block_id] = holders.get(block_id, 0) + 1
+    return holders
+
+
+def _one_handle_per_id(books: PoolBooks) -> dict[int, Block]:
+    return {
+        block_id: block
+        for owned in books.owner_blocks.values()
+        for block_id, block in owned.items()
+    }
+
+
+def check_refcounts(books: PoolBooks) -> str | None:
+    """A shared id's count is its handles; the handles of one id agree; shared_blocks exact."""
+    holders = _holders_of_each_id(books)
+    shared = {block_id: n for block_id, n in holders.items() if n > 1}
+    if dict(books.shared_counts) != shared:
+        return f"refcount: counts {dict(books.shared_counts)} != handles per shared id {shared}"
+    first = _one_handle_per_id(books)
+    for owned in books.owner_blocks.values():
+        for block_id, block in owned.items():
+            one = first[block_id]
+            if (block.stream, block.format, block.n_used) != (one.stream, one.format, one.n_used):
+                return f"refcount: handles {one!r} and {block!r} of one id disagree"
+    if books.stats.shared_blocks() != len(shared):
+        return f"refcount: shared_blocks() is {books.stats.shared_blocks()}, expected {len(shared)}"
+    return None
 
 
 def check_partition(books: PoolBooks) -> str | None:
@@ -116,7 +152,7 @@ def check_retired_heap(books: PoolBooks) -> str | None:
 def check_counters(books: PoolBooks) -> str | None:
     """The counters equal a recount of the books."""
     stats, config = books.stats, books.config
-    held = [block for owned in books.owner_blocks.values() for block in owned.values()]
+    held = list(_one_handle_per_id(books).values())  # a shared block counts once
     n_free = sum(len(ids) for ids in books.free_lists.values())
     fragmented = sum(1 for block in held if 0 < block.n_used < config.block_size)
     expected_total = config.n_blocks + stats.n_grown - stats.n_retired
@@ -147,6 +183,7 @@ CHECKS: tuple[Callable[[PoolBooks], str | None], ...] = (
     check_free_list_names,
     check_partition,
     check_handles,
+    check_refcounts,
     check_retired_heap,
     check_id_bound,
     check_counters,

@@ -83,6 +83,17 @@ def require_live(pool: CheckedBlockPool[Block], block: Block, action: str) -> No
         )
 
 
+def require_writable(pool: CheckedBlockPool[Block], block: Block, action: str) -> None:
+    """``block`` must be a live handle of ``pool`` that no other handle shares."""
+    require_live(pool, block, action)
+    if pool.is_shared(block.block_id):
+        raise ValueError(
+            f"cannot {action} {block!r}: its block is shared by other handles and so "
+            "read-only (docs/CONTRACT.md#c-shared-read-only); expected a block this handle "
+            "holds alone: call pool.make_writable(block) first"
+        )
+
+
 def require_all_live(pool: CheckedBlockPool[Block], blocks: Sequence[Block]) -> None:
     """Refuse unless every item of ``blocks`` is a live handle: one pool lock, not one each."""
     if pool.all_live(blocks):
@@ -94,6 +105,24 @@ def require_all_live(pool: CheckedBlockPool[Block], blocks: Sequence[Block]) -> 
         "cannot gather from blocks that were not all live handles of this store's pool "
         "when checked; was one freed concurrently?"
     )
+
+
+def copy_layers(pool: CheckedBlockPool[Block], layer: int | None, n_layers: int, src: int) -> range:
+    """The layers ``copy_block(layer, src, ...)`` copies, once its arguments are checked.
+
+    ``layer`` is one layer or ``None`` (every one); ``src`` a block id that is
+    checked out, so its slots hold some request's data.
+    """
+    if layer is not None:
+        require_layer(layer, n_layers)
+    if type(src) is not int:
+        raise TypeError(f"src must be a block id (an int), got {src!r}")
+    if src < 0 or pool.ref_count(src) == 0:
+        raise ValueError(
+            f"src must be the id of a checked-out block, got {src}, which holds no data of "
+            "any request (free, retired or never issued)"
+        )
+    return range(n_layers) if layer is None else range(layer, layer + 1)
 
 
 def require_covered(block: Block, capacity: int) -> None:

@@ -14,6 +14,8 @@ Complexity (``k`` = blocks in the call, ``f`` = free blocks of the stream,
 
 - ``allocate``: O(k) amortised, growth included.
 - ``free``: O(k); ``free_all``: O(k) for the owner's k blocks.
+- ``share``, ``fork``: O(k); ``make_writable``: O(1) amortised; ``is_shared``:
+  O(1); ``ref_count``: O(1) for a shared id, O(f) otherwise.
 - ``mark_used``, ``n_free``, ``register_owner``, ``release_owner``, ``stats``,
   ``is_live``, ``id_bound``, ``AllocationStats.blocks_in_use`` /
   ``fragmentation``: O(1).
@@ -70,6 +72,9 @@ _SEPARATE_STREAMS: Final = {"k": "k", "v": "v"}
 _SHARED_STREAMS: Final = {"k": "kv", "v": "kv", "kv": "kv"}
 
 DEFAULT_HISTORY_LEN: Final = 1024
+#: Length of an interpreted history entry of a pool that has never shared
+#: (``AllocationStats._counters``): nine fields and the blocks in use.
+_REFERENCE_COUNTERS: Final = 10
 
 #: Whether this module runs compiled by mypyc (``pip install .`` where a C compiler
 #: was found) rather than interpreted (the editable install, or no compiler).
@@ -223,6 +228,11 @@ class AllocationStats:
         n_retired: Blocks removed from the pool by ``shrink()``.
         peak_blocks_in_use: High-water mark of blocks checked out at once.
         _fragmented_count: Checked-out blocks with ``0 < n_used < block_size``.
+        n_shares: Handles issued by ``share()`` and ``fork()`` (keyword only).
+        n_copy_on_write: ``make_writable()`` calls that moved a handle (keyword only).
+
+    A block held through several handles counts once in ``blocks_in_use()``,
+    ``_fragmented_count`` and ``shared_blocks()`` (docs/CONTRACT.md#sharing).
     """
 
     n_blocks: int
@@ -234,8 +244,13 @@ class AllocationStats:
     n_retired: int
     peak_blocks_in_use: int
     _fragmented_count: int
+    # Sharing's counters, read through the properties of the same names (kept by the pool).
+    _n_shares: int
+    _n_copy_on_write: int
     # Kept by the allocator only, so that blocks_in_use() is O(1).
     _blocks_in_use: int = field(init=False, repr=False)
+    # Kept by the allocator only: checked-out ids with a reference count above 1.
+    _shared_blocks: int = field(init=False, repr=False)
 
     # Written out for mypyc, as Block's: every stats read and history entry calls it.
     def __init__(  # noqa: PLR0917 (the reference's positional signature)
@@ -249,6 +264,9 @@ class AllocationStats:
         n_retired: int = 0,
         peak_blocks_in_use: int = 0,
         _fragmented_count: int = 0,
+        *,
+        n_shares: int = 0,
+        n_copy_on_write: int = 0,
     ) -> None:
         self.n_blocks = n_blocks
         self.n_allocations = n_allocations
@@ -259,11 +277,29 @@ class AllocationStats:
         self.n_retired = n_retired
         self.peak_blocks_in_use = peak_blocks_in_use
         self._fragmented_count = _fragmented_count
+        self._n_shares = n_shares
+        self._n_copy_on_write = n_copy_on_write
         self._blocks_in_use = 0
+        self._shared_blocks = 0
 
     def blocks_in_use(self) -> int:
         """Number of blocks currently checked out, between 0 and ``n_blocks``."""
         return self._blocks_in_use
+
+    @property
+    def n_shares(self) -> int:
+        """Handles issued by ``share()`` and ``fork()``."""
+        return self._n_shares
+
+    @property
+    def n_copy_on_write(self) -> int:
+        """``make_writable()`` calls that moved a handle to a new block."""
+        return self._n_copy_on_write
+
+    def shared_blocks(self) -> int:
+        """Number of blocks checked out with a reference count above 1, between 0 and
+        ``blocks_in_use()``."""
+        return self._shared_blocks
 
     def fragmentation(self) -> float:
         """Fraction of managed blocks that are checked out but neither empty nor full.
@@ -286,8 +322,11 @@ class AllocationStats:
             self.n_retired,
             self.peak_blocks_in_use,
             self._fragmented_count,
+            n_shares=self.n_shares,
+            n_copy_on_write=self.n_copy_on_write,
         )
         copy._blocks_in_use = self._blocks_in_use
+        copy._shared_blocks = self._shared_blocks
         return copy
 
     def _copy_from(self, other: AllocationStats) -> None:
@@ -301,7 +340,10 @@ class AllocationStats:
         self.n_retired = other.n_retired
         self.peak_blocks_in_use = other.peak_blocks_in_use
         self._fragmented_count = other._fragmented_count
+        self._n_shares = other._n_shares
+        self._n_copy_on_write = other._n_copy_on_write
         self._blocks_in_use = other._blocks_in_use
+        self._shared_blocks = other._shared_blocks
 
     def to_prometheus(self, prefix: AsGiven[str] = "veloxquant_block_pool") -> str:
         """Render these stats as Prometheus text-exposition gauges and counters.
@@ -319,6 +361,30 @@ class AllocationStats:
         return _prometheus.render(prefix, self._metrics())
 
     def _metrics(self) -> list[_prometheus.Metric]:
+        metrics = self._reference_metrics()
+        if self.n_shares:  # a pool that never shared shows exactly the reference's ten
+            metrics += self._sharing_metrics()
+        return metrics
+
+    def _sharing_metrics(self) -> list[_prometheus.Metric]:
+        metric = _prometheus.Metric
+        return [
+            metric(
+                "shared_blocks",
+                "gauge",
+                "Blocks checked out to more than one owner.",
+                self.shared_blocks(),
+            ),
+            metric("shares", "counter", "Handles issued by share and fork.", self.n_shares),
+            metric(
+                "copy_on_write",
+                "counter",
+                "make_writable calls that moved a handle to a new block.",
+                self.n_copy_on_write,
+            ),
+        ]
+
+    def _reference_metrics(self) -> list[_prometheus.Metric]:
         metric = _prometheus.Metric
         return [
             metric("blocks", "gauge", "Blocks managed by the pool.", self.n_blocks),
@@ -349,8 +415,15 @@ class AllocationStats:
         ]
 
     def _counters(self) -> tuple[int, ...]:
-        """Every field, in declaration order: the compact form kept in history."""
-        return (
+        """Every counter, as interpreted history keeps it: the fields in declaration
+        order and ``_blocks_in_use``, then sharing's three once the pool has shared.
+
+        Until the first share ``n_shares`` is 0 and so are ``n_copy_on_write`` and
+        ``_shared_blocks`` (a copy or a shared block needs a share first), so the
+        short form loses nothing and a pool that never shares pays for no more than
+        it did before sharing existed; ``_from_counters`` puts the zeros back.
+        """
+        counters = (
             self.n_blocks,
             self.n_allocations,
             self.n_frees,
@@ -362,11 +435,17 @@ class AllocationStats:
             self._fragmented_count,
             self._blocks_in_use,
         )
+        if self._n_shares:
+            return (*counters, self._n_shares, self._n_copy_on_write, self._shared_blocks)
+        return counters
 
     @staticmethod
     def _from_counters(counters: tuple[int, ...]) -> AllocationStats:
-        stats = AllocationStats(*counters[:-1])
-        stats._blocks_in_use = counters[-1]
+        """The stats ``_counters()`` returned ``counters`` for, in either form."""
+        stats = AllocationStats(*counters[:9])
+        stats._blocks_in_use = counters[9]
+        if len(counters) > _REFERENCE_COUNTERS:
+            stats._n_shares, stats._n_copy_on_write, stats._shared_blocks = counters[10:]
         return stats
 
 
@@ -383,9 +462,10 @@ class BlockPoolAllocator:
     Invariants (``check_invariants`` verifies each and names the one broken):
 
     - *partition*: every id below ``_next_new_id`` is in exactly one of: one
-      stream's free list, one owner's block map, the retired set.
-    - *handles*: each owner's map holds, per id, the one live handle of that
-      id; the handle names that owner, that id, a stream of this pool, and
+      stream's free list, the owners' block maps (one, or several if shared),
+      the retired set.
+    - *handles*: each owner's map holds, per id, that owner's one live handle
+      of that id; the handle names that owner, that id, a stream of this pool, and
       ``0 <= n_used <= block_size``. Every owner map is non-empty.
     - *counters*: ``n_blocks`` equals free + checked out, and initial +
       grown - retired; ``blocks_in_use`` and ``_fragmented_count`` equal a
@@ -394,6 +474,11 @@ class BlockPoolAllocator:
     - *retired*: the retired heap and set hold the same ids, in heap order.
     - *id bound*: ``id_bound()`` is one more than the highest id that is free
       or checked out.
+    - *refcount*: an id held by several owners (``share``, ``fork``) has its
+      count, the number of its live handles, in ``_shared_counts`` (and only
+      such ids are there); its handles show the same stream, format and
+      fill; ``shared_blocks()`` is the number of such ids. A shared block is
+      read-only and goes back to its free list with its last handle.
 
     Example::
 
@@ -433,6 +518,10 @@ class BlockPoolAllocator:
         self._free_lists: Final = _initial_free_lists(config)
         # Owner -> {block_id: live handle}, in allocation order; never empty.
         self._owner_blocks: Final[dict[int, dict[BlockId, Block]]] = {}
+        # Block id -> reference count, for shared ids only (count >= 2): a checked-out
+        # id not in it has one handle. Empty in a pool that never shares, which is
+        # what keeps allocate and free as fast as before sharing existed.
+        self._shared_counts: Final[dict[BlockId, int]] = {}
         # Owners registered by register_owner() and not released since.
         self._registered_owners: Final[set[int]] = set()
         # Min-heap of retired ids, re-issued lowest first by growth.
@@ -619,10 +708,7 @@ class BlockPoolAllocator:
 
     def _grow_or_raise(self, n_missing: int, stream: str, n_tokens: int) -> list[BlockId]:
         """Create ``n_missing`` new block ids (ascending), or record exhaustion and raise."""
-        config = self._config
-        total_after = self._stats.n_blocks + n_missing
-        cap = config.max_blocks  # read at each call: a planted-bug test moves it
-        if not config.grow_on_exhaustion or (cap is not None and total_after > cap):
+        if not self._may_grow_by(n_missing):
             self._stats.n_exhausted += 1
             self._record_history()
             raise BlockPoolExhaustedError(
@@ -630,6 +716,13 @@ class BlockPoolAllocator:
                 f"free blocks than the stream has; {self._growth_limit_text()}"
             )
         return self._issue_new_ids(n_missing)
+
+    def _may_grow_by(self, n_missing: int) -> bool:
+        """Whether growth is on and ``n_missing`` more blocks stay within ``max_blocks``."""
+        config = self._config
+        cap = config.max_blocks  # read at each call: a planted-bug test moves it
+        total_after = self._stats.n_blocks + n_missing
+        return config.grow_on_exhaustion and (cap is None or total_after <= cap)
 
     def _growth_limit_text(self) -> str:
         if not self._config.grow_on_exhaustion:
@@ -737,7 +830,8 @@ class BlockPoolAllocator:
                     self._registered_owners.discard(owner)
             self._return_to_free_lists(blocks)
 
-    def _require_freeable(self, blocks: Sequence[object]) -> None:
+    def _require_freeable(self, blocks: Sequence[object], *, one_per_id: bool = False) -> None:
+        """Every item a live handle, listed once (``one_per_id``: no block id twice either)."""
         seen_ids: set[BlockId] = set()
         for position, block in enumerate(blocks):
             if not self._is_live(block):
@@ -745,12 +839,26 @@ class BlockPoolAllocator:
                     f"blocks[{position}] = {block!r} is not a live handle of this pool; "
                     "expected a block checked out from this pool and not yet freed"
                 )
-            if block.block_id in seen_ids:  # a live handle: its fields are the pool's
-                raise InvalidFreeError(
-                    f"blocks[{position}] = {block!r} appears more than once in the list; "
-                    "expected each block once"
-                )
-            seen_ids.add(block.block_id)
+            block_id = block.block_id  # a live handle: its fields are the pool's
+            if block_id in seen_ids:
+                self._refuse_repeat(blocks, position, one_per_id=one_per_id)
+            seen_ids.add(block_id)
+
+    @staticmethod
+    def _refuse_repeat(blocks: Sequence[object], position: int, *, one_per_id: bool) -> None:
+        """``blocks[position]`` names an id listed before: refused unless it is another
+        handle of a shared id, in a list that may hold several (``free``)."""
+        block = blocks[position]
+        if one_per_id:
+            raise InvalidFreeError(
+                f"blocks[{position}] = {block!r} repeats block id "
+                f"{getattr(block, 'block_id', None)}; expected each block once"
+            )
+        if any(other is block for other in blocks[:position]):
+            raise InvalidFreeError(
+                f"blocks[{position}] = {block!r} appears more than once in the list; "
+                "expected each block once"
+            )
 
     def _is_live(self, block: object) -> TypeGuard[Block]:
         """Whether ``block`` is the current handle of a block checked out from this pool."""
@@ -780,6 +888,9 @@ class BlockPoolAllocator:
 
     def _return_to_free_lists(self, blocks: Iterable[Block]) -> None:
         """Push ``blocks`` (already off their owner's map) in order; stale their handles."""
+        if self._shared_counts:
+            self._release_shared(blocks)
+            return
         push_onto = self._push_onto
         block_size = self._block_size
         n_freed = 0
@@ -840,6 +951,13 @@ class BlockPoolAllocator:
                         f"block {handle!r} has an owner but is not a live handle of this pool; "
                         "expected a block checked out from this pool"
                     )
+                shared = self._shared_counts
+                if shared and handle.block_id in shared:
+                    raise ValueError(
+                        f"block {handle!r} is shared (reference count "
+                        f"{shared[handle.block_id]}) and so read-only; expected a block "
+                        "with count 1: call make_writable(block) first"
+                    )
                 old_fill: int = handle.n_used  # a live handle: the pool wrote it
                 self._stats._fragmented_count += (0 < new_fill < block_size) - (
                     0 < old_fill < block_size
@@ -881,6 +999,199 @@ class BlockPoolAllocator:
             self._record_history()
             return n_to_retire
 
+    # -- sharing (docs/CONTRACT.md#sharing) ------------------------------------------
+
+    def share(self, blocks: AsGiven[list[Block]], owner: AsGiven[int]) -> list[Block]:
+        """Give ``owner`` a new handle of each block, in order; each count goes up by one.
+
+        A shared block is read-only (``mark_used`` raises) until ``make_writable``.
+
+        Returns:
+            The new handles: same ``block_id``, ``stream``, ``format``, ``n_used``.
+
+        Raises:
+            TypeError: ``blocks`` is not a list or tuple, or ``owner`` not an int.
+            InvalidFreeError: An item is not a live handle of this pool, or two
+                items name one block id; nothing changes.
+            ValueError: ``owner`` already holds a handle of one of the blocks.
+        """
+        if not isinstance(blocks, (list, tuple)):
+            raise TypeError(
+                f"blocks must be a list of Block handles, got {type(blocks).__name__}: {blocks!r}"
+            )
+        with self._lock:
+            self._require_freeable(blocks, one_per_id=True)
+            require_int("owner", owner)
+            return self._issue_shares(blocks, owner)
+
+    def fork(self, src_owner: AsGiven[int], dst_owner: AsGiven[int]) -> list[Block]:
+        """``share(blocks_for(src_owner), dst_owner)`` in one step: every block, K and V.
+
+        Returns:
+            ``dst_owner``'s new handles, in ``src_owner``'s allocation order.
+
+        Raises:
+            TypeError: An owner is not an int.
+            ValueError: The owners are equal, or ``dst_owner`` already holds one
+                of ``src_owner``'s blocks.
+        """
+        require_int("src_owner", src_owner)
+        require_int("dst_owner", dst_owner)
+        if src_owner == dst_owner:
+            raise ValueError(
+                f"dst_owner must differ from src_owner={src_owner!r}, got {dst_owner!r}"
+            )
+        with self._lock:
+            source = self._owner_blocks.get(src_owner)
+            return self._issue_shares(list(source.values()) if source else [], dst_owner)
+
+    def _issue_shares(self, blocks: Sequence[Block], owner: int) -> list[Block]:
+        """New handles of live ``blocks`` for ``owner``, unless it holds one already."""
+        owned = self._owner_blocks.get(owner)
+        for block in blocks if owned is not None else ():
+            if block.block_id in owned:  # type: ignore[operator]  # not None: tested above
+                raise ValueError(
+                    f"owner {owner!r} already holds block id {block.block_id}; expected an "
+                    "owner holding none of the blocks it is given"
+                )
+        if not blocks:
+            return []
+        if owned is None:
+            owned = self._owner_blocks[owner] = {}
+        shared = self._shared_counts
+        handles = []
+        for block in blocks:
+            block_id = block.block_id
+            shared[block_id] = shared.get(block_id, 1) + 1
+            handle = Block(block_id, block.stream, block.format, block.n_used, owner, True)
+            owned[block_id] = handle
+            handles.append(handle)
+        stats = self._stats
+        stats._n_shares += len(handles)
+        stats._shared_blocks = len(shared)
+        self._record_history()
+        return handles
+
+    def ref_count(self, block_id: AsGiven[int]) -> int:
+        """How many live handles ``block_id`` has: 0 if free, retired or never issued.
+
+        O(1) for a shared id, O(f) otherwise (the free lists are searched).
+
+        Raises:
+            TypeError: ``block_id`` is not an int.
+            ValueError: ``block_id`` is negative.
+        """
+        require_int("block_id", block_id, minimum=0)
+        with self._lock:
+            count = self._shared_counts.get(block_id)
+            if count is not None:
+                return count
+            issued = block_id < self._next_new_id and block_id not in self._retired_set
+            free = any(block_id in ids for ids in self._free_lists.values())
+            return 1 if issued and not free else 0
+
+    def is_shared(self, block_id: AsGiven[int]) -> bool:
+        """Whether ``block_id``'s reference count is above 1 (read-only). O(1).
+
+        What a store asks before a write, where ``ref_count`` could cost O(f).
+
+        Raises:
+            TypeError: ``block_id`` is not an int.
+            ValueError: ``block_id`` is negative.
+        """
+        require_int("block_id", block_id, minimum=0)
+        with self._lock:
+            return block_id in self._shared_counts
+
+    def make_writable(self, block: AsGiven[Block]) -> Block:
+        """A handle of ``block``'s content that this owner alone holds, to write through.
+
+        At count 1, ``block`` itself. Otherwise a new block of the same stream
+        (taken as ``allocate`` takes one: top of the free list, else growth)
+        gets a new handle with ``block``'s owner, format and n_used; ``block``
+        goes stale and its block's count goes down by one. The caller copies
+        the content (``copy_block`` on the stores).
+
+        Raises:
+            InvalidFreeError: ``block`` is not a live handle of this pool.
+            BlockPoolExhaustedError: No block is free and growth is off or
+                capped; counted in ``n_exhausted``, nothing else changes.
+        """
+        with self._lock:
+            if not self._is_live(block):
+                raise InvalidFreeError(
+                    f"block {block!r} is not a live handle of this pool; expected a block "
+                    "checked out from this pool and not yet freed"
+                )
+            handle: Block = block
+            count = self._shared_counts.get(handle.block_id)
+            if count is None:
+                return handle
+            return self._copy_on_write(handle, count)
+
+    def _copy_on_write(self, handle: Block, count: int) -> Block:
+        """Move ``handle``'s share of its block (count ``count`` > 1) to a new block."""
+        free_list = self._free_lists[handle.stream]
+        if free_list:
+            new_id: BlockId = free_list.pop()
+        elif self._may_grow_by(1):
+            new_id = self._issue_new_ids(1)[0]
+        else:
+            self._stats.n_exhausted += 1
+            self._record_history()
+            raise BlockPoolExhaustedError(
+                f"make_writable({handle!r}) needs 1 free block on stream "
+                f"{handle.stream!r}, which has none; {self._growth_limit_text()}"
+            )
+        stats = self._stats
+        if self._ever_allocated[new_id]:
+            stats.n_reused += 1
+        else:
+            self._ever_allocated[new_id] = 1
+        old_id, owner, n_used = handle.block_id, handle.owner, handle.n_used
+        assert owner is not None, "make_writable checked the handle is live"
+        shared = self._shared_counts
+        if count == 2:
+            del shared[old_id]
+        else:
+            shared[old_id] = count - 1
+        owned = self._owner_blocks[owner]
+        del owned[old_id]
+        moved = owned[new_id] = Block(new_id, handle.stream, handle.format, n_used, owner, True)
+        handle.owner = None
+        handle.n_used = 0
+        stats._fragmented_count += 0 < n_used < self._block_size
+        stats._blocks_in_use += 1
+        if stats._blocks_in_use > stats.peak_blocks_in_use:  # noqa: PLR1730
+            stats.peak_blocks_in_use = stats._blocks_in_use
+        stats._n_copy_on_write += 1
+        stats._shared_blocks = len(shared)
+        self._record_history()
+        return moved
+
+    def _release_shared(self, blocks: Iterable[Block]) -> None:
+        """``_return_to_free_lists`` in a pool holding shared blocks: a block whose
+        count stays above 0 is not pushed (docs/CONTRACT.md#c-free-shared)."""
+        shared = self._shared_counts
+        stats = self._stats
+        block_size = self._block_size
+        for block in blocks:
+            block_id = block.block_id
+            count = shared.get(block_id)
+            if count is None:  # its last handle: back on the free list
+                self._push_onto[block.stream](block_id)
+                stats._blocks_in_use -= 1
+                stats._fragmented_count -= 0 < block.n_used < block_size
+            elif count == 2:
+                del shared[block_id]
+            else:
+                shared[block_id] = count - 1
+            block.owner = None
+            block.n_used = 0
+        stats._shared_blocks = len(shared)
+        stats.n_frees += 1
+        self._record_history()
+
     # -- history and checks ------------------------------------------------------
 
     def _record_history(self) -> None:
@@ -907,6 +1218,7 @@ class BlockPoolAllocator:
                     config=self._config,
                     free_lists=self._free_lists,
                     owner_blocks=self._owner_blocks,
+                    shared_counts=self._shared_counts,
                     retired_ids=self._retired_ids,
                     retired_set=self._retired_set,
                     id_bound=self._id_bound,

@@ -92,15 +92,16 @@ from typing import TYPE_CHECKING, Final
 import mlx.core as mx
 
 from veloxquant_mlx.memory._storage_checks import (
+    copy_layers,
     next_capacity,
     require_all_live,
     require_covered,
     require_layer,
-    require_live,
     require_n_tokens,
     require_slots,
     require_token_dtype,
     require_token_shape,
+    require_writable,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.block_table import DeviceBlockTable, schedule
@@ -247,7 +248,7 @@ class MLXBlockStorage:
         require_slots(start, n_tokens, self._block_size)
         with self._lock:
             require_layer(layer, len(self._slabs))
-            require_live(self._pool, block, "write to")
+            require_writable(self._pool, block, "write to")
             self._use_data_locked()
             self._sync_locked()
             require_covered(block, self._capacity)
@@ -262,6 +263,32 @@ class MLXBlockStorage:
                 # Only after the old slab is dropped from the list: MLX then donates its
                 # buffer to the update (O(slots written)) unless a pending gather holds it.
                 mx.eval(self._slabs[layer])
+
+    def copy_block(self, layer: int | None, src: int, dst: Block) -> None:
+        """Copy every slot of block id ``src`` into ``dst``, in ``layer`` or every layer.
+
+        The copy-on-write step after ``pool.make_writable`` (storage.CopiesBlocks);
+        evaluated before returning unless the store has ``lazy_writes``.
+
+        Raises:
+            TypeError, ValueError: As :class:`~veloxquant_mlx.memory.storage.CopiesBlocks`
+                says; nothing changes.
+        """
+        with self._lock:
+            layers = copy_layers(self._pool, layer, len(self._slabs), src)
+            require_writable(self._pool, dst, "copy into")
+            self._use_data_locked()
+            self._sync_locked()
+            require_covered(dst, self._capacity)
+            size = self._block_size
+            # Head-major slabs: block b is rows b * size .. of every head (static slices).
+            first, source = dst.block_id * size, src * size
+            for index in layers:
+                slab = self._slabs[index]
+                slab[:, :, first : first + size] = slab[:, :, source : source + size]
+                self._slabs[index] = slab
+            if not self._lazy_writes:
+                mx.eval(*(self._slabs[index] for index in layers))
 
     def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
         """The first ``n_tokens`` slots of ``blocks`` in ``layer``, in order.

@@ -44,15 +44,16 @@ import numpy as np
 import numpy.typing as npt
 
 from veloxquant_mlx.memory._storage_checks import (
+    copy_layers,
     next_capacity,
     require_all_live,
     require_covered,
     require_layer,
-    require_live,
     require_n_tokens,
     require_slots,
     require_token_dtype,
     require_token_shape,
+    require_writable,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 
@@ -158,7 +159,7 @@ class NumpyBlockStorage:
         require_slots(start, n_tokens, self._block_size)
         with self._lock:
             require_layer(layer, len(self._slabs))
-            require_live(self._pool, block, "write to")
+            require_writable(self._pool, block, "write to")
             self._sync_locked()
             require_covered(block, self._capacity)
             self._slabs[layer][block.block_id, start : start + n_tokens] = tokens
@@ -197,6 +198,23 @@ class NumpyBlockStorage:
         by_head = picked.transpose(2, 0, 1, 3)  # a view of the copy, not of the slab
         flat = by_head.reshape(heads, picked.shape[0] * self._block_size, head_dim)
         return np.ascontiguousarray(flat[:, :n_tokens])
+
+    def copy_block(self, layer: int | None, src: int, dst: Block) -> None:
+        """Copy every slot of block id ``src`` into ``dst``, in ``layer`` or every layer.
+
+        The copy-on-write step after ``pool.make_writable`` (storage.CopiesBlocks).
+
+        Raises:
+            TypeError, ValueError: As :class:`~veloxquant_mlx.memory.storage.CopiesBlocks`
+                says; nothing changes.
+        """
+        with self._lock:
+            layers = copy_layers(self._pool, layer, len(self._slabs), src)
+            require_writable(self._pool, dst, "copy into")
+            self._sync_locked()
+            require_covered(dst, self._capacity)
+            for index in layers:
+                self._slabs[index][dst.block_id] = self._slabs[index][src]
 
     # -- protocol: sizing --------------------------------------------------------------
 

@@ -25,6 +25,13 @@ the book is a context manager, so an aborted generation still returns its
 blocks. A book cannot be copied (``copy.copy`` or ``copy.deepcopy`` raise
 ``TypeError``): two objects releasing one claim would release it twice.
 
+Sharing: ``fork()`` gives a second book holding every block of this one
+(the pool's ``fork``), for parallel sampling or beam search. A shared block
+is read-only in the pool, so the first append (or trim) that changes the
+fill of a shared last block first moves it to a private one
+(``make_writable``) and has the store copy its slots (the ``copy_block``
+callback a store-backed cache installs); full shared blocks stay shared.
+
 A book dropped without ``release()`` cannot leak: its finaliser queues its
 owner id, claim and handles (taking no lock, since it may run inside a pool
 call on any thread), and the next book construction, block-taking ``append``
@@ -46,6 +53,7 @@ at a time; the pool it draws from is shared and locks itself.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, NoReturn
 
@@ -141,6 +149,13 @@ class PooledKVCache:
         self._n_tokens = 0
         # Per layer, positions appended and not trimmed.
         self._offsets: Final = [0] * n_layers
+        # Whether the last blocks may be shared (set by fork): the next growth checks.
+        self._last_may_be_shared = False
+        # Whether this book ever forked or was forked: only then can a trim reach a
+        # shared block; a book that never shares calls the pool exactly as before.
+        self._shares = False
+        # Copies a moved block's data: (old block id, new handle); None for a book alone.
+        self.copy_block: Callable[[int, Block], None] | None = None
         # The pool's owner claims and dropped books; claiming drains them first, so a
         # dropped request's id is free again at once.
         self._releases: Final = deferred_releases_for(pool)
@@ -305,6 +320,31 @@ class PooledKVCache:
             self._shrink_to(furthest)
         return n
 
+    def fork(self, owner: int | None = None) -> PooledKVCache:
+        """A second book holding every block of this one, with the same positions.
+
+        Both books then write copy-on-write (module docstring). The new book
+        claims ``owner`` (a fresh id if ``None``) and copies the ``copy_block``
+        callback.
+
+        Raises:
+            RuntimeError: This book was released.
+            OwnerAlreadyActiveError: ``owner`` is in use.
+        """
+        self._require_open()
+        twin = PooledKVCache(self._pool, owner, n_layers=len(self._offsets), format=self._format)
+        twin.copy_block = self.copy_block
+        by_id = {block.block_id: block for block in self._pool.fork(self._owner, twin._owner)}
+        twin._key_blocks = tuple(by_id[block.block_id] for block in self._key_blocks)
+        twin._value_blocks = tuple(by_id[block.block_id] for block in self._value_blocks)
+        twin._table_version += 1
+        twin._extent_version += 1
+        twin._n_tokens = self._n_tokens
+        twin._offsets[:] = self._offsets
+        self._last_may_be_shared = twin._last_may_be_shared = bool(self._key_blocks)
+        self._shares = twin._shares = True
+        return twin
+
     def release(self) -> None:
         """Return every block to the pool and release the owner. Idempotent.
 
@@ -388,6 +428,10 @@ class PooledKVCache:
     def _grow_to(self, n_tokens: int) -> None:
         """Cover ``n_tokens`` positions: fill the last blocks, then check out new ones."""
         pool, block_size = self._pool, self._block_size
+        if self._last_may_be_shared:  # once, after a fork: the growth writes into it
+            if self._key_blocks and self._key_blocks[-1].n_used < block_size:
+                self._own_last_blocks()
+            self._last_may_be_shared = False
         n_more = n_tokens - len(self._key_blocks) * block_size
         if n_more > 0:
             self._releases.drain()  # a dropped cache's blocks first, before exhaustion
@@ -397,7 +441,7 @@ class PooledKVCache:
             except BaseException:
                 self._free(new_keys)
                 raise
-            if self._key_blocks:
+            if self._key_blocks and self._key_blocks[-1].n_used < block_size:
                 pool.mark_used(self._key_blocks[-1], block_size)
                 pool.mark_used(self._value_blocks[-1], block_size)
             self._key_blocks += tuple(new_keys)
@@ -423,10 +467,39 @@ class PooledKVCache:
         self._extent_version += 1
         if n_kept:
             last_fill = n_tokens - (n_kept - 1) * block_size
+            if self._shares and self._key_blocks[-1].n_used != last_fill:
+                self._own_last_blocks()  # trimmed back into a block that may be shared
             self._pool.mark_used(self._key_blocks[-1], last_fill)
             self._pool.mark_used(self._value_blocks[-1], last_fill)
         if tail:
             self._free(tail)
+
+    def _own_last_blocks(self) -> None:
+        """Copy-on-write: the last key and value blocks, if shared, move to private ones.
+
+        Each move is recorded before its data is copied, so the table never holds
+        a handle the pool has made stale, even if the value block is exhausted.
+        """
+        last_key = self._key_blocks[-1]
+        if last_key.owner is None:  # freed behind the book's back: the table check says so
+            return
+        own_key = self._pool.make_writable(last_key)
+        if own_key is not last_key:
+            self._key_blocks = (*self._key_blocks[:-1], own_key)
+            self._table_version += 1
+            self._copy(last_key.block_id, own_key)
+        last_value = self._value_blocks[-1]
+        if last_value.owner is None:
+            return
+        own_value = self._pool.make_writable(last_value)
+        if own_value is not last_value:
+            self._value_blocks = (*self._value_blocks[:-1], own_value)
+            self._table_version += 1
+            self._copy(last_value.block_id, own_value)
+
+    def _copy(self, old_id: int, own: Block) -> None:
+        if self.copy_block is not None:
+            self.copy_block(old_id, own)
 
     def _free(self, blocks: list[Block]) -> None:
         """Free ``blocks``; keep the owner claimed even if they were its last ones."""

@@ -32,6 +32,7 @@ from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache
 from veloxquant_mlx.memory.mlx_lm_protocol import save_kv_caches, split_state
 from veloxquant_mlx.memory.model_kv_layout import attention_layers
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.memory.storage import CopiesBlocks
 
 __all__ = ["PoolBackedPromptCache", "make_pool_backed_cache"]
 
@@ -62,6 +63,11 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
         )
         # The one block table every cache of the list appends to; release() frees it.
         self._book: Final = book
+        # Kept for fork(): the twin reads and writes the same store the same way.
+        self._storage: Final = storage
+        self._attention: Final = attention
+        if isinstance(storage, CopiesBlocks):  # copy-on-write copies every layer's slots
+            book.copy_block = lambda old_id, own: storage.copy_block(None, old_id, own)
 
     @property
     def book(self) -> PooledKVCache:
@@ -71,6 +77,27 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
     def release(self) -> None:
         """Return every block of the request to the pool. Idempotent."""
         self._book.release()
+
+    def fork(self, *, owner: int | None = None) -> PoolBackedPromptCache:
+        """A second request sharing every block of this one (parallel sampling, beam search).
+
+        Both lists decode on independently: the first write into a shared,
+        partly filled block gives the writer a copy of it (``make_writable``,
+        then the store's ``copy_block``); full blocks stay shared, so the
+        common prefix is held once. Release each list on its own.
+
+        Raises:
+            TypeError: The store cannot copy blocks (``storage.CopiesBlocks``).
+            RuntimeError: This list was released.
+            OwnerAlreadyActiveError: ``owner`` is in use.
+        """
+        if not isinstance(self._storage, CopiesBlocks):
+            raise TypeError(
+                f"fork needs a store with copy_block, got {type(self._storage).__name__}"
+            )
+        return PoolBackedPromptCache(
+            self._storage, self._book.fork(owner), attention=self._attention
+        )
 
     def copy_from(self, caches: Sequence[object]) -> None:
         """Fill this empty list with the positions of ``caches``, one mlx-lm cache per layer.

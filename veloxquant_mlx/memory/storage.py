@@ -40,6 +40,12 @@ Rules every implementation keeps (the storage conformance suite in
    per block) and looks for the culprit only when that says no.
 5. ``resident_bytes`` is what the store holds now; after the pool's id range
    shrinks, ``sync()`` (called by every operation) brings it down.
+6. A store that offers :class:`CopiesBlocks` (both of ours do) copies a block
+   the pool moved with ``make_writable`` (docs/CONTRACT.md#c-make-writable):
+   ``copy_block`` reads an id that is still checked out and writes only
+   through a live handle, under the same checks as ``write``. Both refuse a
+   handle whose block is shared (``pool.is_shared``): a shared block is
+   read-only (docs/CONTRACT.md#c-shared-read-only).
 
 A store knows nothing of KV caches: the blocks of a cache dropped without
 ``release()`` come back through the cache layer
@@ -120,4 +126,26 @@ class BlockStorage(Protocol[ArrayT]):
 
     def sync(self) -> None:
         """Follow the pool: grow to cover new ids, give back a retired tail."""
+        ...
+
+
+@runtime_checkable
+class CopiesBlocks(Protocol):
+    """A store that copies one block's slots into another (optional; copy-on-write).
+
+    After ``dst = pool.make_writable(handle)`` moved a shared block's handle,
+    ``copy_block(None, handle.block_id, dst)`` gives the writer its own copy
+    of every layer, and the block's other holders keep reading theirs.
+    """
+
+    def copy_block(self, layer: int | None, src: int, dst: Block) -> None:
+        """Copy every slot of block id ``src`` into ``dst`` in ``layer`` (``None``: all).
+
+        Raises:
+            TypeError: ``layer`` is not an int or ``None``, ``src`` not an int, or
+                ``dst`` not a ``Block``.
+            ValueError: ``src`` is not checked out (``pool.ref_count(src) == 0``),
+                ``dst`` is not a live handle, or ``layer`` is out of range. Nothing
+                changes.
+        """
         ...

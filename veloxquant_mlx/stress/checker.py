@@ -37,10 +37,11 @@ from veloxquant_mlx.stress.linearizability import (
 )
 from veloxquant_mlx.stress.minimal import explain, minimal_failing_window
 from veloxquant_mlx.stress.specstep import Checkpoint, initial_checkpoint
-from veloxquant_mlx.testing.traces import TraceLine
+from veloxquant_mlx.testing.traces import StoreSpec, TraceLine
 from veloxquant_mlx_spec.model import SpecConfig
 
 __all__ = [
+    "TRACE_DEFAULT_STORE",
     "CheckerFigures",
     "InconclusiveCheckError",
     "LinearizabilityChecker",
@@ -48,6 +49,10 @@ __all__ = [
     "Violation",
     "check_history",
 ]
+
+
+#: The store a history's store calls went to when its caller names none (a trace's default).
+TRACE_DEFAULT_STORE: Final = StoreSpec()
 
 
 class SearchStopped(Exception):  # noqa: N818 -- a signal to stop, not an error
@@ -119,11 +124,17 @@ class LinearizabilityChecker:
         config: SpecConfig,
         history_len: int,
         *,
+        store: StoreSpec = TRACE_DEFAULT_STORE,
         on_commit: Callable[[Sequence[TraceLine]], None] | None = None,
         budget: int | None = DEFAULT_BUDGET,
         tick: Callable[[], None] | None = None,
     ) -> None:
-        """Start from a new pool with ``config``, ``history_len``; ``tick`` as in :func:`search`."""
+        """Start from a new pool with ``config``, ``history_len``; ``tick`` as in :func:`search`.
+
+        ``store`` is the store the history's store calls went to (its layers
+        decide which calls it refuses for their shape).
+        """
+        self._store_layers: Final = store.n_layers
         self.ends: list[Checkpoint] = [initial_checkpoint(config, history_len)]
         self.figures: Final = CheckerFigures()
         self.violation: Violation | None = None
@@ -169,7 +180,13 @@ class LinearizabilityChecker:
         starts = tuple(self.ends)
         figures = self.figures
         try:
-            result = search(starts, events, budget=self._budget, tick=self._tick)
+            result = search(
+                starts,
+                events,
+                store_layers=self._store_layers,
+                budget=self._budget,
+                tick=self._tick,
+            )
         except SearchStopped as stopped:
             self.stop(f"stopped: {stopped.reason}")
             figures.events_not_checked += len(events)
@@ -199,8 +216,11 @@ class LinearizabilityChecker:
         self._commit_all()
         index = self.figures.windows - 1
         try:  # shrinking the window is a courtesy: a stop keeps the whole window
-            window = minimal_failing_window(starts, events, budget=self._budget, tick=self._tick)
-            why = explain(starts, window, budget=self._budget, tick=self._tick)
+            layers, budget, tick = self._store_layers, self._budget, self._tick
+            window = minimal_failing_window(
+                starts, events, store_layers=layers, budget=budget, tick=tick
+            )
+            why = explain(starts, window, store_layers=layers, budget=budget, tick=tick)
         except SearchStopped:
             window, why = list(events), "no order of its calls fits the spec"
         message = f"linearizability violation in window {index}: {why}"
@@ -231,6 +251,7 @@ def check_history(
     history_len: int,
     events: Sequence[TraceLine],
     *,
+    store: StoreSpec = TRACE_DEFAULT_STORE,
     budget: int | None = DEFAULT_BUDGET,
 ) -> Violation | None:
     """Check a whole history at once (cut at its quiescent points); the violation or ``None``.
@@ -240,7 +261,7 @@ def check_history(
     Raises:
         InconclusiveCheckError: The budget ran out before a verdict.
     """
-    checker = LinearizabilityChecker(config, history_len, budget=budget)
+    checker = LinearizabilityChecker(config, history_len, store=store, budget=budget)
     violation = checker.check(events)
     checker.finish()
     gap = checker.gap()

@@ -27,7 +27,7 @@ from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.stress.history import ThreadRecorder
 from veloxquant_mlx.stress.recording import record_call
 from veloxquant_mlx_spec.model import STATS_FIELDS, free_list_names
-from veloxquant_mlx_spec.operations import Allocate, BlocksFor, FreeAll, NFree, Stats
+from veloxquant_mlx_spec.operations import Allocate, BlocksFor, FreeAll, NFree, RefCount, Stats
 from veloxquant_mlx_spec.table import bind, stats_values
 
 __all__ = ["CONSERVATION_OWNER", "check_conservation"]
@@ -102,18 +102,19 @@ def check_conservation(
 
 
 def _check_held(audit: _Auditor, owners: list[int]) -> None:
-    """Every block in use has one owner, once; free + in use == n_blocks."""
-    holder: dict[int, int] = {}
-    held = 0
+    """Every block in use has one owner, or as many as its reference count says (shared,
+    docs/CONTRACT.md#sharing), once each; free + in use == n_blocks."""
+    holders: dict[int, list[int]] = {}
     for owner in owners:
         for block in audit.blocks_for(owner):
-            held += 1
-            if block.block_id in holder:
-                audit.problems.append(
-                    f"block id {block.block_id} is held by owner {holder[block.block_id]} and by "
-                    f"owner {owner}: a block was handed out twice"
-                )
-            holder[block.block_id] = owner
+            holders.setdefault(block.block_id, []).append(owner)
+    held = len(holders)
+    for block_id, its_owners in holders.items():
+        if len(its_owners) > 1 and audit.call(RefCount(block_id)) != len(its_owners):
+            audit.problems.append(
+                f"block id {block_id} is held by owners {its_owners} but the pool counts "
+                f"{audit.call(RefCount(block_id))} handle(s) of it: a block was handed out twice"
+            )
     stats = audit.stats()
     if stats is None:
         audit.problems.append("pool.stats raised")

@@ -116,11 +116,13 @@ class Window:
     ``required`` has a bit for every completed call (pending ones are optional);
     ``issuing`` holds the labels of the window's calls that hand out handles;
     ``inert[i]`` says whether call ``i`` changes no state wherever it goes
-    (:func:`changes_no_state`).
+    (:func:`changes_no_state`); ``store_layers`` is the layer count of the
+    store the store calls went to (:func:`~.specstep.step`).
     """
 
-    def __init__(self, events: Sequence[TraceLine]) -> None:
+    def __init__(self, events: Sequence[TraceLine], store_layers: int) -> None:
         self.events: Final = tuple(events)
+        self.store_layers: Final = store_layers
         indices = range(len(self.events))
         self._invoked: Final = [e.invoke_ns or 0 for e in self.events]
         self._returned: Final = [e.return_ns or 0 for e in self.events]
@@ -165,6 +167,7 @@ def search(
     starts: Sequence[Checkpoint],
     events: Sequence[TraceLine],
     *,
+    store_layers: int,
     budget: int | None = DEFAULT_BUDGET,
     tick: Callable[[], None] | None = None,
     first_end_only: bool = False,
@@ -174,6 +177,7 @@ def search(
     Args:
         starts: The possible start states (the previous window's ends).
         events: The window: calls, with pending ones (which may be left out).
+        store_layers: Layers of the store the window's store calls went to.
         budget: Give up after expanding this many configurations (``None``: never).
         tick: Called every 1024 configurations (a watchdog's heartbeat).
         first_end_only: Stop at the first end state: enough to know the window
@@ -183,7 +187,7 @@ def search(
         The end states (compacted), each with one witness order; ``complete``
         is False if the budget ran out first.
     """
-    window = Window(events)
+    window = Window(events, store_layers)
     ends: dict[Checkpoint, Witness] = {}
     visited: set[tuple[int, PoolState, Names]] = set()
     stack: list[_Node] = [
@@ -224,7 +228,9 @@ def _children(window: Window, node: _Node) -> list[_Node]:
     mask, state, names, path, start = node
     children: list[_Node] = []
     for i in window.candidates(mask):
-        stepped = step(state, names, window.events[i], window.issuing)
+        stepped = step(
+            state, names, window.events[i], window.issuing, store_layers=window.store_layers
+        )
         if stepped is None:
             continue
         child: _Node = (mask | 1 << i, *stepped, (i, path), start)

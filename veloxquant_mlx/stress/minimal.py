@@ -66,10 +66,12 @@ class _Minimizer:
     def __init__(
         self,
         starts: Sequence[Checkpoint],
+        store_layers: int,
         budget: int | None,
         tick: Callable[[], None] | None,
     ) -> None:
         self.starts: Final = starts
+        self.store_layers: Final = store_layers
         self.remaining = budget
         self.tick: Final = tick
 
@@ -78,7 +80,12 @@ class _Minimizer:
         if self.remaining is not None and self.remaining <= 0:
             return False
         result = search(
-            self.starts, events, budget=self.remaining, tick=self.tick, first_end_only=True
+            self.starts,
+            events,
+            store_layers=self.store_layers,
+            budget=self.remaining,
+            tick=self.tick,
+            first_end_only=True,
         )
         if self.remaining is not None:
             self.remaining -= result.nodes
@@ -89,6 +96,7 @@ def minimal_failing_window(
     starts: Sequence[Checkpoint],
     events: Sequence[TraceLine],
     *,
+    store_layers: int,
     budget: int | None = DEFAULT_BUDGET,
     tick: Callable[[], None] | None = None,
 ) -> list[TraceLine]:
@@ -101,7 +109,10 @@ def minimal_failing_window(
     smallest window known to fail so far is returned.
     """
     minimizer = _Minimizer(
-        starts, MINIMIZE_BUDGET if budget is None else min(budget, MINIMIZE_BUDGET), tick
+        starts,
+        store_layers,
+        MINIMIZE_BUDGET if budget is None else min(budget, MINIMIZE_BUDGET),
+        tick,
     )
     cutoffs = sorted({e.return_ns for e in events if e.return_ns is not None})
     low, high = 0, len(cutoffs) - 1
@@ -129,6 +140,7 @@ def explain(
     starts: Sequence[Checkpoint],
     window: Sequence[TraceLine],
     *,
+    store_layers: int,
     budget: int | None = DEFAULT_BUDGET,
     tick: Callable[[], None] | None = None,
 ) -> str:
@@ -146,14 +158,14 @@ def explain(
             f"  thread {event.thread:>2}  [{((event.invoke_ns or 0) - base) / 1e3:9.1f}, "
             f"{end:>9}]  op {event.call:<8} {describe(event)}"
         )
-    result = search(starts, ordered, budget=budget, tick=tick)
+    result = search(starts, ordered, store_layers=store_layers, budget=budget, tick=tick)
     if result.deepest_state is not None:
-        lines.extend(_stuck_lines(result, ordered))
+        lines.extend(_stuck_lines(result, Window(ordered, store_layers)))
     return "\n".join(lines)
 
 
-def _stuck_lines(result: SearchResult, ordered: Sequence[TraceLine]) -> list[str]:
-    window = Window(ordered)
+def _stuck_lines(result: SearchResult, window: Window) -> list[str]:
+    ordered = window.events
     total = window.required.bit_count()
     lines = [
         f"the search linearized at most {result.deepest} of the {total} completed calls; "

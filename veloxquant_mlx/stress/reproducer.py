@@ -137,14 +137,15 @@ def replay_trace(
         raise ValueError(f"a replay target must be one of {TARGETS}, got {on!r}")
     checkpoint = initial_checkpoint(spec_config(trace.pool), trace.history_len)
     target = _target(trace, on)
+    layers = trace.store.n_layers
     index = 0
     try:
         for timed, segment in _segments(trace.lines):
-            lines = _linearize(checkpoint, segment, budget) if timed else segment
+            lines = _linearize(checkpoint, segment, layers, budget) if timed else segment
             if isinstance(lines, tuple):
                 return lines  # no order, or none found within the budget
             for line in lines:
-                after = step(checkpoint.state, checkpoint.names, line, ())
+                after = step(checkpoint.state, checkpoint.names, line, (), store_layers=layers)
                 if after is None:
                     why = _contradiction(index, line, checkpoint)
                     return Verdict.VIOLATION, f"replay on {on} FAILED: {why}"
@@ -166,10 +167,10 @@ def replay_trace(
 
 
 def _linearize(
-    start: Checkpoint, window: list[TraceLine], budget: int | None
+    start: Checkpoint, window: list[TraceLine], store_layers: int, budget: int | None
 ) -> list[TraceLine] | tuple[Verdict, str]:
     """The window in a valid order from ``start`` (untimed), or the verdict there is none."""
-    result = search([start], window, budget=budget, first_end_only=True)
+    result = search([start], window, store_layers=store_layers, budget=budget, first_end_only=True)
     if result.ends:
         witness = next(iter(result.ends.values()))
         return [TraceLine(window[i].op, window[i].call, window[i].outcome) for i in witness.order]
@@ -178,7 +179,7 @@ def _linearize(
             f"not decided: the search budget of {budget:,} configurations ran out on a window "
             f"of {len(window)} calls"
         )
-    why = explain([start], window, budget=budget)
+    why = explain([start], window, store_layers=store_layers, budget=budget)
     return Verdict.VIOLATION, f"replay FAILED: a window is not linearizable: {why}"
 
 

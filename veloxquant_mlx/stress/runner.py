@@ -144,6 +144,7 @@ class _Run:
         self.checker: Final = LinearizabilityChecker(
             spec_config(config.pool),
             config.history_len,
+            store=config.store,
             on_commit=self._commit,
             budget=config.search_budget,
             tick=self._tick,

@@ -34,6 +34,7 @@ from collections.abc import Container
 from dataclasses import dataclass, replace
 
 from veloxquant_mlx.testing.sides import describe
+from veloxquant_mlx.testing.store_operations import Gather, Write, fits_the_store
 from veloxquant_mlx.testing.traces import TraceLine
 from veloxquant_mlx_spec.model import (
     Err,
@@ -122,18 +123,31 @@ def _predict(
     return after, spec_outcome(declaration_of(event.op), after, result, names.__getitem__)
 
 
-def _store_shape(event: TraceLine) -> bool:
-    """A store call refused for its shape (layer, slots, tokens): the store's rule, not the spec's.
+def _refused_for_its_shape(event: TraceLine, store_layers: int, block_size: int) -> bool:
+    """A store call refused for its layer, slots or token count: the store's rule, not the spec's.
 
-    The spec decides only whether the blocks are live; a store may refuse a
-    call on live blocks for its shape as well, and whoever replays the store
-    checks that.
+    The spec decides whether the blocks are live (and a write's unshared); a
+    store also refuses a call whose shape does not fit it, wherever the call
+    is linearized. Only then is a recorded ``ValueError`` excused where the
+    spec predicts success: excusing it anywhere would let the search place a
+    write refused for sharing where its block is not shared, an order the
+    storage replay then contradicts.
     """
-    return declaration_of(event.op).target == "store" and event.outcome == Raised("ValueError")
+    op = event.op
+    return (
+        isinstance(op, Write | Gather)
+        and event.outcome == Raised("ValueError")
+        and not fits_the_store(op, store_layers, block_size)
+    )
 
 
 def step(
-    state: PoolState, names: Names, event: TraceLine, window_calls: Container[int]
+    state: PoolState,
+    names: Names,
+    event: TraceLine,
+    window_calls: Container[int],
+    *,
+    store_layers: int,
 ) -> tuple[PoolState, Names] | None:
     """Linearize ``event`` at ``state``: the next state and names, or ``None`` if not allowed.
 
@@ -143,6 +157,8 @@ def step(
         event: The recorded call and outcome (a pending one allows any outcome).
         window_calls: Labels of the window's calls that hand out handles; a name
             made by one of them that is not in ``names`` yet cannot be used.
+        store_layers: The layers of the store the history's store calls went to
+            (a call refused for its shape is refused wherever it goes).
 
     Returns:
         ``(state after, names after)``, or ``None``: the spec predicts another
@@ -152,7 +168,11 @@ def step(
         after, predicted = _predict(state, names, event, window_calls)
     except _UnresolvableError:
         return None
-    if event.outcome is not None and event.outcome != predicted and not _store_shape(event):
+    if (
+        event.outcome is not None
+        and event.outcome != predicted
+        and not _refused_for_its_shape(event, store_layers, state.config.block_size)
+    ):
         return None
     if isinstance(predicted, Raised) or event.call is None:
         return after, names

@@ -66,6 +66,7 @@ from veloxquant_mlx_spec.table import (
     bind,
     declaration_named,
     declaration_of,
+    returned_blocks,
 )
 
 __all__ = [
@@ -217,8 +218,13 @@ class Worker:
         action = bind(self.shared.pool, op, objects.__getitem__)
         invoked = record_call(self.recorder, op, action)
         result = invoked.result
-        if declaration.may_issue_handles and isinstance(result, list):
-            self._received(invoked.op_id, getattr(op, "owner", None), result)
+        new = [
+            b
+            for b in returned_blocks(declaration, result)
+            if isinstance(b, Block) and not self._known(b)
+        ]
+        if new:  # its owner: the call's owner, fork's destination, make_writable's holder
+            self._received(invoked.op_id, getattr(new[0], "owner", None), new)
         if declaration.changes_state:
             self._forget_freed()
 
@@ -335,6 +341,10 @@ class Worker:
         return None, []  # a bare Block where a list belongs
 
     # -- bookkeeping -------------------------------------------------------------------------
+
+    def _known(self, block: object) -> bool:
+        """Whether ``block`` was named already (make_writable may return its argument)."""
+        return self.shared.registry.get(id(block), (None, None))[1] is block
 
     def _received(self, op_id: int, owner: object, blocks: list[Block]) -> None:
         """Name the handles a call handed out, for every thread; hold them if the owner is ours."""

@@ -12,9 +12,13 @@ every line but a query (a pool call that changes nothing, whose outcome is
 still checked) checks that:
 
 1. the pool's books are consistent and every live handle is live in the pool
-   (and every handle the line freed is not); no two live handles share an id;
+   (and every handle the line freed is not); live handles share an id only
+   as the pool's reference count says (``share``, ``fork``), and a handle of
+   a shared block starts with that block's contents, not new sentinels;
 2. every live block's contents, read back with ``gather``, equal the shadow:
-   a write through one id that shows up in another means two ids share storage;
+   a write through one id that shows up in another means two ids share storage,
+   and every reader of a shared block must see what it saw; a write through
+   a handle of a shared block (count above 1) must be refused by the store;
 3. every array an earlier ``gather`` returned still holds the values it had
    when it was taken, including ones left unevaluated (``hold``) until after
    later writes: a lazy graph or a donated buffer must not leak a later write in;
@@ -69,7 +73,7 @@ from veloxquant_mlx.testing.storage_backends import (
     mlx_backend,
     numpy_backend,
 )
-from veloxquant_mlx.testing.store_operations import Gather, Sync, Write
+from veloxquant_mlx.testing.store_operations import Gather, Sync, Write, fits_the_store
 from veloxquant_mlx.testing.traces import StoreSpec, Trace, TraceLine, encode_line, load
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.table import (
@@ -161,12 +165,14 @@ class AliasingReplay(Generic[ArrayT]):
         *,
         history_len: int = 0,
         max_held_reads: int = 8,
+        pool_type: type[BlockPoolAllocator] = BlockPoolAllocator,
     ) -> None:
-        """Build the pool, the spec and the store under test (nothing applied yet)."""
+        """Build the pool (a ``pool_type``: a subclass plants a bug), the spec and the store
+        under test (nothing applied yet)."""
         pools: list[BlockPoolAllocator] = []
 
         def make(config: PoolConfig, history: int) -> BlockPoolAllocator:
-            pools.append(BlockPoolAllocator(config, history_len=history))
+            pools.append(pool_type(config, history_len=history))
             return pools[-1]
 
         self.lockstep: Final = Lockstep(
@@ -254,12 +260,27 @@ class AliasingReplay(Generic[ArrayT]):
             del self._shadow[name]
         for name in after:
             if name not in self._shadow:
-                self._give_sentinels(name)
+                self._give_contents(name)
         if len(spec.state.handles) - len(after) > _COMPACT_AFTER:
             spec.compact()
         if isinstance(outcome, Raised):
             outcome = Raised(outcome.kind)
         return replace(line, call=label, outcome=outcome), [*_names_in(line.op), *gone]
+
+    def _give_contents(self, name: Handle) -> None:
+        """A handle the spec says became live: a share of a block already live reads its
+        contents (one shadow for both); a block new to the live set gets sentinels."""
+        block_id = self._block_id(name)
+        holder = next((other for other in self._shadow if self._block_id(other) == block_id), None)
+        if holder is None:
+            self._give_sentinels(name)
+        else:
+            self._shadow[name] = self._shadow[holder]  # one block: one content, read by both
+
+    def _sharers(self, name: Handle) -> int:
+        """How many live handles show ``name``'s block id."""
+        block_id = self._block_id(name)
+        return sum(1 for other in self._shadow if self._block_id(other) == block_id)
 
     def _give_sentinels(self, name: Handle) -> None:
         """A block the spec says became live: its shadow, and sentinels in every slot."""
@@ -287,9 +308,8 @@ class AliasingReplay(Generic[ArrayT]):
             raise _CheckError(f"malformed trace: a write of {n_tokens} tokens")
         valid = (
             op.block in self._shadow
-            and 0 <= layer < self.spec.n_layers
-            and start >= 0
-            and start + n_tokens <= self._block_size
+            and self._sharers(op.block) == 1  # a shared block is read-only
+            and fits_the_store(op, self.spec.n_layers, self._block_size)
         )
         if not valid:
             tokens = self.backend.tokens(self._sentinels(n_tokens), self.spec.dtype)
@@ -318,10 +338,8 @@ class AliasingReplay(Generic[ArrayT]):
         layer, n_tokens, hold = _ints(op.layer, op.n_tokens, op.hold)
         names = _names_in(op)
         blocks = [self._object(name) for name in names]
-        valid = (
-            all(name in self._shadow for name in names)
-            and 0 <= layer < self.spec.n_layers
-            and 0 <= n_tokens <= len(blocks) * self._block_size
+        valid = all(name in self._shadow for name in names) and fits_the_store(
+            op, self.spec.n_layers, self._block_size
         )
         result: list[ArrayT] = []
         outcome = self._attempt(lambda: result.append(self.store.gather(layer, blocks, n_tokens)))
@@ -353,17 +371,19 @@ class AliasingReplay(Generic[ArrayT]):
 
     def _check_liveness(self, touched: Sequence[Handle]) -> None:
         objects = self.lockstep.pool_side.objects
-        ids: dict[int, Handle] = {}
+        ids: dict[int, list[Handle]] = {}
         for name in self._shadow:
             block = self._object(name)
             if not self.pool.is_live(block):
                 raise _CheckError(f"handle {name!r} should be live but the pool says it is not")
-            if block.block_id in ids:
+            ids.setdefault(block.block_id, []).append(name)
+        for block_id, names in ids.items():
+            count = self.pool.ref_count(block_id)
+            if count != len(names):
                 raise _CheckError(
-                    f"live handles {ids[block.block_id]!r} and {name!r} share block id "
-                    f"{block.block_id}"
+                    f"live handles {names!r} share block id {block_id}, but the pool counts "
+                    f"{count} handle(s) of it"
                 )
-            ids[block.block_id] = name
         for name in touched:
             if name not in self._shadow and name in objects and self.pool.is_live(objects[name]):
                 raise _CheckError(f"handle {name!r} was freed but the pool says it is live")

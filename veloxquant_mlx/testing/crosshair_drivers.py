@@ -55,7 +55,7 @@ from dataclasses import replace
 from typing import Any, Final
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
+from veloxquant_mlx.testing.lockstep import ALL_CALLS, ConformanceError, Lockstep
 from veloxquant_mlx.testing.sides import SpecSide, plans_uncached
 from veloxquant_mlx.testing.templates import Issued, Names, Pick, Template, small_scope
 from veloxquant_mlx_spec import invariants, model, transitions
@@ -85,23 +85,57 @@ HISTORY_LEN: Final = 2
 #: every handle pick; one bad value per call; valid calls first. Handles are picked by the
 #: order they were issued (the first, the newest); a pick of one not issued yet decodes to
 #: a block built by hand.
-ALPHABET: Final[tuple[Template, ...]] = tuple(
-    small_scope(
-        CONFIGS[1],
-        handle_names=(Issued(-1), Issued(0)),
-        list_names=(
-            (Issued(0),),
-            (Issued(-1),),
-            AsTuple((Issued(-1),)),  # type: ignore[arg-type]  # picks, named by build()
-            (Issued(0), Issued(-1)),
-        ),
-        combine=False,
-        queries=False,
-        stale=None,
-        every_bad_argument=False,
-        vary_values=lambda declaration: declaration.may_issue_handles,
-    )
+#: Sharing (share, fork, make_writable) would add half again as many letters as every
+#: other call together, and CrossHair's budget is fixed; these reach each of its rules
+#: (a share, a fork, a copy-on-write and its no-op, a repeated block, bad arguments).
+SHARING_LETTERS: Final = frozenset(
+    {
+        "share([issued[0]], 1)",
+        "fork(0, 1)",
+        "make_writable(newest)",
+        "make_writable(issued[0])",
+        "share([newest, newest], 0)",
+        "share(NotAList(), 0)",
+        "fork(True, 0)",
+    }
 )
+
+
+def _is_sharing(template: Template) -> bool:
+    return template.declaration.name in {"share", "fork", "make_writable"}
+
+
+_SCOPE: Final = small_scope(
+    CONFIGS[1],
+    handle_names=(Issued(-1), Issued(0)),
+    list_names=(
+        (Issued(0),),
+        (Issued(-1),),
+        AsTuple((Issued(-1),)),  # type: ignore[arg-type]  # picks, named by build()
+        (Issued(0), Issued(-1)),
+    ),
+    combine=False,
+    queries=False,
+    stale=None,
+    every_bad_argument=False,
+    vary_values=lambda declaration: declaration.may_issue_handles,
+)
+_BEFORE_SHARING: Final = tuple(template for template in _SCOPE if not _is_sharing(template))
+#: Sharing's letters come last: codes below :data:`N_BEFORE_SHARING` are the calls that
+#: existed before sharing, which ``replay_agrees_with_spec`` searches as it always has;
+#: ``sharing_replay_agrees_with_spec`` searches sequences with a sharing letter in them.
+ALPHABET: Final[tuple[Template, ...]] = (
+    *_BEFORE_SHARING,
+    *(template for template in _SCOPE if repr(template) in SHARING_LETTERS),
+)
+N_BEFORE_SHARING: Final = len(_BEFORE_SHARING)
+
+#: The calls the drivers make and observe: all but sharing's counters. Observed after every
+#: step they cost CrossHair a fifth of its budget, and a wrong count shows in what stays
+#: observed (free counts, blocks in use, the handles, the pool's check_invariants).
+CALLS: Final = ALL_CALLS - {"shared_blocks", "n_shares", "n_copy_on_write"}
+#: What ``replay_agrees_with_spec`` offers: the calls that existed before sharing.
+CALLS_BEFORE_SHARING: Final = CALLS - {"share", "fork", "make_writable", "ref_count", "is_shared"}
 
 #: Stream arguments for the drivers that take a ``stream_code``.
 STREAMS: Final = ("k", "v", "kv")
@@ -141,9 +175,11 @@ class _Placeholders(Sequence[Handle]):
         return (Handle(PLACEHOLDER_CALL, i) for i in range(self._n))
 
 
-def _concrete(code: int, issued: Sequence[Handle]) -> object:
+def _concrete(
+    code: int, issued: Sequence[Handle], letters: tuple[Template, ...] = ALPHABET
+) -> object:
     """The call ``code`` stands for, with ``issued`` the names of the handles issued so far."""
-    bound = ALPHABET[code].map_picks(lambda pick: resolve_reference(pick, len(issued)))
+    bound = letters[code].map_picks(lambda pick: resolve_reference(pick, len(issued)))
     op = bound.build(Names(live=(), issued=issued, freed_last=None))
     assert op is not None, "every pick is bound to an issued handle or to none"
     return op
@@ -168,9 +204,15 @@ def replay(codes: Sequence[int], config_code: int) -> Lockstep:
     Raises:
         ConformanceError: The allocator and the spec disagree; says where.
     """
-    lockstep = Lockstep(_allocator, CONFIGS[config_code], HISTORY_LEN)
+    return _replay(codes, config_code, ALPHABET, CALLS)
+
+
+def _replay(
+    codes: Sequence[int], config_code: int, letters: tuple[Template, ...], calls: frozenset[str]
+) -> Lockstep:
+    lockstep = Lockstep(_allocator, CONFIGS[config_code], HISTORY_LEN, capabilities=calls)
     for code in codes:
-        lockstep.apply(_concrete(code, lockstep.spec.names))
+        lockstep.apply(_concrete(code, lockstep.spec.names, letters))
     return lockstep
 
 
@@ -179,7 +221,25 @@ def replay_agrees_with_spec(codes: list[int], config_code: int) -> bool:
 
     pre: 0 <= config_code < len(CONFIGS)
     pre: len(codes) <= 4
+    pre: all(0 <= c < N_BEFORE_SHARING for c in codes)
+    post: __return__
+    """
+    # Its own letters and calls, not a prefix of the full ones: CrossHair's search per
+    # step then costs what it did before sharing, and its counterexamples replay as is.
+    try:
+        _replay(codes, config_code, _BEFORE_SHARING, CALLS_BEFORE_SHARING)
+    except ConformanceError:
+        return False
+    return True
+
+
+def sharing_replay_agrees_with_spec(codes: list[int], config_code: int) -> bool:
+    """As ``replay_agrees_with_spec``, over sequences that share, fork or copy on write.
+
+    pre: 0 <= config_code < len(CONFIGS)
+    pre: len(codes) <= 4
     pre: all(0 <= c < len(ALPHABET) for c in codes)
+    pre: any(c >= N_BEFORE_SHARING for c in codes)
     post: __return__
     """
     try:
@@ -200,7 +260,7 @@ def allocate_agrees_with_spec(
     pre: -1 <= owner <= 2
     post: __return__
     """
-    lockstep = Lockstep(_allocator, CONFIGS[config_code], HISTORY_LEN)
+    lockstep = Lockstep(_allocator, CONFIGS[config_code], HISTORY_LEN, capabilities=CALLS)
     try:
         with plans_uncached():  # the owner and token count are symbolic here
             lockstep.apply(Allocate(STREAMS[stream_code], n_tokens, owner))

@@ -231,7 +231,11 @@ class _Explorer:
         self.factory = (
             factory if isinstance(factory, Port) else Port(factory, capabilities=ALL_CALLS)
         )
-        self.letters = alphabet(scope.config)
+        # A port is explored through the calls it offers (a reference port: no sharing).
+        offered = self.factory.offered
+        self.letters = tuple(
+            letter for letter in alphabet(scope.config) if letter.declaration.name in offered
+        )
         self.nodes = [_Node(initial, (), None, 0, -1, "", None, None)]
         self.seen = {canonical_key(initial, None)}
         self.transitions = 0

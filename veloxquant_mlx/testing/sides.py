@@ -51,6 +51,7 @@ from veloxquant_mlx_spec.table import (
     Returns,
     bind,
     declaration_of,
+    returned_blocks,
     spec_arguments,
     spec_call,
     spec_outcome,
@@ -288,6 +289,8 @@ def pool_encoder(
             if isinstance(value, list)
             else value
         )
+    if returns is Returns.HANDLE:
+        return lambda value: Returned(getattr(value, "block_id", value))
     if returns is Returns.HANDLES:
         return lambda value: Returned(
             tuple(value if name_of is None else map(name_of, value))
@@ -398,8 +401,9 @@ class PoolSide(Generic[BlockT]):
         value, error = self.invoke(op)
         if error is not None:
             return self.error_outcome(error)
-        if declaration_of(op).may_issue_handles and isinstance(value, list):
-            self.name(label, value)
+        new = [b for b in returned_blocks(declaration_of(op), value) if not self.knows(b)]
+        if new:
+            self.name(label, new)
         return pool_outcome(op, value, self.name_of)
 
     def query(self, op: object) -> Outcome:

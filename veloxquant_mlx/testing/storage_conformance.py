@@ -51,7 +51,7 @@ import numpy as np
 import pytest
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.memory.storage import BlockStorage
+from veloxquant_mlx.memory.storage import BlockStorage, CopiesBlocks
 from veloxquant_mlx.testing.aliasing import StorageBackend, Values, replay
 from veloxquant_mlx.testing.store_traces import (
     CANNED_TRACES,
@@ -437,6 +437,61 @@ class StorageConformance(Generic[ArrayT]):
         regrown = pool.allocate("kv", 40, owner=2)
         written.update(self.fill(store, regrown))
         self.assert_holds(store, written)
+
+    # -- copy-on-write (storage.CopiesBlocks) ---------------------------------------------
+
+    def copier(self, store: BlockStorage[ArrayT]) -> CopiesBlocks:
+        """``store`` as a block copier; a store without the capability skips these tests."""
+        if not isinstance(store, CopiesBlocks):
+            pytest.skip(f"{type(store).__name__} does not offer copy_block (optional)")
+        return store
+
+    def shared_then_moved(self) -> tuple[BlockPoolAllocator, BlockStorage[ArrayT], Block, Block]:
+        """A block written in both layers, shared, and one handle moved by make_writable."""
+        pool, store = self.make()
+        (block,) = pool.allocate("kv", 4, owner=1)
+        for layer in (0, 1):
+            self.write(store, layer, block, self.tokens(4, first=1 + 100 * layer))
+        (other,) = pool.share([block], owner=2)
+        return pool, store, block, pool.make_writable(other)
+
+    def test_copy_block_of_every_layer_gives_the_writer_the_same_slots(self) -> None:
+        _pool, store, block, moved = self.shared_then_moved()
+        self.copier(store).copy_block(None, block.block_id, moved)
+        for layer in (0, 1):
+            np.testing.assert_array_equal(
+                self.read(store, layer, [moved]), self.tokens(4, first=1 + 100 * layer)
+            )
+
+    def test_copy_block_of_one_layer_leaves_the_others(self) -> None:
+        _pool, store, block, moved = self.shared_then_moved()
+        self.copier(store).copy_block(1, block.block_id, moved)
+        np.testing.assert_array_equal(self.read(store, 1, [moved]), self.tokens(4, first=101))
+        assert not np.array_equal(self.read(store, 0, [moved]), self.tokens(4, first=1))
+
+    def test_writes_after_a_copy_never_reach_the_other_holders(self) -> None:
+        _pool, store, block, moved = self.shared_then_moved()
+        self.copier(store).copy_block(None, block.block_id, moved)
+        self.write(store, 0, moved, self.tokens(4, first=500))
+        np.testing.assert_array_equal(self.read(store, 0, [block]), self.tokens(4, first=1))
+
+    @pytest.mark.parametrize("mistake", ["free-src", "stale-dst", "layer", "src-type"])
+    def test_copy_block_refuses_bad_arguments_and_changes_nothing(self, mistake: str) -> None:
+        pool, store, block, moved = self.shared_then_moved()
+        (spare,) = pool.allocate("kv", 4, owner=3)
+        pool.free([spare])
+        copier = self.copier(store)
+        calls: dict[str, tuple[Callable[[], None], type[Exception]]] = {
+            "free-src": (lambda: copier.copy_block(None, spare.block_id, moved), ValueError),
+            "stale-dst": (lambda: copier.copy_block(None, block.block_id, spare), ValueError),
+            "layer": (lambda: copier.copy_block(2, block.block_id, moved), ValueError),
+            "src-type": (lambda: copier.copy_block(None, block, moved), TypeError),  # type: ignore[arg-type]
+        }
+        before = self.read(store, 0, [moved])
+        call, error = calls[mistake]
+        with pytest.raises(error):
+            call()
+        np.testing.assert_array_equal(self.read(store, 0, [moved]), before)
 
     # -- threads and traces -------------------------------------------------------------
 

@@ -8,9 +8,13 @@ arguments are not the pool's: a ``write`` carries the number of tokens, and
 whoever replays it writes values of its own (the aliasing replay's
 sentinels, a stress thread's marker), and a ``gather`` is checked by its
 reader. What the spec says of them is what the pool decides: a store call
-is refused (``ValueError``) exactly when a block it names is not a live
-handle, and it changes no pool state. The shape rules (layer, slots, token
-count) are the store's, checked by :class:`~veloxquant_mlx.testing.aliasing.AliasingReplay`.
+is refused (``ValueError``) when a block it names is not a live handle, a
+write also when its block is shared (its count is above 1: a shared block is
+read-only until ``make_writable``), and it changes no pool state. The shape
+rules (layer, slots, token count) are the store's: :func:`fits_the_store`
+states them once, for :class:`~veloxquant_mlx.testing.aliasing.AliasingReplay`
+and for the linearizability checker, which must place a recorded refusal
+where the pool explains it unless the shape alone does.
 
 Complexity and thread safety: immutable values, declared at import.
 """
@@ -21,10 +25,18 @@ from dataclasses import dataclass
 from typing import Final
 
 from veloxquant_mlx_spec import transitions
-from veloxquant_mlx_spec.model import Err, ErrorKind, HandleArg, PoolState
-from veloxquant_mlx_spec.table import Domain, HandleList, HandleRef, Returns, operation, query
+from veloxquant_mlx_spec.model import Err, ErrorKind, HandleArg, PoolState, is_int, ref_count_of
+from veloxquant_mlx_spec.table import (
+    AsTuple,
+    Domain,
+    HandleList,
+    HandleRef,
+    Returns,
+    operation,
+    query,
+)
 
-__all__ = ["Gather", "StoreOperation", "Sync", "Write"]
+__all__ = ["Gather", "StoreOperation", "Sync", "Write", "fits_the_store"]
 
 _BAD_INTS: Final[tuple[object, ...]] = (-1, True, None)
 LAYER: Final = Domain("layer", lambda c: (0, 1), lambda c: (0,), lambda c: _BAD_INTS)
@@ -40,13 +52,21 @@ TOKENS: Final = Domain(
 HOLD: Final = Domain("hold", lambda c: (0, 1, 2, 3), lambda c: (0,), lambda c: (-1,))
 
 _NOT_LIVE: Final = "a block is not a live handle of the store's pool"
+_SHARED: Final = "the block is shared by other handles, so read-only until make_writable"
 
 
 def _written(
     state: PoolState, layer: object, block: HandleArg, start: object, n_tokens: object
 ) -> Err | None:
-    """`write`: refused unless ``block`` is a live handle (the store asks the pool)."""
-    return None if transitions.is_live(state, block) else Err(ErrorKind.VALUE, _NOT_LIVE)
+    """`write`: refused unless ``block`` is a live handle that holds its block alone.
+
+    The store asks the pool both (``is_live``, ``is_shared``), so a write's
+    outcome depends on every concurrent call that changes its block's count.
+    """
+    if not transitions.is_live(state, block):
+        return Err(ErrorKind.VALUE, _NOT_LIVE)
+    block_id = state.handles[block].block_id  # type: ignore[index]  # live: a serial
+    return Err(ErrorKind.VALUE, _SHARED) if ref_count_of(state, block_id) > 1 else None
 
 
 def _gathered(
@@ -72,7 +92,7 @@ def _synced(state: PoolState) -> None:
     source="P",
     target="store",
     changes_state=False,
-    rules=("C-STALE-HANDLE",),
+    rules=("C-STALE-HANDLE", "C-SHARED-READ-ONLY"),
 )
 @dataclass(frozen=True, slots=True)
 class Write:
@@ -117,3 +137,24 @@ class Sync:
 
 
 StoreOperation = Write | Gather | Sync
+
+
+def fits_the_store(op: Write | Gather, n_layers: int, block_size: int) -> bool:
+    """Whether a store with ``n_layers`` layers accepts ``op``'s layer, slots and token count.
+
+    The store's own rules, beside the spec's (live, unshared). A call whose
+    numbers are not all ints is refused with ``TypeError``, never for its
+    shape, so it fits here.
+    """
+    layer, n_tokens = op.layer, op.n_tokens
+    if not (is_int(layer) and is_int(n_tokens)):
+        return True
+    if not 0 <= layer < n_layers or n_tokens < 0:
+        return False
+    if isinstance(op, Write):
+        start = op.start
+        return not is_int(start) or (start >= 0 and start + n_tokens <= block_size)
+    refs = op.blocks.refs if isinstance(op.blocks, AsTuple) else op.blocks
+    if not isinstance(refs, tuple):
+        return True  # not a list: a TypeError
+    return n_tokens <= len(refs) * block_size

@@ -54,6 +54,7 @@ from veloxquant_mlx_spec.table import (
     declaration_named,
     declaration_of,
     declarations,
+    returned_blocks,
 )
 
 __all__ = [
@@ -581,10 +582,17 @@ class TraceRecorder:
             outcome: Outcome = Raised(error_outcome(error).kind)
         else:
             outcome = pool_outcome(op, result, self.name_of)
-            if declaration_of(op).may_issue_handles and isinstance(result, list):
-                for position, block in enumerate(result):
-                    self._names[id(block)] = (Handle(call, position), block)
+            declaration = declaration_of(op)
+            handed_out = returned_blocks(declaration, result)
+            if declaration.returns is Returns.HANDLE and self._named(result):
+                handed_out = []  # make_writable returned its argument: it keeps its name
+            for position, block in enumerate(handed_out):
+                self._names[id(block)] = (Handle(call, position), block)
         self.lines.append(TraceLine(op, call, outcome))
+
+    def _named(self, block: object) -> bool:
+        entry = self._names.get(id(block))
+        return entry is not None and entry[1] is block
 
     def call(self, make: Callable[[], object], op: object) -> object:
         """Make a call (``make()``) and record it as ``op``; its result, or it re-raises."""

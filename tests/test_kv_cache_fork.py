@@ -1,0 +1,116 @@
+"""Forked pool-backed caches: a shared prompt, then independent decodes, copy-on-write.
+
+Two forks of one prompt, fed different tokens, must compute exactly what two
+mlx-lm ``KVCache`` runs fed the same tokens compute (bit for bit, on the
+gathered attention path); the prompt's full blocks stay held once; releasing
+both returns every block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import mlx.core as mx
+import pytest
+from mlx.nn.layers.base import Module
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import prompt, tiny_model
+
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
+from veloxquant_mlx.memory.model_kv_layout import make_pool_backed_storage
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+
+BLOCK_SIZE = 4
+N_BLOCKS = 64
+
+
+def _logits(model: Module, tokens: list[int] | mx.array, cache: Sequence[object]) -> mx.array:
+    logits: mx.array = model(mx.array(tokens)[None], cache=cache)
+    return logits
+
+
+def _reference(model: Module, shared: mx.array, steps: list[int]) -> list[mx.array]:
+    """A ``KVCache`` run: the prompt, then one token per step; the logits of each call."""
+    cache = make_prompt_cache(model)
+    outputs = [_logits(model, shared, cache)]
+    outputs += [_logits(model, [token], cache) for token in steps]
+    return outputs
+
+
+@pytest.mark.parametrize("prompt_length", [11, 12], ids=["partial-last-block", "full-blocks"])
+def test_two_forks_decode_exactly_as_two_kv_cache_runs(prompt_length: int) -> None:
+    model = tiny_model("llama", 5)
+    shared = prompt(6, length=prompt_length)
+    steps_a, steps_b = [3, 17, 42, 5, 9, 60], [88, 1, 2, 77, 31, 4]
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
+    storage = make_pool_backed_storage(model, pool)
+    first = make_pool_backed_cache(model, storage, attention="gather")
+    ours_a = [_logits(model, shared, first)]
+    second = first.fork()
+    ours_b = list(ours_a)
+    prompt_blocks = 2 * -(-prompt_length // BLOCK_SIZE)  # keys and values
+    assert pool.stats.blocks_in_use() == prompt_blocks  # held once by both
+    for token_a, token_b in zip(steps_a, steps_b, strict=True):  # interleaved on purpose
+        ours_a.append(_logits(model, [token_a], first))
+        ours_b.append(_logits(model, [token_b], second))
+    for ours, steps in ((ours_a, steps_a), (ours_b, steps_b)):
+        reference = _reference(model, shared, steps)
+        assert all(mx.array_equal(a, b) for a, b in zip(ours, reference, strict=True))
+    full_prompt_blocks = 2 * (prompt_length // BLOCK_SIZE)
+    assert pool.stats.shared_blocks() == full_prompt_blocks
+    first.book.check_invariants()
+    second.book.check_invariants()
+    first.release()
+    second.release()
+    assert pool.stats.blocks_in_use() == 0
+    assert pool.n_free("k") + pool.n_free("v") == N_BLOCKS
+    pool.check_invariants()
+
+
+def test_a_fork_of_a_fork_and_a_trim_keep_every_reader_s_positions() -> None:
+    model = tiny_model("qwen2", 7)
+    shared = prompt(8, length=10)
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
+    storage = make_pool_backed_storage(model, pool)
+    with make_pool_backed_cache(model, storage, attention="gather") as root:
+        _logits(model, shared, root)
+        with root.fork() as child, child.fork() as grandchild:
+            for layer in grandchild:  # back into a shared full block: it is copied first
+                layer.trim(3)
+            got = _logits(model, [11], grandchild)
+            expected = _reference(model, shared[:7], [11])[-1]
+            assert mx.array_equal(got, expected)
+            ours = _logits(model, [12], child)
+            assert mx.array_equal(ours, _reference(model, shared, [12])[-1])
+        assert mx.array_equal(_logits(model, [13], root), _reference(model, shared, [13])[-1])
+    assert pool.stats.blocks_in_use() == 0
+    pool.check_invariants()
+
+
+def test_a_book_alone_forks_without_a_store() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    with PooledKVCache(pool, owner=1) as book:
+        book.append(6)
+        with book.fork(owner=2) as twin:
+            twin.append(1)  # the shared last block (2 of 4) moves: nothing to copy
+            book.append(1)
+            assert pool.stats.n_copy_on_write == 2  # keys and values of the twin
+            assert pool.stats.shared_blocks() == 2  # the first, full block of each stream
+            book.check_invariants()
+            twin.check_invariants()
+    assert pool.stats.blocks_in_use() == 0
+
+
+def test_a_fork_trimmed_to_nothing_grows_again_on_its_own_blocks() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    with PooledKVCache(pool, owner=1) as book, book.fork(owner=2) as twin:
+        book.append(6)  # nothing shared yet: the fork was empty
+        twin.append(3)
+        fork = book.fork(owner=3)
+        fork.trim(6)
+        fork.append(2)
+        fork.check_invariants()
+        book.check_invariants()
+        fork.release()
+    assert pool.stats.blocks_in_use() == 0

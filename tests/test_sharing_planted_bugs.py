@@ -1,0 +1,75 @@
+"""The sharing bugs engines have shipped, planted, and the layer that must catch each.
+
+- a shared block pushed while another handle holds it, so the free list
+  takes it twice (vLLM #42571): the conformance machine and the exhaustive check;
+- free_all() that ignores sharing, so both owners of a fork free each shared
+  block (vLLM #3347): the exhaustive check, with its shortest sequence;
+- blocks_in_use counted per handle (SGLang #35270): the conformance machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+from planted_bugs import (
+    FreeAllIgnoresSharing,
+    InUseCountsHandles,
+    SharedBlockPushedWhileHeld,
+    factory_of,
+)
+
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
+from veloxquant_mlx.testing.conformance import PoolConformanceMachine
+from veloxquant_mlx.testing.exhaustive import PROFILE_DEPTHS, SCOPES, explore
+from veloxquant_mlx.testing.lockstep import ConformanceError
+from veloxquant_mlx_spec.operations import Allocate, Free, FreeAll, Operation, Share
+from veloxquant_mlx_spec.table import h
+
+SEPARATE_4 = next(scope for scope in SCOPES if scope.name == "separate-4")
+ONE_BLOCK_SHARED: list[Operation] = [Allocate("k", 1, 0, "fp16"), Share((h(0, 0),), 1)]
+
+
+@pytest.mark.parametrize("buggy", [SharedBlockPushedWhileHeld, InUseCountsHandles])
+def test_the_conformance_machine_catches_a_planted_sharing_bug(
+    buggy: type[BlockPoolAllocator],
+) -> None:
+    machine = type("Buggy", (PoolConformanceMachine,), {"allocator_factory": factory_of(buggy)})
+    with pytest.raises(ConformanceError):
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=500,
+                stateful_step_count=30,
+                deadline=None,
+                database=None,
+                derandomize=True,  # the same examples every run: a kill is not luck
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
+
+
+# The shortest sequences: sharing one block, then releasing the first holder's handle,
+# must leave the block checked out; counting handles shows at the share itself.
+PLANTED_SHARING_BUGS = [
+    (SharedBlockPushedWhileHeld, [*ONE_BLOCK_SHARED, Free((h(0, 0),))]),
+    (FreeAllIgnoresSharing, [*ONE_BLOCK_SHARED, FreeAll(0)]),
+    (InUseCountsHandles, ONE_BLOCK_SHARED),
+]
+
+
+@pytest.mark.parametrize(
+    ("buggy", "shortest"),
+    PLANTED_SHARING_BUGS,
+    ids=[bug.__name__ for bug, _ in PLANTED_SHARING_BUGS],
+)
+def test_the_exhaustive_check_reports_a_planted_sharing_bug_shortest_first(
+    buggy: type[BlockPoolAllocator], shortest: list[Operation]
+) -> None:
+    result = explore(SEPARATE_4, PROFILE_DEPTHS["ci"], factory_of(buggy))
+    print(result.summary(), result.counterexample, sep="\n")
+    assert result.counterexample is not None, f"{buggy.__name__} passed the exhaustive check"
+    assert list(result.counterexample.operations) == shortest
+    shorter = explore(SEPARATE_4, len(shortest) - 1, factory_of(buggy)).counterexample
+    assert shorter is None or len(shorter.operations) >= len(shortest)
