@@ -204,6 +204,28 @@ def test_a_sharing_error_message_names_the_argument_the_expectation_and_the_valu
     assert str(raised.value) == message
 
 
+# ---- make_writable's growth, up to the cap ---------------------------------------------
+
+
+def test_make_writable_may_grow_the_pool_to_exactly_max_blocks() -> None:
+    pool = make_pool(n_blocks=2, grow_on_exhaustion=True, max_blocks=3)
+    pool.allocate("k", 4, owner=1)  # the k stream's one block
+    shared = pool.fork(1, 2)
+    moved = pool.make_writable(shared[0])  # one more block reaches the cap, not past it
+    assert (moved.block_id, pool.stats.n_blocks, pool.stats.n_grown) == (2, 3, 1)
+
+
+def test_the_spec_lets_make_writable_grow_the_pool_to_exactly_max_blocks() -> None:
+    config = SpecConfig(block_size=4, n_blocks=2, grow_on_exhaustion=True, max_blocks=3)
+    state = new_pool(config)
+    assert isinstance(state, PoolState), state
+    state, _ = transitions.allocate(state, "k", 4, 1)  # handle 0: the k stream's one block
+    state, _ = transitions.share(state, (0,), 2)  # handle 1
+    state, moved = transitions.make_writable(state, 1)
+    assert moved == 2, moved
+    assert (state.handles[2].block_id, state.next_block_id, state.counters.n_grown) == (2, 3, 1)
+
+
 # ---- the spec's sharing errors ---------------------------------------------------------
 
 
