@@ -204,7 +204,17 @@ def test_a_sharing_error_message_names_the_argument_the_expectation_and_the_valu
     assert str(raised.value) == message
 
 
-# ---- make_writable's growth, up to the cap ---------------------------------------------
+# ---- the block make_writable takes: reused, or grown up to the cap -------------------------
+
+
+def test_make_writable_counts_a_block_handed_out_before_as_reused() -> None:
+    pool = make_pool()
+    pool.free(pool.allocate("k", 8, owner=9))  # ids 0 and 1 handed out, then freed
+    held = pool.allocate("k", 4, owner=1)  # takes 1, from the top: reused
+    shared = pool.share(held, owner=2)
+    moved = pool.make_writable(shared[0])  # takes 0: reused again
+    assert (held[0].block_id, moved.block_id) == (1, 0)
+    assert pool.stats.n_reused == 2
 
 
 def test_make_writable_may_grow_the_pool_to_exactly_max_blocks() -> None:
