@@ -207,6 +207,19 @@ def test_a_sharing_error_message_names_the_argument_the_expectation_and_the_valu
 # ---- the block make_writable takes: reused, or grown up to the cap -------------------------
 
 
+def test_make_writable_takes_one_handle_off_a_block_shared_three_ways() -> None:
+    pool = make_pool()
+    held = pool.allocate("k", 4, owner=1)  # id 0
+    pool.fork(1, 2)
+    third = pool.fork(1, 3)
+    pool.make_writable(third[0])
+    assert (pool.ref_count(0), pool.stats.shared_blocks()) == (2, 1)
+    pool.make_writable(pool.blocks_for(2)[0])
+    assert (pool.ref_count(0), pool.stats.shared_blocks()) == (1, 0)
+    pool.mark_used(held[0], 2)  # owner 1 alone holds it again: writable
+    pool.check_invariants()
+
+
 def test_make_writable_counts_a_block_handed_out_before_as_reused() -> None:
     pool = make_pool()
     pool.free(pool.allocate("k", 8, owner=9))  # ids 0 and 1 handed out, then freed
