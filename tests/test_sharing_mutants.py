@@ -38,19 +38,22 @@ def every_reading(stats: AllocationStats) -> tuple[object, ...]:
 
 
 def busy_sharing_pool() -> BlockPoolAllocator:
-    """A pool whose stats have every counter, sharing's included, above 0 and most distinct."""
+    """A pool whose stats have every counter, sharing's included, above 0 and most distinct.
+
+    block_size 4; 2 k and 2 v blocks; growth up to 8 blocks.
+    """
     pool = make_pool(block_size=4, n_blocks=4, grow_on_exhaustion=True, max_blocks=8)
-    first = pool.allocate("k", 6, owner=1)  # ids 0, 1
-    pool.free([pool.allocate("k", 1, owner=9)[0]])  # id 2 used and freed: reused below
+    first = pool.allocate("k", 6, owner=1)  # ids 0 (4 tokens) and 1 (2 tokens)
+    pool.free([pool.allocate("k", 1, owner=9)[0]])  # grows id 4; freed, so reused below
     pool.fork(1, 2)
     pool.fork(1, 3)
-    pool.make_writable(pool.blocks_for(3)[0])  # takes id 2 again
-    pool.make_writable(pool.blocks_for(2)[1])  # takes id 3
-    pool.make_writable(pool.blocks_for(2)[0])  # the stream is empty: grows
-    pool.mark_used(pool.blocks_for(2)[0], 3)
-    pool.shrink("v", 1)
-    pool.free([first[1]])
-    pool.fork(3, 4)  # id 1 shared again
+    pool.make_writable(pool.blocks_for(3)[0])  # id 0 -> 4: reused
+    pool.make_writable(pool.blocks_for(2)[1])  # id 1 -> 5: grown
+    pool.make_writable(pool.blocks_for(2)[0])  # id 0 -> 6: grown
+    pool.mark_used(pool.blocks_for(2)[0], 3)  # id 5: 3 of 4 tokens
+    pool.shrink("v", 1)  # retires one v block
+    pool.free([first[1]])  # owner 3 still holds id 1
+    pool.fork(3, 4)  # ids 1 and 4 shared again
     with pytest.raises(BlockPoolExhaustedError):
         pool.allocate("k", 100, owner=5)
     return pool
@@ -78,6 +81,12 @@ def test_sharing_metrics_help_line_says_what_the_metric_measures(
     pool.fork(1, 2)
     lines = pool.stats.to_prometheus().splitlines()
     assert f"# HELP veloxquant_block_pool_{sample} {help_text}" in lines
+
+
+def test_stats_after_shares_copies_and_frees_count_each_block_once() -> None:
+    stats = busy_sharing_pool().stats
+    # In use: ids 0, 1, 4, 5, 6 (peak 5), of 4 + 3 grown - 1 retired; partly filled: 1 and 5.
+    assert every_reading(stats) == (6, 2, 2, 1, 1, 3, 1, 5, 2, 5, 2 / 6, 2, 6, 3)
 
 
 def test_a_full_history_ring_keeps_every_counter_of_the_newest_stats() -> None:
