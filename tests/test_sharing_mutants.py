@@ -229,6 +229,19 @@ def test_make_writable_takes_one_handle_off_a_block_shared_three_ways() -> None:
     pool.check_invariants()
 
 
+@pytest.mark.parametrize(("n_used", "partly_filled"), [(0, 0), (1, 1), (3, 1), (4, 0)])
+def test_make_writable_leaves_both_blocks_as_full_as_the_shared_one_was(
+    n_used: int, partly_filled: int
+) -> None:
+    pool = make_pool()  # 8 blocks of 4 tokens
+    held = pool.allocate("k", 4, owner=1)
+    pool.mark_used(held[0], n_used)
+    moved = pool.make_writable(pool.fork(1, 2)[0])
+    assert (held[0].n_used, moved.n_used) == (n_used, n_used)
+    assert pool.stats.fragmentation() == 2 * partly_filled / 8
+    pool.check_invariants()
+
+
 def test_make_writable_counts_a_block_handed_out_before_as_reused() -> None:
     pool = make_pool()
     pool.free(pool.allocate("k", 8, owner=9))  # ids 0 and 1 handed out, then freed
