@@ -242,6 +242,20 @@ def test_make_writable_leaves_both_blocks_as_full_as_the_shared_one_was(
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("n_used", [0, 1, 4])
+def test_freeing_a_block_in_a_pool_that_shares_leaves_only_the_partly_filled_shared_one(
+    n_used: int,
+) -> None:
+    pool = make_pool()  # 8 blocks of 4 tokens
+    pool.allocate("k", 6, owner=1)  # ids 0 (4 tokens) and 1 (2 tokens)
+    pool.fork(1, 2)  # frees now go through the shared path
+    other = pool.allocate("k", 4, owner=3)
+    pool.mark_used(other[0], n_used)
+    pool.free(other)
+    assert pool.stats.fragmentation() == 1 / 8  # id 1, counted once
+    pool.check_invariants()
+
+
 def test_make_writable_counts_a_block_handed_out_before_as_reused() -> None:
     pool = make_pool()
     pool.free(pool.allocate("k", 8, owner=9))  # ids 0 and 1 handed out, then freed
