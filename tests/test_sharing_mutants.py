@@ -123,6 +123,12 @@ SHARING_MESSAGES: list[tuple[str, SharingCall, type[Exception], str]] = [
         f"blocks[1] = {HOLDER_2} repeats block id 0; expected each block once",
     ),
     (
+        "share-owner",
+        lambda p, held, shared: p.share(held, owner=True),
+        TypeError,
+        "owner must be an int, got True (bool)",
+    ),
+    (
         "share-owner-holds-it",
         lambda p, held, shared: p.share(held, owner=2),
         ValueError,
