@@ -118,13 +118,18 @@ def churn(pool: BlockPoolAllocator, owner: int, tally: Tally, deadline: float) -
 def hammer_round(pool: BlockPoolAllocator, seconds: float) -> list[str]:
     """Churn ``pool`` from N_THREADS threads at once; return every conservation failure."""
     tallies = [Tally() for _ in range(N_THREADS)]
-    barrier = threading.Barrier(N_THREADS)
-    deadline = time.monotonic() + seconds
+    # The round's clock starts when every thread is at the barrier, not before they
+    # exist: on a loaded machine starting them took longer than a round, and the
+    # workers then found their deadline passed and did nothing.
+    deadline: list[float] = []
+    barrier = threading.Barrier(
+        N_THREADS, action=lambda: deadline.append(time.monotonic() + seconds)
+    )
 
     def work(index: int) -> None:
         barrier.wait()
         try:
-            churn(pool, index, tallies[index], deadline)
+            churn(pool, index, tallies[index], deadline[0])
         except Exception as error:  # a contract-breaking error is a finding, not a crash
             tallies[index].errors.append(error)
 
