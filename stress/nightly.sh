@@ -107,6 +107,15 @@ FT_PYTHON=${FT_PYTHON:-$HOME/.cache/ft-python/bin/python3}
 if [[ -x $FT_PYTHON ]]; then
   run ft-separate-kv "$FT_PYTHON" --seed 1
   run ft-shared-kv "$FT_PYTHON" --seed 2 --shared-kv
+  # The thread test files under the free-threaded interpreter (about 3 minutes, so
+  # nightly rather than in the README's test command; tests/test_free_threaded.py).
+  if VELOXQUANT_FT_SUITE=1 VELOXQUANT_FT_PYTHON="$FT_PYTHON" "$PYTHON" -m pytest -q \
+      -p no:cacheprovider tests/test_free_threaded.py >"$out/ft-thread-tests.log" 2>&1; then
+    echo "ft-thread-tests: OK" | tee -a "$out/ft-thread-tests.txt"
+  else
+    echo "ft-thread-tests: FAILED (see ft-thread-tests.log)" | tee -a "$out/ft-thread-tests.txt"
+    violations=$((violations + 1))
+  fi
 else
   echo "no free-threaded interpreter at FT_PYTHON=$FT_PYTHON: free-threaded runs skipped" \
     | tee "$out/free-threaded-skipped.txt"

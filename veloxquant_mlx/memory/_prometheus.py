@@ -24,7 +24,9 @@ class Metric(NamedTuple):
     suffix: str
     kind: Literal["gauge", "counter"]
     help_text: str
-    value: float
+    # int | float, not float: mypyc would turn an int counter into a float, printed
+    # "3.0" by the compiled build where the interpreted one prints "3".
+    value: int | float
 
 
 def require_metric_prefix(prefix: object) -> str:
@@ -41,7 +43,7 @@ def require_metric_prefix(prefix: object) -> str:
     return prefix
 
 
-def _format_value(value: float) -> str:
+def _format_value(value: int | float) -> str:
     if isinstance(value, int):
         return str(value)
     if math.isnan(value):
