@@ -24,7 +24,7 @@ from veloxquant_mlx_spec.model import (
     make_config,
     new_pool,
 )
-from veloxquant_mlx_spec.transitions import allocate, free
+from veloxquant_mlx_spec.transitions import allocate, free, share
 
 
 def pool(**config: object) -> PoolState:
@@ -83,6 +83,22 @@ def grown_past_a_cap_of_zero() -> PoolState:
     )
 
 
+def shared_by_owners_1_and_2() -> PoolState:
+    """``holding_one_block`` with block 0 shared to owner 2 (handle 1): count 2."""
+    state, handles = share(holding_one_block(), (0,), 2)
+    assert handles == (1,), handles
+    return state
+
+
+def shared_with_a_wrong_count() -> PoolState:
+    return replace(shared_by_owners_1_and_2(), ref_counts=((0, 3),))
+
+
+def one_owner_holding_two_handles_of_one_block() -> PoolState:
+    state = shared_by_owners_1_and_2()
+    return replace(state, handles=(*state.handles[:1], replace(state.handles[1], owner=1)))
+
+
 @pytest.mark.parametrize(
     ("corrupt", "broken"),
     [
@@ -92,6 +108,8 @@ def grown_past_a_cap_of_zero() -> PoolState:
         (live_handle_on_an_unknown_stream, {"handles_are_well_formed"}),
         (peak_below_current_use, {"counters_are_sane"}),
         (grown_past_a_cap_of_zero, {"growth_respects_max_blocks"}),
+        (shared_with_a_wrong_count, {"refcounts_match_handles"}),
+        (one_owner_holding_two_handles_of_one_block, {"refcounts_match_handles"}),
     ],
 )
 def test_a_state_breaking_one_rule_is_reported_under_that_invariant_only(
@@ -112,4 +130,5 @@ def test_all_invariants_hold_is_true_exactly_when_none_is_broken(
 
 def test_the_corruptions_start_from_a_valid_state() -> None:
     assert broken_invariants(holding_one_block()) == ()
+    assert broken_invariants(shared_by_owners_1_and_2()) == ()
     assert HandleView(0, "k", "fp16", 2, 1) == holding_one_block().handles[0]

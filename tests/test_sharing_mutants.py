@@ -22,6 +22,7 @@ from veloxquant_mlx.memory.block_pool import (
     InvalidFreeError,
 )
 from veloxquant_mlx_spec import transitions
+from veloxquant_mlx_spec.invariants import broken_invariants
 from veloxquant_mlx_spec.model import Err, NotAList, PoolState, SpecConfig, new_pool
 
 SHARING_HELP_TEXT = {
@@ -316,6 +317,7 @@ SPEC_ERROR_CASES: list[tuple[str, Callable[[], object], str, str | None]] = [
     ("fork-to-itself", lambda: transitions.fork(spec_shared(), 4, 4), "dst_owner", "4"),
     ("mark_used-shared", lambda: transitions.mark_used(spec_shared(), 1, 2), "block", "0"),
     ("make_writable", lambda: transitions.make_writable(spec_shared(), 9), "block", "9"),
+    ("make_writable-0-free", lambda: transitions.make_writable(spec_shared(), 1), "block", "'k'"),
     ("ref_count-type", lambda: transitions.ref_count(spec_shared(), "0"), "block_id", "'0'"),
     ("ref_count-value", lambda: transitions.ref_count(spec_shared(), -4), "block_id", "-4"),
     ("is_shared-type", lambda: transitions.is_shared(spec_shared(), 0.0), "block_id", "0.0"),
@@ -339,3 +341,54 @@ def test_a_sharing_error_the_spec_predicts_names_the_argument_then_the_value(
     assert error.message.startswith(argument), error.message
     if offending is not None:
         assert offending in error.message, error.message
+
+
+def test_the_spec_names_a_block_as_what_share_expects_in_its_list() -> None:
+    _, error = transitions.share(spec_shared(), NotAList(), 3)
+    assert isinstance(error, Err), error
+    assert "a list or tuple of Block" in str(error.message), error.message
+
+
+def test_the_spec_says_a_block_with_two_live_handles_is_shared() -> None:
+    state = spec_shared()
+    assert (transitions.ref_count(state, 0), transitions.is_shared(state, 0)) == (2, True)
+    assert (transitions.ref_count(state, 1), transitions.is_shared(state, 1)) == (0, False)
+
+
+# ---- the spec's make_writable: the block it takes, and what it counts ------------------
+
+
+def spec_state(n_blocks: int = 8, *, grow_on_exhaustion: bool = False) -> PoolState:
+    """The spec's pool of ``n_blocks`` blocks of 4 tokens, k and v apart."""
+    config = SpecConfig(block_size=4, n_blocks=n_blocks, grow_on_exhaustion=grow_on_exhaustion)
+    state = new_pool(config)
+    assert isinstance(state, PoolState), state
+    return state
+
+
+def test_the_spec_counts_a_block_make_writable_takes_that_was_handed_out_before_as_reused() -> None:
+    state, first = transitions.allocate(spec_state(), "k", 8, 9)  # ids 0 and 1
+    assert isinstance(first, tuple), first
+    state, _ = transitions.free(state, first)
+    state, held = transitions.allocate(state, "k", 4, 1)  # takes 1, from the top: reused
+    assert isinstance(held, tuple), held
+    state, shared = transitions.share(state, held, 2)
+    assert isinstance(shared, tuple), shared
+    state, moved = transitions.make_writable(state, shared[0])  # takes 0: reused again
+    assert isinstance(moved, int), moved
+    assert (state.handles[held[0]].block_id, state.handles[moved].block_id) == (1, 0)
+    assert state.counters.n_reused == 2
+    assert transitions.free_list_for(state, "k") == (3, 2)  # only the block it took is gone
+
+
+def test_the_spec_takes_the_id_make_writable_grows_onto_off_the_retired_set() -> None:
+    state, held = transitions.allocate(spec_state(n_blocks=2, grow_on_exhaustion=True), "k", 4, 1)
+    state, n_retired = transitions.shrink(state, "v", 0)  # retires id 1, the v stream's one
+    assert (n_retired, state.retired) == (1, frozenset({1}))
+    assert isinstance(held, tuple), held
+    state, shared = transitions.share(state, held, 2)
+    assert isinstance(shared, tuple), shared
+    state, moved = transitions.make_writable(state, shared[0])  # k has none free: grows
+    assert isinstance(moved, int), moved
+    assert (state.handles[moved].block_id, state.retired) == (1, frozenset())
+    assert broken_invariants(state) == ()

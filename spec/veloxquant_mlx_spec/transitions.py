@@ -356,7 +356,7 @@ def make_writable(state: PoolState, block: HandleArg) -> tuple[PoolState, Handle
     c = state.counters
     if not stack and not _may_grow_by(state, 1):
         exhausted = replace(state, counters=replace(c, n_exhausted=c.n_exhausted + 1))
-        message = f"make_writable needs 1 block, 0 free on stream {view.stream!r}"
+        message = f"block {block!r} needs a block to move to, 0 free on stream {view.stream!r}"
         return _recorded(state, exhausted), Err(ErrorKind.EXHAUSTED, message)
     new_id = stack[-1] if stack else _grown_ids(state, 1)[0]
     grown = () if stack else (new_id,)
