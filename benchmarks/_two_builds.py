@@ -48,16 +48,18 @@ BUILDS: tuple[Build, ...] = ("interpreted", "compiled")
 BENCH_DIR = Path(__file__).resolve().parent
 REPO_ROOT = BENCH_DIR.parent
 CACHE_DIR = REPO_ROOT / "build" / "bench-compiled"
-#: What a compiled build is made from: a change to any of these means a rebuild.
-BUILD_INPUTS = (
-    "build_backend.py",
-    "veloxquant_mlx/memory/block_pool.py",
-    "veloxquant_mlx/memory/_arguments.py",
-    "veloxquant_mlx/memory/_history.py",
-    "veloxquant_mlx/memory/_invariants.py",
-    "veloxquant_mlx/memory/_mypyc.py",
-    "veloxquant_mlx/memory/_prometheus.py",
-)
+
+
+def build_inputs() -> tuple[str, ...]:
+    """What a compiled build is made from, as ``build_backend.py`` lists it (loaded here
+    only when needed: it imports setuptools): a change to any of these means a rebuild."""
+    spec = importlib.util.spec_from_file_location("build_backend", REPO_ROOT / "build_backend.py")
+    assert spec is not None and spec.loader is not None
+    backend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backend)
+    return ("build_backend.py", *backend.COMPILED_MODULES, *backend.ANALYSED_ONLY)
+
+
 PACKAGE = "veloxquant_mlx"
 
 
@@ -114,7 +116,7 @@ def imports_compiled(site: Path | None) -> bool:
 def build_compiled_site() -> Path:
     """Install a wheel of this checkout into CACHE_DIR (pip, build isolation), unless current."""
     digest = hashlib.sha256()
-    for name in BUILD_INPUTS:
+    for name in build_inputs():
         digest.update((REPO_ROOT / name).read_bytes())
     stamp, site = CACHE_DIR / "source-sha256", CACHE_DIR / "site"
     if stamp.exists() and stamp.read_text() == digest.hexdigest() and imports_compiled(site):

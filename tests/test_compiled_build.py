@@ -10,7 +10,9 @@ source tree of the README's set-up is always interpreted.
 
 from __future__ import annotations
 
+import ast
 import importlib
+import importlib.util
 import os
 from importlib.machinery import ExtensionFileLoader
 from pathlib import Path
@@ -22,14 +24,20 @@ from veloxquant_mlx.memory import block_pool
 
 EXPECT_BUILD_VARIABLE = "VELOXQUANT_EXPECT_BUILD"
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# block_pool and every module it imports from the package: compiled together or not at all.
-ALLOCATOR_MODULES = (
-    "veloxquant_mlx.memory.block_pool",
-    "veloxquant_mlx.memory._arguments",
-    "veloxquant_mlx.memory._history",
-    "veloxquant_mlx.memory._invariants",
-    "veloxquant_mlx.memory._prometheus",
-)
+
+
+def compiled_module_names() -> tuple[str, ...]:
+    """The modules ``build_backend.py`` compiles (block_pool and every module it imports
+    from the package), as module names: they are compiled together or not at all."""
+    spec = importlib.util.spec_from_file_location("build_backend", REPO_ROOT / "build_backend.py")
+    assert spec is not None and spec.loader is not None
+    backend = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(backend)
+    paths: tuple[str, ...] = backend.COMPILED_MODULES
+    return tuple(path.removesuffix(".py").replace("/", ".") for path in paths)
+
+
+ALLOCATOR_MODULES = compiled_module_names()
 
 
 def is_extension_module(name: str) -> bool:
@@ -44,6 +52,27 @@ def imported_from_source_tree() -> bool:
 
 def test_compiled_is_true_exactly_when_block_pool_is_an_extension_module() -> None:
     assert block_pool.COMPILED is is_extension_module("veloxquant_mlx.memory.block_pool")
+
+
+def package_imports(module_name: str) -> set[str]:
+    """The ``veloxquant_mlx`` modules that ``module_name``'s source imports from."""
+    source = REPO_ROOT / (module_name.replace(".", "/") + ".py")
+    tree = ast.parse(source.read_text())
+    imported: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("veloxquant_mlx"):
+            for alias in node.names:  # `from package import module` imports the module
+                submodule = f"{node.module}.{alias.name}"
+                is_module = (REPO_ROOT / (submodule.replace(".", "/") + ".py")).exists()
+                imported.add(submodule if is_module else str(node.module))
+    return imported
+
+
+def test_the_compiled_modules_import_only_each_other_from_the_package() -> None:
+    assert "veloxquant_mlx.memory.block_pool" in ALLOCATOR_MODULES
+    imported = set().union(*(package_imports(name) for name in ALLOCATOR_MODULES))
+    code_free = {"veloxquant_mlx.memory._mypyc"}  # types only: analysed, not compiled
+    assert imported - code_free <= set(ALLOCATOR_MODULES), imported
 
 
 def test_the_allocator_modules_are_all_of_one_build() -> None:
