@@ -116,7 +116,36 @@ def test_a_driver_that_dies_mid_run_ends_the_command_in_one_line(
     [line] = capsys.readouterr().err.splitlines()[-1:]
     assert "veloxquant-mlx exhaustive: error: driver " in line
     assert "it exited (status 3) before the response to" in line
-    assert line.endswith("its stderr ends: shrink crashed (exploring separate-4)")
+    # The calls that crashed it, as the exhaustive checker's letters:
+    assert line.endswith(
+        "its stderr ends: shrink crashed (exploring separate-4; "
+        "the failing run on a new pool: shrink('k', 0))"
+    )
+
+
+@pytest.mark.usefixtures("in_tests")
+def test_a_driver_that_dies_deep_in_a_run_is_told_the_calls_that_led_there(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "crashing_late.py").write_text(
+        "import os\n"
+        "from veloxquant_mlx.memory.block_pool import BlockPoolAllocator\n"
+        "class CrashingOnASecondFree(BlockPoolAllocator):\n"
+        "    def free(self, blocks):\n"
+        "        if self.stats.n_frees == 1:\n"
+        "            os._exit(3)\n"
+        "        super().free(blocks)\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    port = driven_port([*DRIVER, "--factory", "crashing_late:CrashingOnASecondFree"])
+    with pytest.raises(DriverFailure) as raised:
+        explore(SEPARATE_4, 3, port)
+    [note] = raised.value.__notes__
+    run = note.removeprefix("the failing run on a new pool: ").removesuffix(" (no-ops, in one run)")
+    calls = run.split(", then ")
+    # Every call the crashed pool saw, in order: the last is the second free.
+    assert calls[0].startswith("allocate("), note
+    assert [call for call in calls if call.startswith("free(")][1:] == calls[-1:], note
 
 
 @pytest.mark.usefixtures("in_tests")

@@ -95,6 +95,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from veloxquant_mlx.commandline.verdicts import Gap
+from veloxquant_mlx.testing.driven import DriverFailure
 from veloxquant_mlx.testing.exhaustive_results import Counterexample, Exploration
 from veloxquant_mlx.testing.exhaustive_scope import (
     FORMAT_OF_OWNER,
@@ -249,6 +250,10 @@ class _Explorer:
         #: Told every counterexample, when the search goes on after one (the report's mode):
         #: a failing transition is then not followed, and the search carries on.
         self.on_failure = on_failure
+        #: What ``expand`` is running, for a driver failure's note: the no-op letters run
+        #: so far on one replay, else a description.
+        self.trying = ""
+        self.trying_run: list[tuple[str, object]] | None = None
 
     def _out_of_budget(self, level: int, target: int, expanded: int, layer: int) -> bool:
         """Whether a budget ran out while checking length ``level``; if so, record the gap."""
@@ -292,7 +297,25 @@ class _Explorer:
         The spec sorts the letters first: each one that changes the state runs on a
         fresh replay of the path; those it treats as no-ops run together on one, and
         are then probed (:meth:`_check_no_ops`).
+
+        Raises:
+            DriverFailure: A driven port's driver broke the protocol (died, wrote junk,
+                answered late); a note on it names the path and the letters being run.
         """
+        self.trying = "the path itself"
+        try:
+            return self._expand(index)
+        except DriverFailure as failure:
+            path = "".join(f"{node.letter}, then " for node in self.path(index))
+            failure.add_note(f"the failing run on a new pool: {path}{self._trying_text()}")
+            raise
+
+    def _trying_text(self) -> str:
+        if self.trying_run is None:
+            return self.trying
+        return ", then ".join(name for name, _ in self.trying_run) + " (no-ops, in one run)"
+
+    def _expand(self, index: int) -> list[int] | Counterexample:
         node = self.nodes[index]
         picks, spec = node.picks(), node.spec_side()
         no_ops: list[_Letter] = []
@@ -306,12 +329,14 @@ class _Explorer:
             if prediction[0] is node.state or prediction[0] == node.state:
                 no_ops.append(letter)
                 continue
+            self.trying = letter.name
             outcome = self._follow(index, letter)
             if isinstance(outcome, Counterexample):
                 return outcome
             if outcome is not None:
                 new.append(outcome)
         found = self._check_no_ops(index, no_ops)
+        self.trying_run = None
         if found is not None:
             return found
         # A call the spec accepts as a no-op is probed alone too: a later no-op of the
@@ -319,6 +344,7 @@ class _Explorer:
         # a release_owner(0) left behind).
         for letter in no_ops:
             if not isinstance(letter.prediction[1], model.Err):
+                self.trying = f"{letter.name} (a no-op, then the probes)"
                 found = self._probe_accepted_no_op(index, letter)
                 if found is not None:
                     return found
@@ -363,6 +389,7 @@ class _Explorer:
         while pending:
             lockstep: _ReplayLockstep | None = None
             run: list[tuple[str, object]] = []
+            self.trying, self.trying_run = "the path itself", run  # run grows letter by letter
             try:
                 lockstep = self.replay(index)
                 lockstep.checking = False  # outcomes are still compared
@@ -380,6 +407,8 @@ class _Explorer:
                 pending = pending[len(run) :]
                 continue
             if self.probe_failure is None:
+                self.trying_run = None
+                self.trying = f"the {len(run)} no-ops in one run, then the probes"
                 self._probe_no_ops(index, run, lockstep)
                 if self.on_failure is not None and self.probe_failure is not None:
                     self.on_failure(self.probe_failure)

@@ -248,7 +248,8 @@ def _explore_scopes(
                 deadline=deadline,
             )
         except DriverFailure as failure:
-            raise BadInputError(f"{failure} (exploring {scope.name})") from None
+            notes = "; ".join(getattr(failure, "__notes__", ()))
+            raise BadInputError(f"{failure} (exploring {scope.name}; {notes})") from None
         results.append(result)
         _save(result, scope.name, args.out)
         if not args.json:
