@@ -343,12 +343,6 @@ def test_a_sharing_error_the_spec_predicts_names_the_argument_then_the_value(
         assert offending in error.message, error.message
 
 
-def test_the_spec_names_a_block_as_what_share_expects_in_its_list() -> None:
-    _, error = transitions.share(spec_shared(), NotAList(), 3)
-    assert isinstance(error, Err), error
-    assert "a list or tuple of Block" in str(error.message), error.message
-
-
 def test_the_spec_says_a_block_with_two_live_handles_is_shared() -> None:
     state = spec_shared()
     assert (transitions.ref_count(state, 0), transitions.is_shared(state, 0)) == (2, True)
