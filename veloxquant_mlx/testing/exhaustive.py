@@ -250,8 +250,8 @@ class _Explorer:
         #: Told every counterexample, when the search goes on after one (the report's mode):
         #: a failing transition is then not followed, and the search carries on.
         self.on_failure = on_failure
-        #: What ``expand`` is running, for a driver failure's note: the no-op letters run
-        #: so far on one replay, else a description.
+        #: What ``expand`` runs after the path, for a driver failure's note: the no-op
+        #: letters run so far on one replay (``trying_run``), then ``trying``.
         self.trying = ""
         self.trying_run: list[tuple[str, object]] | None = None
 
@@ -302,18 +302,21 @@ class _Explorer:
             DriverFailure: A driven port's driver broke the protocol (died, wrote junk,
                 answered late); a note on it names the path and the letters being run.
         """
-        self.trying = "the path itself"
+        self.trying, self.trying_run = "", None
         try:
             return self._expand(index)
         except DriverFailure as failure:
-            path = "".join(f"{node.letter}, then " for node in self.path(index))
-            failure.add_note(f"the failing run on a new pool: {path}{self._trying_text()}")
+            failure.add_note(f"the failing run on a new pool: {self._failing_run(index)}")
             raise
 
-    def _trying_text(self) -> str:
-        if self.trying_run is None:
-            return self.trying
-        return ", then ".join(name for name, _ in self.trying_run) + " (no-ops, in one run)"
+    def _failing_run(self, index: int) -> str:
+        """The calls the crashed pool was given: the path, then what ``expand`` ran."""
+        path = ", then ".join(node.letter for node in self.path(index))
+        after = self.trying
+        if self.trying_run:
+            no_ops = "the no-ops " + ", ".join(name for name, _ in self.trying_run)
+            after = f"{no_ops}, then {after}" if after else no_ops
+        return ", then ".join(part for part in (path, after) if part)
 
     def _expand(self, index: int) -> list[int] | Counterexample:
         node = self.nodes[index]
@@ -329,14 +332,13 @@ class _Explorer:
             if prediction[0] is node.state or prediction[0] == node.state:
                 no_ops.append(letter)
                 continue
-            self.trying = letter.name
+            self.trying, self.trying_run = letter.name, None
             outcome = self._follow(index, letter)
             if isinstance(outcome, Counterexample):
                 return outcome
             if outcome is not None:
                 new.append(outcome)
         found = self._check_no_ops(index, no_ops)
-        self.trying_run = None
         if found is not None:
             return found
         # A call the spec accepts as a no-op is probed alone too: a later no-op of the
@@ -344,7 +346,7 @@ class _Explorer:
         # a release_owner(0) left behind).
         for letter in no_ops:
             if not isinstance(letter.prediction[1], model.Err):
-                self.trying = f"{letter.name} (a no-op, then the probes)"
+                self.trying, self.trying_run = f"{letter.name}, then the probes", None
                 found = self._probe_accepted_no_op(index, letter)
                 if found is not None:
                     return found
@@ -389,7 +391,7 @@ class _Explorer:
         while pending:
             lockstep: _ReplayLockstep | None = None
             run: list[tuple[str, object]] = []
-            self.trying, self.trying_run = "the path itself", run  # run grows letter by letter
+            self.trying, self.trying_run = "", run  # run grows letter by letter
             try:
                 lockstep = self.replay(index)
                 lockstep.checking = False  # outcomes are still compared
@@ -407,8 +409,7 @@ class _Explorer:
                 pending = pending[len(run) :]
                 continue
             if self.probe_failure is None:
-                self.trying_run = None
-                self.trying = f"the {len(run)} no-ops in one run, then the probes"
+                self.trying = "the probes"
                 self._probe_no_ops(index, run, lockstep)
                 if self.on_failure is not None and self.probe_failure is not None:
                     self.on_failure(self.probe_failure)

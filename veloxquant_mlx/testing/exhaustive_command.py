@@ -248,8 +248,8 @@ def _explore_scopes(
                 deadline=deadline,
             )
         except DriverFailure as failure:
-            notes = "; ".join(getattr(failure, "__notes__", ()))
-            raise BadInputError(f"{failure} (exploring {scope.name}; {notes})") from None
+            notes = "".join(f"; {note}" for note in getattr(failure, "__notes__", ()))
+            raise BadInputError(f"{failure} (exploring {scope.name}{notes})") from None
         results.append(result)
         _save(result, scope.name, args.out)
         if not args.json:
