@@ -56,18 +56,20 @@ def _fake(script: str) -> list[str]:
 
 
 @pytest.mark.parametrize(
-    ("script", "said"),
+    ("script", "timeout", "said"),
     [
-        (f"print({HELLO!r}, flush=True)", "exited \\(status 0\\) before the response"),
-        (f"print({HELLO!r}, flush=True); input(); print('oops', flush=True)", "not a JSON object"),
-        (f"import time; print({HELLO!r}, flush=True); time.sleep(30)", "no answer within 0.5 s"),
-        ("print('{}', flush=True)", "its hello is {}"),
+        # It reads the request before it exits: exiting first would race the request's
+        # write (a broken pipe, "it stopped reading") against the read of the response.
+        (f"print({HELLO!r}, flush=True); input()", 10, "exited \\(status 0\\) before the response"),
+        (f"print({HELLO!r}, flush=True); input(); print('oops', flush=True)", 10, "not a JSON"),
+        (f"import time; print({HELLO!r}, flush=True); time.sleep(30)", 0.5, "no answer within 0.5"),
+        ("print('{}', flush=True)", 10, "its hello is {}"),
     ],
     ids=["dies", "junk", "late", "no-hello"],
 )
-def test_a_broken_driver_is_one_clear_failure(script: str, said: str) -> None:
+def test_a_broken_driver_is_one_clear_failure(script: str, timeout: float, said: str) -> None:
     with pytest.raises(DriverFailure, match=said):
-        DriverProcess(_fake(script), timeout=0.5).request("pool", config={})
+        DriverProcess(_fake(script), timeout=timeout).request("pool", config={})
 
 
 @pytest.fixture
