@@ -40,8 +40,8 @@ __all__ = [
 #: Whether ``attention="auto"`` takes the fused kernel where it can run. False: on
 #: the H200 the kernel is 2-5x faster than gather + attention per call, but a decode
 #: step through it was slower end to end (0.62-0.76x ``KVCache`` against 0.80-0.98x
-#: gathered; README, "KV cache on a GPU"): below 32K its two launches cost more device
-#: time than MLX's one attention kernel, and the unused gather is still built on the host.
+#: gathered; README, "KV cache on a GPU"): below 32K the kernel takes more device time
+#: than MLX's attention, and the unused gather is still built on the host.
 AUTO_PREFERS_FUSED: Final = False
 
 #: How a cache's attention reads its keys and values: ``"gather"`` (``update_and_fetch``
