@@ -8,6 +8,7 @@ import pytest
 from conftest import STATS_COUNTERS, make_pool, stats_view
 from prometheus_client.parser import text_string_to_metric_families
 
+from veloxquant_mlx.memory import block_pool
 from veloxquant_mlx.memory.block_pool import (
     AllocationStats,
     BlockPoolAllocator,
@@ -154,6 +155,41 @@ def test_history_holds_allocation_stats(pool: BlockPoolAllocator) -> None:
 
 def test_history_copy_keeps_the_bound(pool: BlockPoolAllocator) -> None:
     assert pool.history.maxlen == 1024
+
+
+def history_of_every_counting_call(history_len: int) -> list[tuple[object, ...]]:
+    """The history, sharing's counters included, of a pool taken through every call that
+    records: allocate (fresh, reused, grown), free, fork, make_writable, shrink, free_all,
+    and an exhausted allocate."""
+    pool = make_pool(
+        block_size=4, n_blocks=4, grow_on_exhaustion=True, max_blocks=8, history_len=history_len
+    )
+    first = pool.allocate("k", 6, owner=1)
+    pool.free([pool.allocate("k", 1, owner=9)[0]])
+    pool.fork(1, 2)
+    pool.make_writable(pool.blocks_for(2)[1])
+    pool.shrink("v", 1)
+    pool.free([first[1]])
+    pool.free_all(2)
+    with pytest.raises(BlockPoolExhaustedError):
+        pool.allocate("k", 100, owner=5)
+    return [
+        (*stats_view(entry), entry.shared_blocks(), entry.n_shares, entry.n_copy_on_write)
+        for entry in pool.history
+    ]
+
+
+@pytest.mark.parametrize("history_len", [3, 1024], ids=["ring-overwritten", "ring-filling"])
+def test_the_compiled_builds_history_records_what_the_interpreted_one_does(
+    history_len: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Interpreted, the pool appends counter tuples; compiled, it overwrites a ring of stats
+    # in place (memory/_history.py). Here both branches run interpreted (under the compiled
+    # build, COMPILED is read from the compiled module and this compares it with itself).
+    interpreted = history_of_every_counting_call(history_len)
+    monkeypatch.setattr(block_pool, "COMPILED", True)
+    assert history_of_every_counting_call(history_len) == interpreted
+    assert len(interpreted) == min(history_len, 9)
 
 
 # ---------------------------------------------------------------- Prometheus
