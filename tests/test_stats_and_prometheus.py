@@ -179,13 +179,16 @@ def history_of_every_counting_call(history_len: int) -> list[tuple[object, ...]]
     ]
 
 
-@pytest.mark.parametrize("history_len", [3, 1024], ids=["ring-overwritten", "ring-filling"])
+@pytest.mark.parametrize(
+    "history_len", [0, 3, 1024], ids=["no-history", "ring-overwritten", "ring-filling"]
+)
 def test_the_compiled_builds_history_records_what_the_interpreted_one_does(
     history_len: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Interpreted, the pool appends counter tuples; compiled, it overwrites a ring of stats
-    # in place (memory/_history.py). Here both branches run interpreted (under the compiled
-    # build, COMPILED is read from the compiled module and this compares it with itself).
+    # in place (memory/_history.py), which must never be asked to record at capacity 0.
+    # Here both branches run interpreted (under the compiled build, COMPILED is read from
+    # the compiled module and this compares it with itself).
     interpreted = history_of_every_counting_call(history_len)
     monkeypatch.setattr(block_pool, "COMPILED", True)
     assert history_of_every_counting_call(history_len) == interpreted
