@@ -230,6 +230,15 @@ def populated() -> PopulatedPool:
 _EXHAUSTIVE_COVERAGE: list[str] = []
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the ``slow`` tests first, in their collected order, then the rest.
+
+    ``pytest -n auto`` hands tests to its workers in collection order: a test of
+    half a minute that comes last keeps one worker busy while the other waits.
+    """
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     if report.when == "call":
         _EXHAUSTIVE_COVERAGE.extend(

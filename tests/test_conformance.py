@@ -20,9 +20,10 @@ from veloxquant_mlx.testing.conformance import (
 from veloxquant_mlx.testing.lockstep import ConformanceError
 from veloxquant_mlx_spec import model
 
-TestBlockPoolAllocatorConformsToTheSpec = conformance_test_case(default_factory)
+TestBlockPoolAllocatorConformsToTheSpec = pytest.mark.slow(conformance_test_case(default_factory))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("buggy", [FreeCountsBlocks, FreeListIsFifo, GrowthIgnoresCap])
 def test_the_conformance_machine_catches_a_planted_bug(buggy: type[BlockPoolAllocator]) -> None:
     machine = type("Buggy", (PoolConformanceMachine,), {"allocator_factory": factory_of(buggy)})

@@ -37,7 +37,7 @@ from veloxquant_mlx_spec.operations import Allocate, Stats
 from veloxquant_mlx_spec.table import Raised, h
 
 # The README's recipe, unchanged, on a port of the reference API.
-TestMyPoolConforms = conformance_test_case(MyPool)
+TestMyPoolConforms = pytest.mark.slow(conformance_test_case(MyPool))
 
 
 # ---- the factory contract ---------------------------------------------------------------

@@ -150,6 +150,7 @@ def test_a_driver_that_dies_deep_in_a_run_is_told_the_calls_that_led_there(
     assert note.count("free(") == 2, note
 
 
+@pytest.mark.slow
 @pytest.mark.usefixtures("in_tests")
 def test_the_kit_finds_a_planted_deviation_through_a_driver_and_allows_it() -> None:
     port = driven_port([*PLANTED, "planted_bugs:FreeCountsBlocks"])

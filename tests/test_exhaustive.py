@@ -120,6 +120,7 @@ PLANTED_BUGS = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("buggy", "scope_name", "shortest"),
     PLANTED_BUGS,
@@ -140,6 +141,7 @@ def test_a_planted_bug_is_reported_with_a_shortest_failing_sequence(
     assert shorter is None or len(shorter.operations) >= len(shortest)
 
 
+@pytest.mark.slow
 def test_a_reported_sequence_replays_to_the_same_failure() -> None:
     factory = factory_of(FreeListIsFifo)
     found = explore(SEPARATE_4, PROFILE_DEPTHS["ci"], factory).counterexample

@@ -35,7 +35,7 @@ class ThreeWayAgreement(PoolConformanceMachine):
         return (PlainModelOracle(config, history_len),)
 
 
-TestAllocatorSpecAndPlainModelAgree = ThreeWayAgreement.TestCase
+TestAllocatorSpecAndPlainModelAgree = pytest.mark.slow(ThreeWayAgreement.TestCase)
 
 
 # ---------------------------------------------------------------- check_invariants

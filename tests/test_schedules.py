@@ -163,6 +163,7 @@ def test_the_command_exits_3_when_a_scenario_ran_out_of_schedules(
     assert "NOT CHECKED: schedules of " in out
 
 
+@pytest.mark.slow
 def test_the_command_exits_0_when_every_schedule_within_the_bound_ran(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
