@@ -136,6 +136,17 @@ def assert_only_exhaustion_recorded(before: PoolObservation, after: PoolObservat
     assert after.history[:-1] == before.history[len(before.history) + 1 - len(after.history) :]
 
 
+def assert_predicted_error_names(outcome: object, argument: str, offending: str | None) -> None:
+    """A spec transition's (or query's) outcome is an ``Err`` whose message begins with
+    ``argument`` and, unless ``offending`` is None, quotes the offending value."""
+    error = outcome[1] if isinstance(outcome, tuple) else outcome
+    assert isinstance(error, model.Err), error
+    assert isinstance(error.message, str), error
+    assert error.message.startswith(argument), error.message
+    if offending is not None:
+        assert offending in error.message, error.message
+
+
 def block_ids(blocks: Sequence[Block]) -> list[int]:
     return [block.block_id for block in blocks]
 

@@ -13,10 +13,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+from conftest import assert_predicted_error_names
 
 from veloxquant_mlx_spec import transitions
 from veloxquant_mlx_spec.model import (
-    Err,
     ForeignBlock,
     NotABlock,
     NotAList,
@@ -34,11 +34,6 @@ def holding() -> PoolState:
     state, handles = transitions.allocate(state, "k", 4, 1)
     assert handles == (0,)
     return state
-
-
-def result_of(outcome: object) -> object:
-    """The result part of a transition's ``(state, result)``, or a query's result."""
-    return outcome[1] if isinstance(outcome, tuple) else outcome
 
 
 ERROR_CASES: list[tuple[str, Callable[[], object], str, str | None]] = [
@@ -82,9 +77,4 @@ ERROR_CASES: list[tuple[str, Callable[[], object], str, str | None]] = [
 def test_a_predicted_error_names_the_argument_first_then_the_offending_value(
     call: Callable[[], object], argument: str, offending: str | None
 ) -> None:
-    error = result_of(call())
-    assert isinstance(error, Err), error
-    assert isinstance(error.message, str), error
-    assert error.message.startswith(argument), error.message
-    if offending is not None:
-        assert offending in error.message, error.message
+    assert_predicted_error_names(call(), argument, offending)

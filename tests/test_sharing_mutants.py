@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any, cast
 
 import pytest
-from conftest import make_pool, stats_view
+from conftest import assert_predicted_error_names, make_pool, stats_view
 
 from veloxquant_mlx.memory._history import StatsHistory
 from veloxquant_mlx.memory.block_pool import (
@@ -23,7 +23,7 @@ from veloxquant_mlx.memory.block_pool import (
 )
 from veloxquant_mlx_spec import transitions
 from veloxquant_mlx_spec.invariants import broken_invariants
-from veloxquant_mlx_spec.model import Err, NotAList, PoolState, SpecConfig, new_pool
+from veloxquant_mlx_spec.model import NotAList, PoolState, SpecConfig, new_pool
 
 SHARING_HELP_TEXT = {
     "shared_blocks": "Blocks checked out to more than one owner.",
@@ -334,13 +334,7 @@ SPEC_ERROR_CASES: list[tuple[str, Callable[[], object], str, str | None]] = [
 def test_a_sharing_error_the_spec_predicts_names_the_argument_then_the_value(
     call: Callable[[], object], argument: str, offending: str | None
 ) -> None:
-    outcome = call()
-    error = outcome[1] if isinstance(outcome, tuple) else outcome
-    assert isinstance(error, Err), error
-    assert isinstance(error.message, str), error
-    assert error.message.startswith(argument), error.message
-    if offending is not None:
-        assert offending in error.message, error.message
+    assert_predicted_error_names(call(), argument, offending)
 
 
 def test_the_spec_says_a_block_with_two_live_handles_is_shared() -> None:
