@@ -42,9 +42,10 @@ as ``mx.array`` s checked live once per change of the table and once per
 decode step after any free in the pool, so a step costs O(layers) host
 work whatever the context, and a stale or foreign block is still never read
 or written. Each layer's call is one scatter of the new keys and values and
-one take of every held position (four MLX operations, as many as
-``KVCache``'s). Attention then reads the gathered copy (``attention="gather"``,
-the default: exact, bit for bit ``KVCache``'s output) or the slab in place
+one take of every held position (at long contexts on a CUDA GPU, one gather
+kernel: :mod:`~veloxquant_mlx.memory.block_gather`). Attention then reads
+the gathered copy (``attention="gather"``, the default: exact, bit for bit
+``KVCache``'s output) or the slab in place
 with the fused CUDA kernel (``"fused"``: logits within float tolerance;
 faster per call, slower per step on the models measured so far, see
 :data:`~veloxquant_mlx.memory.cache_storage.AUTO_PREFERS_FUSED`). A store

@@ -23,7 +23,9 @@ the pool's free count moved, and the request's slot rows
 table or the capacity changes): one layer's decode step is then two slice
 updates (the new key and value rows) and one gather of every held block, cut
 to the positions held and split into keys and values, O(1) host work
-whatever the context. Every write is a static slice at host-integer rows,
+whatever the context (from ``block_gather.KERNEL_MIN_TOKENS`` positions on,
+on MLX's CUDA back-end, one gather kernel that cuts as it copies:
+:mod:`~veloxquant_mlx.memory.block_gather`). Every write is a static slice at host-integer rows,
 as ``KVCache``'s are: a ``slice_update`` at an ``mx.array`` start index
 copied the whole slab at each write on MLX's CUDA back-end (H200, MLX
 0.32.4: 445 against 95-127 us per one-row write to a 128 MiB slab), a cost
@@ -91,6 +93,7 @@ from typing import TYPE_CHECKING, Final
 
 import mlx.core as mx
 
+from veloxquant_mlx.memory import block_gather
 from veloxquant_mlx.memory._storage_checks import (
     copy_layers,
     next_capacity,
@@ -105,7 +108,11 @@ from veloxquant_mlx.memory._storage_checks import (
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.block_table import DeviceBlockTable, schedule
-from veloxquant_mlx.memory.paged_attention import PagedKV, paged_decode_attention
+from veloxquant_mlx.memory.paged_attention import (
+    PagedKV,
+    cuda_unavailable_reason,
+    paged_decode_attention,
+)
 from veloxquant_mlx.memory.slot_rows import SlotRows, StepRows
 
 if TYPE_CHECKING:
@@ -190,6 +197,10 @@ class MLXBlockStorage:
         self._head_dim: Final = head_dim
         self._slot_shape: Final = (n_kv_heads, head_dim)
         self._dtype: Final = dtype
+        # Whether long reads may use the CUDA gather kernel (where it runs): rows fit it.
+        self._kernel_gathers: Final = (
+            block_gather.kernel_gather_unsupported_reason(head_dim, dtype) is None
+        )
         self._lock: Final = threading.Lock()
         # Whether writes may stay unevaluated (then the store is thread-affine).
         self._lazy_writes: Final = lazy_writes
@@ -542,7 +553,16 @@ class MLXBlockStorage:
 
     def _read(self, slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
         """Keys and values of the step's positions, ``(1, heads, n_read, head_dim)`` each:
-        one take of their blocks, cut to the positions held."""
+        one take of their blocks, cut to the positions held (at long contexts on a
+        CUDA GPU, one gather kernel: :mod:`~veloxquant_mlx.memory.block_gather`)."""
+        if (
+            step.n_read >= block_gather.KERNEL_MIN_TOKENS
+            and self._kernel_gathers
+            and cuda_unavailable_reason() is None
+        ):
+            return block_gather.gather_by_kernel(
+                slab, step.read_blocks, step.n_read, self._block_size
+            )
         heads, head_dim = self._slot_shape
         by_block = slab.reshape(heads * self._capacity, self._block_size, head_dim)
         picked = mx.take(by_block, step.read_blocks, axis=0)  # (2, heads, blocks, bs, dim)

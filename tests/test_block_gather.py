@@ -1,0 +1,136 @@
+"""The CUDA gather kernel of long decode reads: what it accepts, its source, its copies.
+
+The kernel runs only where MLX's CUDA back-end does: those tests are skipped
+elsewhere (CI), with the reason. Which rows it can copy is checked anywhere,
+and its source is compiled for Hopper wherever ``nvcc`` is installed.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import mlx.core as mx
+import pytest
+from mlx_lm.models.cache import make_prompt_cache
+from tiny_models import greedy, prompt, tiny_model
+
+from veloxquant_mlx.memory import block_gather
+from veloxquant_mlx.memory.block_gather import (
+    GATHER_SOURCE,
+    gather_by_kernel,
+    kernel_gather_unsupported_reason,
+)
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+from veloxquant_mlx.memory.paged_attention import cuda_unavailable_reason
+
+NO_CUDA = cuda_unavailable_reason()
+NVCC = shutil.which("nvcc")
+STUB_HEADERS = Path(__file__).parent / "cuda_stub"
+BLOCK_SIZE = 16
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype", "why"),
+    [
+        (64, mx.int32, "dtype"),
+        (2, mx.float32, "8 bytes, not a multiple of 16"),
+        (12, mx.float16, "24 bytes, not a multiple of 16"),
+    ],
+)
+def test_rows_the_kernel_cannot_copy_are_named(head_dim: int, dtype: mx.Dtype, why: str) -> None:
+    reason = kernel_gather_unsupported_reason(head_dim, dtype)
+    assert reason is not None and why in reason
+
+
+@pytest.mark.parametrize(
+    ("head_dim", "dtype"), [(4, mx.float32), (64, mx.float16), (128, mx.bfloat16)]
+)
+def test_rows_of_whole_16_byte_words_are_for_the_kernel(head_dim: int, dtype: mx.Dtype) -> None:
+    assert kernel_gather_unsupported_reason(head_dim, dtype) is None
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed: the kernel source is not compiled")
+def test_the_kernel_source_compiles_for_hopper(tmp_path: Path) -> None:
+    """The kernel as ``mx.fast.cuda_kernel`` assembles it (its header replaced by a stub)."""
+    cuda_type, head_dim = "__half", 128
+    constants = f"  using T = {cuda_type};\n  constexpr int D = {head_dim};\n"
+    constants += f"  constexpr int BS = {BLOCK_SIZE};\n  constexpr int H = 2;\n"
+    params = f"const {cuda_type}* slab, const int32_t* blocks, const int32_t* meta, "
+    params += f"{cuda_type}* out"
+    source = '#include "mlx/backend/cuda/device/utils.cuh"\nnamespace mlx::core::cu {\n'
+    source += f"__global__ void vq_gather_blocks({params}) {{\n{constants}{GATHER_SOURCE}}}\n}}\n"
+    path = tmp_path / "gather.cu"
+    path.write_text(source)
+    command = [str(NVCC), "-arch=sm_90", "-std=c++17", f"-I{STUB_HEADERS}", "-c", str(path)]
+    result = subprocess.run(
+        [*command, "-o", str(tmp_path / "gather.o")],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+def _taken(slab: mx.array, read_blocks: mx.array, n_tokens: int) -> tuple[mx.array, mx.array]:
+    """The reference: every position's row picked one by one with ``mx.take``."""
+    head_dim = slab.shape[3]
+    flat = slab.reshape(-1, head_dim)  # row (h * capacity + b) * BLOCK_SIZE + s
+    positions = mx.arange(n_tokens, dtype=mx.int32)
+    entries = read_blocks[:, :, positions // BLOCK_SIZE]  # (2, heads, n_tokens)
+    rows = mx.take(flat, entries * BLOCK_SIZE + positions % BLOCK_SIZE, axis=0)
+    return rows[0:1], rows[1:2]
+
+
+@pytest.mark.skipif(NO_CUDA is not None, reason=f"gather kernel not run: {NO_CUDA}")
+@pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
+@pytest.mark.parametrize(("heads", "head_dim"), [(1, 8), (2, 64), (8, 128)])
+@pytest.mark.parametrize("n_tokens", [1, 15, 16, 17, 1000])
+def test_the_kernel_copies_what_take_copies(
+    dtype: mx.Dtype, heads: int, head_dim: int, n_tokens: int
+) -> None:
+    n_blocks = -(-n_tokens // BLOCK_SIZE)
+    capacity = 2 * n_blocks + 3
+    k_slab, k_order = mx.random.split(mx.random.key(n_tokens), 2)
+    slab = mx.random.normal((1, heads, capacity * BLOCK_SIZE, head_dim), key=k_slab)
+    slab = slab.astype(dtype)
+    ids = mx.random.permutation(capacity, key=k_order)[: 2 * n_blocks].astype(mx.int32)
+    first_entries = mx.arange(heads, dtype=mx.int32)[None, :, None] * capacity
+    read_blocks = first_entries + ids.reshape(2, 1, n_blocks)  # (2, heads, n_blocks)
+    keys, values = gather_by_kernel(slab, read_blocks, n_tokens, BLOCK_SIZE)
+    want_keys, want_values = _taken(slab, read_blocks, n_tokens)
+    assert keys.shape == values.shape == (1, heads, n_tokens, head_dim)
+    assert keys.dtype == dtype
+    assert mx.array_equal(keys, want_keys).item() and mx.array_equal(values, want_values).item()
+
+
+@pytest.mark.skipif(NO_CUDA is not None, reason=f"gather kernel not run: {NO_CUDA}")
+def test_decode_reads_past_the_threshold_go_through_the_kernel_and_decode_like_kv_cache(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+
+    def counting(
+        slab: mx.array, read_blocks: mx.array, n_tokens: int, block_size: int
+    ) -> tuple[mx.array, mx.array]:
+        calls.append(n_tokens)
+        return gather_by_kernel(slab, read_blocks, n_tokens, block_size)
+
+    monkeypatch.setattr(block_gather, "KERNEL_MIN_TOKENS", 12)
+    monkeypatch.setattr(block_gather, "gather_by_kernel", counting)
+    model = tiny_model("llama", 7, n_layers=2, n_kv_heads=2, head_dim=16)
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64))
+    store = MLXBlockStorage(pool, 2, 2, 16, mx.float32, lazy_writes=True)
+    with make_pool_backed_cache(model, store, attention="gather") as ours:
+        our_tokens, our_logprobs = greedy(model, prompt(3, length=5), ours, 16)
+    their_tokens, their_logprobs = greedy(model, prompt(3, length=5), make_prompt_cache(model), 16)
+    # Reads of 5..11 positions take; from 12 on, both layers' reads are the kernel's.
+    assert calls and min(calls) == 12 and max(calls) >= 5 + 15
+    assert sorted(calls) == [n for n in range(12, max(calls) + 1) for _ in range(2)]
+    assert our_tokens == their_tokens
+    pairs = zip(our_logprobs, their_logprobs, strict=True)
+    assert all(mx.array_equal(ours, theirs).item() for ours, theirs in pairs)
