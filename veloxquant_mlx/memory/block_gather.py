@@ -5,10 +5,11 @@ copies every held position of a layer out of its slab, through the request's
 block table, into the ``(1, n_kv_heads, n_tokens, head_dim)`` keys and values
 attention reads. MLX's ``mx.take`` of whole blocks does it anywhere, but its
 generic gather reaches about a fifth of an H200's memory bandwidth: at 32K
-positions of the benchmark model it took 0.86 ms of an 8-layer step, against
-0.35 ms for this kernel (``benchmarks/bench_kv_cache.py``'s model; figures in
-the README). Below :data:`KERNEL_MIN_TOKENS` positions the kernel's launch
-costs more than it saves, and ``mx.take`` stays.
+positions of ``benchmarks/bench_kv_cache.py``'s model the 8 layers' reads took
+0.89-0.91 ms, against 0.35-0.39 ms for this kernel
+(``benchmarks/bench_block_gather.py``, two runs; figures in the README). Below
+:data:`KERNEL_MIN_TOKENS` positions the kernel's launch costs more than it
+saves, and ``mx.take`` stays.
 
 The kernel reads a slab seen as ``(n_kv_heads * capacity, block_size,
 head_dim)`` (entry ``h * capacity + b`` is block ``b`` of head ``h``, the
@@ -39,9 +40,10 @@ __all__ = [
     "kernel_gather_unsupported_reason",
 ]
 
-#: Fewest positions read for which the kernel beats ``mx.take`` on an H200 (device
-#: time per 8 layers, take / kernel: 0.18 / 0.23 ms at 256 positions, 0.22 / 0.18 at
-#: 4K, 0.50 / 0.25 at 16K); the kernel's call also costs about 2 us more host time.
+#: Fewest positions read for which the kernel clearly beats ``mx.take`` on an H200
+#: (``bench_block_gather.py``, 8 layers, take / kernel: 0.15-0.20 / 0.22-0.29 ms at
+#: 256 positions, 0.20-0.26 / 0.17-0.20 at 4K, 0.31-0.33 / 0.17-0.22 at 8K); its
+#: call also costs 0.4-2 us more host time.
 KERNEL_MIN_TOKENS: Final = 8192
 #: Bytes each thread copies: one 16-byte word, so a row must be a whole number of them.
 WORD_BYTES: Final = 16
