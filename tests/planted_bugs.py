@@ -12,8 +12,13 @@ import itertools
 import time
 from collections.abc import Iterable, Sequence
 
+import pytest
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.stateful import run_state_machine_as_test
+
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
-from veloxquant_mlx.testing.lockstep import AllocatorFactory
+from veloxquant_mlx.testing.conformance import PoolConformanceMachine
+from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError
 
 
 class FreeCountsBlocks(BlockPoolAllocator):
@@ -86,6 +91,26 @@ class GrowthIgnoresCap(BlockPoolAllocator):
 
 def factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:
     return lambda config, history_len: cls(config, history_len=history_len)
+
+
+def assert_the_conformance_machine_catches(buggy: type[BlockPoolAllocator]) -> None:
+    """Run the kit's lockstep machine on ``buggy``: it must raise ``ConformanceError``
+    within 500 derandomized examples of 30 steps (the same examples every run, so a
+    catch is not luck; no shrinking, since any counterexample will do)."""
+    machine = type("Buggy", (PoolConformanceMachine,), {"allocator_factory": factory_of(buggy)})
+    with pytest.raises(ConformanceError):
+        run_state_machine_as_test(
+            machine,
+            settings=settings(
+                max_examples=500,
+                stateful_step_count=30,
+                deadline=None,
+                database=None,
+                derandomize=True,
+                phases=[Phase.generate],
+                suppress_health_check=list(HealthCheck),
+            ),
+        )
 
 
 # ---- deviations only a wider alphabet or a probe of no-ops shows (the exhaustive checker) ----

@@ -6,18 +6,20 @@ Also shows that the kit has teeth: allocators with planted bugs fail it.
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
-from hypothesis.stateful import run_state_machine_as_test
-from planted_bugs import FreeCountsBlocks, FreeListIsFifo, GrowthIgnoresCap, factory_of
+from planted_bugs import (
+    FreeCountsBlocks,
+    FreeListIsFifo,
+    GrowthIgnoresCap,
+    assert_the_conformance_machine_catches,
+)
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.testing.conformance import (
-    PoolConformanceMachine,
     conformance_test_case,
     default_factory,
 )
-from veloxquant_mlx.testing.lockstep import ConformanceError
 from veloxquant_mlx_spec import model
 
 TestBlockPoolAllocatorConformsToTheSpec = pytest.mark.slow(conformance_test_case(default_factory))
@@ -26,20 +28,7 @@ TestBlockPoolAllocatorConformsToTheSpec = pytest.mark.slow(conformance_test_case
 @pytest.mark.slow
 @pytest.mark.parametrize("buggy", [FreeCountsBlocks, FreeListIsFifo, GrowthIgnoresCap])
 def test_the_conformance_machine_catches_a_planted_bug(buggy: type[BlockPoolAllocator]) -> None:
-    machine = type("Buggy", (PoolConformanceMachine,), {"allocator_factory": factory_of(buggy)})
-    with pytest.raises(ConformanceError):
-        run_state_machine_as_test(
-            machine,
-            settings=settings(
-                max_examples=500,
-                stateful_step_count=30,
-                deadline=None,
-                database=None,
-                derandomize=True,  # the same examples every run: a kill is not luck
-                phases=[Phase.generate],  # no shrinking: any counterexample will do
-                suppress_health_check=list(HealthCheck),
-            ),
-        )
+    assert_the_conformance_machine_catches(buggy)
 
 
 RAW_FIELD_VALUES = st.one_of(

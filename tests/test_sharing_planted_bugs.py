@@ -10,19 +10,16 @@
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, Phase, settings
-from hypothesis.stateful import run_state_machine_as_test
 from planted_bugs import (
     FreeAllIgnoresSharing,
     InUseCountsHandles,
     SharedBlockPushedWhileHeld,
+    assert_the_conformance_machine_catches,
     factory_of,
 )
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
-from veloxquant_mlx.testing.conformance import PoolConformanceMachine
 from veloxquant_mlx.testing.exhaustive import PROFILE_DEPTHS, SCOPES, explore
-from veloxquant_mlx.testing.lockstep import ConformanceError
 from veloxquant_mlx_spec.operations import Allocate, Free, FreeAll, Operation, Share
 from veloxquant_mlx_spec.table import h
 
@@ -34,20 +31,7 @@ ONE_BLOCK_SHARED: list[Operation] = [Allocate("k", 1, 0, "fp16"), Share((h(0, 0)
 def test_the_conformance_machine_catches_a_planted_sharing_bug(
     buggy: type[BlockPoolAllocator],
 ) -> None:
-    machine = type("Buggy", (PoolConformanceMachine,), {"allocator_factory": factory_of(buggy)})
-    with pytest.raises(ConformanceError):
-        run_state_machine_as_test(
-            machine,
-            settings=settings(
-                max_examples=500,
-                stateful_step_count=30,
-                deadline=None,
-                database=None,
-                derandomize=True,  # the same examples every run: a kill is not luck
-                phases=[Phase.generate],
-                suppress_health_check=list(HealthCheck),
-            ),
-        )
+    assert_the_conformance_machine_catches(buggy)
 
 
 # The shortest sequences: sharing one block, then releasing the first holder's handle,
