@@ -28,7 +28,11 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
-from veloxquant_mlx.memory.block_gather import KERNEL_MIN_TOKENS, gather_by_kernel
+from veloxquant_mlx.memory.block_gather import (
+    KERNEL_MIN_TOKENS,
+    gather_by_kernel,
+    gather_by_take,
+)
 from veloxquant_mlx.memory.paged_attention import cuda_unavailable_reason
 
 N_LAYERS = 8
@@ -38,16 +42,6 @@ BLOCK_SIZE = 16
 CONTEXTS = (256, 1024, 4096, 8192, 16384, 32768)
 
 Read = Callable[[mx.array], tuple[mx.array, mx.array]]
-
-
-def taken(slab: mx.array, read_blocks: mx.array, n_tokens: int) -> tuple[mx.array, mx.array]:
-    """The store's take path: blocks picked, laid out by head, cut, split."""
-    capacity = slab.shape[2] // BLOCK_SIZE
-    by_block = slab.reshape(N_KV_HEADS * capacity, BLOCK_SIZE, HEAD_DIM)
-    both = mx.take(by_block, read_blocks, axis=0).reshape(2, N_KV_HEADS, -1, HEAD_DIM)
-    both = mx.split(both, [n_tokens], axis=2)[0]
-    keys, values = mx.split(both, 2)
-    return keys, values
 
 
 def one_context(n_tokens: int, rounds: int) -> dict[str, float]:
@@ -61,7 +55,15 @@ def one_context(n_tokens: int, rounds: int) -> dict[str, float]:
     read_blocks = first_entries + ids.reshape(2, 1, n_blocks)
     mx.eval(slabs, read_blocks)
     ways: dict[str, Read] = {
-        "take": lambda slab: taken(slab, read_blocks, n_tokens),
+        "take": lambda slab: gather_by_take(
+            slab,
+            read_blocks,
+            n_tokens,
+            n_kv_heads=N_KV_HEADS,
+            capacity=capacity,
+            block_size=BLOCK_SIZE,
+            head_dim=HEAD_DIM,
+        ),
         "kernel": lambda slab: gather_by_kernel(slab, read_blocks, n_tokens, BLOCK_SIZE),
     }
     for slab in slabs[:1]:

@@ -1,10 +1,10 @@
-"""The CUDA gather kernel of long decode reads: what it accepts, its source, its copies.
+"""The decode read's two ways: what the kernel accepts, its source, both ways' copies.
 
-The kernel runs only where MLX's CUDA back-end does: its copy test is
-skipped elsewhere (CI), with the reason, and elsewhere the store's long reads
-are checked to keep to ``mx.take``. Which rows it can copy is checked
-anywhere, and its source is compiled for Hopper wherever ``nvcc`` is
-installed.
+Both ways of reading are checked against position-by-position takes, the
+kernel only where MLX's CUDA back-end runs (skipped elsewhere, CI, with the
+reason); elsewhere the store's long reads are checked to keep to ``mx.take``.
+Which rows the kernel can copy is checked anywhere, and its source is
+compiled for Hopper wherever ``nvcc`` is installed.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from veloxquant_mlx.memory import block_gather
 from veloxquant_mlx.memory.block_gather import (
     GATHER_SOURCE,
     gather_by_kernel,
+    gather_by_take,
     kernel_gather_unsupported_reason,
 )
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
@@ -88,12 +89,31 @@ def _taken(slab: mx.array, read_blocks: mx.array, n_tokens: int) -> tuple[mx.arr
     return rows[0:1], rows[1:2]
 
 
-@pytest.mark.skipif(NO_CUDA is not None, reason=f"gather kernel not run: {NO_CUDA}")
+def _read(way: str, slab: mx.array, read_blocks: mx.array, n_tokens: int) -> tuple[mx.array, ...]:
+    if way == "kernel":
+        return gather_by_kernel(slab, read_blocks, n_tokens, BLOCK_SIZE)
+    _, heads, rows, head_dim = slab.shape
+    sizes = {"n_kv_heads": heads, "capacity": rows // BLOCK_SIZE, "head_dim": head_dim}
+    return gather_by_take(slab, read_blocks, n_tokens, block_size=BLOCK_SIZE, **sizes)
+
+
+@pytest.mark.parametrize(
+    "way",
+    [
+        "take",
+        pytest.param(
+            "kernel",
+            marks=pytest.mark.skipif(
+                NO_CUDA is not None, reason=f"gather kernel not run: {NO_CUDA}"
+            ),
+        ),
+    ],
+)
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16, mx.bfloat16], ids=str)
 @pytest.mark.parametrize(("heads", "head_dim"), [(1, 8), (2, 64), (8, 128)])
 @pytest.mark.parametrize("n_tokens", [1, 15, 16, 17, 1000])
-def test_the_kernel_copies_what_take_copies(
-    dtype: mx.Dtype, heads: int, head_dim: int, n_tokens: int
+def test_each_way_of_reading_copies_what_position_by_position_takes_copy(
+    way: str, dtype: mx.Dtype, heads: int, head_dim: int, n_tokens: int
 ) -> None:
     n_blocks = -(-n_tokens // BLOCK_SIZE)
     capacity = 2 * n_blocks + 3
@@ -103,7 +123,7 @@ def test_the_kernel_copies_what_take_copies(
     ids = mx.random.permutation(capacity, key=k_order)[: 2 * n_blocks].astype(mx.int32)
     first_entries = mx.arange(heads, dtype=mx.int32)[None, :, None] * capacity
     read_blocks = first_entries + ids.reshape(2, 1, n_blocks)  # (2, heads, n_blocks)
-    keys, values = gather_by_kernel(slab, read_blocks, n_tokens, BLOCK_SIZE)
+    keys, values = _read(way, slab, read_blocks, n_tokens)
     want_keys, want_values = _taken(slab, read_blocks, n_tokens)
     assert keys.shape == values.shape == (1, heads, n_tokens, head_dim)
     assert keys.dtype == dtype

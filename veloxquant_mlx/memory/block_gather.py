@@ -1,4 +1,4 @@
-"""One CUDA kernel that gathers a request's keys and values for attention at long contexts.
+"""The decode read of a request's blocks: ``mx.take`` anywhere, one CUDA kernel at long contexts.
 
 The decode read of :class:`~veloxquant_mlx.memory.mlx_storage.MLXBlockStorage`
 copies every held position of a layer out of its slab, through the request's
@@ -9,7 +9,8 @@ positions of ``benchmarks/bench_kv_cache.py``'s model the 8 layers' reads took
 0.89-0.91 ms, against 0.35-0.39 ms for this kernel
 (``benchmarks/bench_block_gather.py``, two runs; figures in the README). Below
 :data:`KERNEL_MIN_TOKENS` positions the kernel's launch costs more than it
-saves, and ``mx.take`` stays.
+saves, and ``mx.take`` stays (:func:`gather_by_take`, the store's read
+everywhere else).
 
 The kernel reads a slab seen as ``(n_kv_heads * capacity, block_size,
 head_dim)`` (entry ``h * capacity + b`` is block ``b`` of head ``h``, the
@@ -20,7 +21,8 @@ bytes of a row, so the last block is cut without a second operation. It is a
 copy, so its output is bit for bit that of ``mx.take``.
 
 Complexity: :func:`gather_by_kernel` O(1) host work (one launch and one
-split), O(n_tokens) device work. Thread safety: the kernel object is built
+split), :func:`gather_by_take` O(1) (five MLX operations); both O(n_tokens)
+device work. Thread safety: the kernel object is built
 once (``functools.cache``); the per-step metadata arrays are constants (no
 graph), shared by any thread.
 """
@@ -37,6 +39,7 @@ __all__ = [
     "GATHER_SOURCE",
     "KERNEL_MIN_TOKENS",
     "gather_by_kernel",
+    "gather_by_take",
     "kernel_gather_unsupported_reason",
 ]
 
@@ -87,6 +90,31 @@ def kernel_gather_unsupported_reason(head_dim: int, dtype: mx.Dtype) -> str | No
             f"not a multiple of {WORD_BYTES}"
         )
     return None
+
+
+def gather_by_take(
+    slab: mx.array,
+    read_blocks: mx.array,
+    n_tokens: int,
+    *,
+    n_kv_heads: int,
+    capacity: int,
+    block_size: int,
+    head_dim: int,
+) -> tuple[mx.array, mx.array]:
+    """Keys and values of the first ``n_tokens`` positions, ``(1, n_kv_heads,
+    n_tokens, head_dim)`` each, by one ``mx.take`` of whole blocks; any back-end.
+
+    Arguments as :func:`gather_by_kernel`, with the slab's sizes passed in (the
+    store knows them; asking the slab costs host time on the decode path).
+    """
+    by_block = slab.reshape(n_kv_heads * capacity, block_size, head_dim)
+    picked = mx.take(by_block, read_blocks, axis=0)  # (2, heads, blocks, bs, dim)
+    both = picked.reshape(2, n_kv_heads, -1, head_dim)
+    if both.shape[2] != n_tokens:  # the last block is partly held: cut (a split is
+        both = mx.split(both, [n_tokens], axis=2)[0]  # cheaper to build than a slice)
+    keys, values = mx.split(both, 2)
+    return keys, values
 
 
 def gather_by_kernel(

@@ -25,8 +25,8 @@ updates (the new key and value rows) and one gather of every held block, cut
 to the positions held and split into keys and values, O(1) host work
 whatever the context (from ``block_gather.KERNEL_MIN_TOKENS`` positions on,
 on MLX's CUDA back-end, one gather kernel that cuts as it copies:
-:mod:`~veloxquant_mlx.memory.block_gather`). Every write is a static slice at host-integer rows,
-as ``KVCache``'s are: a ``slice_update`` at an ``mx.array`` start index
+:mod:`~veloxquant_mlx.memory.block_gather`). Every write is a static slice
+at host-integer rows, as ``KVCache``'s are: a ``slice_update`` at an ``mx.array`` start index
 copied the whole slab at each write on MLX's CUDA back-end (H200, MLX
 0.32.4: 445 against 95-127 us per one-row write to a 128 MiB slab), a cost
 that grew with the pool.
@@ -564,13 +564,15 @@ class MLXBlockStorage:
                 slab, step.read_blocks, step.n_read, self._block_size
             )
         heads, head_dim = self._slot_shape
-        by_block = slab.reshape(heads * self._capacity, self._block_size, head_dim)
-        picked = mx.take(by_block, step.read_blocks, axis=0)  # (2, heads, blocks, bs, dim)
-        both = picked.reshape(2, heads, -1, head_dim)
-        if both.shape[2] != step.n_read:  # the last block is partly held: cut (a split is
-            both = mx.split(both, [step.n_read], axis=2)[0]  # cheaper to build than a slice)
-        keys, values = mx.split(both, 2)
-        return keys, values
+        return block_gather.gather_by_take(
+            slab,
+            step.read_blocks,
+            step.n_read,
+            n_kv_heads=heads,
+            capacity=self._capacity,
+            block_size=self._block_size,
+            head_dim=head_dim,
+        )
 
     def _require_head_tokens(self, keys: mx.array, values: mx.array) -> int:
         """``n`` if keys and values are ``(1, n_kv_heads, n, head_dim)`` of the store's dtype."""
