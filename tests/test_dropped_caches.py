@@ -9,11 +9,14 @@ a request that reused the id. The schedule explorers
 fire the finaliser inside the pool's locked section on purpose; here the same
 holds under real threads: 1,000 caches dropped mid-generation by 4 threads,
 a third of them in reference cycles that only the garbage collector (running
-on whichever thread allocates) finds.
+on whichever thread allocates) finds. Such a cycle often outlives the young
+generations, so an append the pool would refuse runs a full collection
+first; the tests count the collections to show when that happens.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import faulthandler
 import gc
@@ -122,6 +125,87 @@ def test_a_book_in_a_reference_cycle_comes_back_after_collection(pool: BlockPool
     gc.collect()
     assert reclaim_dropped_caches(pool) == 1
     assert pool.stats.blocks_in_use() == 0
+
+
+@contextlib.contextmanager
+def _collections_counted() -> Iterator[list[int]]:
+    """Automatic collection off; yields a list that grows by one per collection run."""
+    runs: list[int] = []
+
+    def count(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            runs.append(info["generation"])
+
+    was_enabled = gc.isenabled()
+    gc.disable()
+    gc.callbacks.append(count)
+    try:
+        yield runs
+    finally:
+        gc.callbacks.remove(count)
+        if was_enabled:
+            gc.enable()
+
+
+def _book_dropped_in_a_cycle(pool: BlockPoolAllocator, owner: int, n_tokens: int) -> None:
+    book = PooledKVCache(pool, owner)
+    book.append(n_tokens)
+    book.cycle = book  # type: ignore[attr-defined]
+
+
+def test_an_append_the_pool_would_refuse_collects_a_book_dropped_in_a_cycle(
+    pool: BlockPoolAllocator,
+) -> None:
+    book = PooledKVCache(pool, owner=2)
+    with _collections_counted() as runs:
+        _book_dropped_in_a_cycle(pool, owner=4, n_tokens=8 * BLOCK_SIZE)  # the whole pool
+        assert reclaim_dropped_caches(pool) == 0  # the cycle keeps it from its finaliser
+        book.append(BLOCK_SIZE)
+    assert runs == [2]  # one full collection, and no refusal counted
+    assert (pool.blocks_for(4), pool.stats.n_exhausted) == ([], 0)
+    book.release()
+
+
+def test_an_append_the_free_lists_serve_collects_nothing(pool: BlockPoolAllocator) -> None:
+    book = PooledKVCache(pool, owner=2)
+    with _collections_counted() as runs:
+        _book_dropped_in_a_cycle(pool, owner=4, n_tokens=4 * BLOCK_SIZE)  # half the pool
+        book.append(4 * BLOCK_SIZE)  # the other half
+    assert runs == []
+    assert len(pool.blocks_for(4)) == 8  # still garbage, found by the next collection
+    gc.collect()
+    assert reclaim_dropped_caches(pool) == 1
+    book.release()
+
+
+def test_a_pool_that_may_grow_grows_instead_of_collecting() -> None:
+    pool = BlockPoolAllocator(
+        PoolConfig(block_size=BLOCK_SIZE, n_blocks=4, grow_on_exhaustion=True)
+    )
+    book = PooledKVCache(pool, owner=2)
+    with _collections_counted() as runs:
+        _book_dropped_in_a_cycle(pool, owner=4, n_tokens=2 * BLOCK_SIZE)  # the whole pool
+        book.append(BLOCK_SIZE)
+    assert runs == []
+    assert pool.stats.n_blocks == 6
+    gc.collect()
+    reclaim_dropped_caches(pool)
+    book.release()
+    pool.check_invariants()
+
+
+def test_a_full_pool_of_live_books_still_refuses_after_one_collection(
+    pool: BlockPoolAllocator,
+) -> None:
+    book = PooledKVCache(pool, owner=2)
+    holder = PooledKVCache(pool, owner=4)
+    holder.append(8 * BLOCK_SIZE)
+    with _collections_counted() as runs, pytest.raises(BlockPoolExhaustedError):
+        book.append(BLOCK_SIZE)
+    assert runs == [2]
+    assert (len(pool.blocks_for(4)), pool.blocks_for(2), pool.stats.n_exhausted) == (16, [], 1)
+    holder.release()
+    book.release()
 
 
 def test_reclaim_dropped_caches_refuses_a_non_pool() -> None:

@@ -47,8 +47,21 @@ count as in use and the id stays claimed. Pool methods and backing stores
 never drain: they know nothing of this layer, so a third-party store has
 nothing to do for it.
 
+Books dropped inside a reference cycle. Their finaliser runs only when the
+garbage collector finds the cycle, which for a cycle that lived through a
+few collections means a full collection: CPython runs those rarely, so
+without help such blocks could stay in use long enough to exhaust the pool.
+So an append about to check out blocks that the pool would refuse (too
+few free, growth off or at ``max_blocks``), while another book holds a
+claim on the pool (so there may be garbage), runs one full collection
+first, then drains again (:meth:`DeferredReleases.reclaim_before_checkout`).
+Only that path collects: a pool that may grow grows instead, and a pool
+that is truly full pays for one collection per refused append.
+
 Complexity: ``defer`` O(1); ``drain`` O(1) when nothing is queued, else
-O(k) for the k handles of each queued book; ``claim`` O(1) plus a drain;
+O(k) for the k handles of each queued book; ``reclaim_before_checkout`` a
+drain plus O(1) unless the pool would refuse the blocks, then a full
+garbage collection (O(objects alive)) and a drain; ``claim`` O(1) plus a drain;
 ``release_now`` O(k); ``deferred_releases_for`` O(1) (an attribute the pool
 keeps for this module, read under a module lock).
 
@@ -59,11 +72,15 @@ exception (``KeyboardInterrupt`` included) that interrupts its release puts
 it back on the queue. No lock of this module is ever held by a finaliser or
 around a pool call that a finaliser could interrupt with a call back into
 this module; the pool's lock is never taken here except through the pool's
-public methods. ``deferred_releases_for`` is never called from a finaliser.
+public methods. The collection lock is held around ``gc.collect()`` alone,
+so that a second thread short of blocks waits for the first one's
+finalisers to queue their books instead of returning from a collection
+already in progress before they have. ``deferred_releases_for`` is never called from a finaliser.
 """
 
 from __future__ import annotations
 
+import gc
 import queue
 import threading
 from collections.abc import Iterator
@@ -138,6 +155,8 @@ class DeferredReleases:
         self._claims: Final[dict[int, ClaimToken]] = {}
         # Dropped books a drain took off the queue and has not finished releasing.
         self._in_flight: Final[list[BookHolding]] = []
+        # Held around gc.collect() alone (module docstring: books dropped in a cycle).
+        self._collect_lock: Final = threading.Lock()
 
     # -- claims --------------------------------------------------------------------------
 
@@ -236,6 +255,20 @@ class DeferredReleases:
                     self._in_flight.remove(book)
         return released
 
+    def reclaim_before_checkout(self, n_blocks: int) -> None:
+        """Drain before a book checks out ``n_blocks`` key and ``n_blocks`` value blocks;
+        if the pool would still refuse them and another book holds a claim, collect
+        garbage once and drain again.
+
+        A book dropped inside a reference cycle is queued only when the garbage
+        collector finds it (module docstring). Never call it from a finaliser.
+        """
+        self.drain()
+        if len(self._claims) > 1 and _would_refuse(self._pool, n_blocks):
+            with self._collect_lock:
+                gc.collect()
+            self.drain()
+
     # -- internals -----------------------------------------------------------------------
 
     def _register(self, pool: BlockPoolAllocator, owner: int) -> ClaimToken:
@@ -279,6 +312,21 @@ class DeferredReleases:
             if current:
                 pool.release_owner(book.owner)
         return int(current)
+
+
+def _would_refuse(pool: BlockPoolAllocator, n_blocks: int) -> bool:
+    """Whether ``pool`` would refuse ``n_blocks`` per stream: too few free blocks, and
+    growth off or past ``max_blocks`` (a snapshot: other threads may change it)."""
+    config = pool.config
+    if config.separate_kv:
+        n_missing = max(0, n_blocks - pool.n_free("k")) + max(0, n_blocks - pool.n_free("v"))
+    else:
+        n_missing = max(0, 2 * n_blocks - pool.n_free("kv"))
+    if n_missing == 0:
+        return False
+    cap = config.max_blocks
+    may_grow = config.grow_on_exhaustion and (cap is None or pool.stats.n_blocks + n_missing <= cap)
+    return not may_grow
 
 
 def _free_live(pool: BlockPoolAllocator, handles: tuple[Block, ...]) -> bool:

@@ -35,8 +35,9 @@ callback a store-backed cache installs); full shared blocks stay shared.
 A book dropped without ``release()`` cannot leak: its finaliser queues its
 owner id, claim and handles (taking no lock, since it may run inside a pool
 call on any thread), and the next book construction, block-taking ``append``
-or pool-backed cache update on the pool releases them;
-:mod:`~veloxquant_mlx.memory.deferred_release` says exactly when and why a
+or pool-backed cache update on the pool releases them (an append the pool
+would refuse first runs the garbage collector, for books dropped inside a
+reference cycle); :mod:`~veloxquant_mlx.memory.deferred_release` says exactly when and why a
 late release never frees another request's blocks, even one that reuses the
 id, and :func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_caches`
 drains on demand.
@@ -434,7 +435,8 @@ class PooledKVCache:
             self._last_may_be_shared = False
         n_more = n_tokens - len(self._key_blocks) * block_size
         if n_more > 0:
-            self._releases.drain()  # a dropped cache's blocks first, before exhaustion
+            # A dropped cache's blocks first, even one dropped in a cycle, before exhaustion.
+            self._releases.reclaim_before_checkout(-(-n_more // block_size))
             new_keys = pool.allocate("k", n_more, self._owner, self._format)
             try:
                 new_values = pool.allocate("v", n_more, self._owner, self._format)
