@@ -52,6 +52,9 @@ def _seeded(build: Callable[[], Module], seed: int, dtype: mx.Dtype) -> Module:
     scaled = tree_map(lambda weight: weight * WEIGHT_SCALE, model.parameters())  # type: ignore[no-untyped-call]
     model.update(scaled)
     model.set_dtype(dtype)
+    # Twice: the second marks the weights available here, so threads that decode with
+    # the model at once only read them (mlx_storage.publish says why).
+    mx.eval(model.parameters())  # type: ignore[no-untyped-call]
     mx.eval(model.parameters())  # type: ignore[no-untyped-call]
     return model
 

@@ -64,8 +64,9 @@ mask; ``offset``, ``size``, ``nbytes`` O(1).
 Running it well: a single-threaded decode loop wants
 ``MLXBlockStorage(..., lazy_writes=True)`` (no evaluation inside the
 forward pass; the store then serves only the first thread that uses its
-data); without it every write is scheduled with ``mx.async_eval`` (no sync,
-but host work per write). Schedule (``mx.async_eval``) or evaluate each
+data); without it every write is evaluated and published before it returns
+(one sync point per layer and step; :func:`~veloxquant_mlx.memory.mlx_storage.publish`
+says why). Schedule (``mx.async_eval``) or evaluate each
 request's step before building the next request's: a write to a layer whose
 slab another request's pending gather still reads copies the slab. On MLX's
 CPU backend the buffer cache is capped at 32 MB by default, below a long

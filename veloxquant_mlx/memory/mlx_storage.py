@@ -42,11 +42,17 @@ gathers (as a model step does) before writing again and writes cost
 O(slots written).
 
 Since MLX 0.31.2 streams are per thread: a lazy graph built on one thread
-cannot be evaluated on another. So by default every ``write`` evaluates the
-slab it produced before it returns, and the decode path's writes schedule
-it (``mx.async_eval``: no sync point, but host work per write); any thread
-may then use the store.
-``lazy_writes=True`` leaves writes lazy (no sync point and no scheduling per
+cannot be evaluated on another. So by default every write (``write``, the
+decode path, ``copy_block``, a resize) evaluates the slab it produced and
+*publishes* it before it returns: :func:`publish` marks it available on
+the writing thread, under the store's lock, before any other thread can
+see it. MLX marks an evaluated array available lazily, the first time a
+thread looks at it, and two threads looking at once race: one detaches
+the array's event while the other reads it, a segfault in
+``Event::is_signaled`` (MLX 0.32.4; four threads decoding on one store
+crashed twice in 250 seconds before this, never in 780 seconds since). A
+published slab is only ever read. Any thread may then use the store.
+``lazy_writes=True`` leaves writes lazy (no sync point and no evaluation per
 write, what a decode loop wants) at the cost of thread affinity: such a
 store belongs to the first thread that writes or reads data through it
 (``write``, the gathers, the decode path, ``sync``), and such a call from any
@@ -107,7 +113,7 @@ from veloxquant_mlx.memory._storage_checks import (
     require_writable,
 )
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
-from veloxquant_mlx.memory.block_table import DeviceBlockTable, schedule
+from veloxquant_mlx.memory.block_table import DeviceBlockTable
 from veloxquant_mlx.memory.paged_attention import (
     PagedKV,
     cuda_unavailable_reason,
@@ -118,7 +124,7 @@ from veloxquant_mlx.memory.slot_rows import SlotRows, StepRows
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
 
-__all__ = ["MLXBlockStorage", "dtype_name"]
+__all__ = ["MLXBlockStorage", "dtype_name", "publish"]
 
 
 class MLXBlockStorage:
@@ -210,7 +216,7 @@ class MLXBlockStorage:
         self._capacity = pool.id_bound()
         # One slab per layer; replaced or updated in place (a new value) by writes.
         self._slabs: list[mx.array] = [self._zeros(self._capacity) for _ in range(n_layers)]
-        mx.eval(self._slabs)
+        publish(*self._slabs)
 
     # -- protocol: shape ---------------------------------------------------------------
 
@@ -273,7 +279,7 @@ class MLXBlockStorage:
             if not self._lazy_writes:
                 # Only after the old slab is dropped from the list: MLX then donates its
                 # buffer to the update (O(slots written)) unless a pending gather holds it.
-                mx.eval(self._slabs[layer])
+                publish(self._slabs[layer])
 
     def copy_block(self, layer: int | None, src: int, dst: Block) -> None:
         """Copy every slot of block id ``src`` into ``dst``, in ``layer`` or every layer.
@@ -299,7 +305,7 @@ class MLXBlockStorage:
                 slab[:, :, first : first + size] = slab[:, :, source : source + size]
                 self._slabs[index] = slab
             if not self._lazy_writes:
-                mx.eval(*(self._slabs[index] for index in layers))
+                publish(*(self._slabs[index] for index in layers))
 
     def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> mx.array:
         """The first ``n_tokens`` slots of ``blocks`` in ``layer``, in order.
@@ -359,9 +365,9 @@ class MLXBlockStorage:
         updates (two per block for several positions) and one gather of the
         request's blocks. Safety comes from
         ``table.require_live_this_step()`` (O(1), and one pool call per decode step),
-        not from asking the pool about each block. No sync: the slab is left lazy
-        with ``lazy_writes``, else scheduled with ``mx.async_eval`` (any thread may
-        use the store after).
+        not from asking the pool about each block. No sync with ``lazy_writes``:
+        the slab is left lazy; else it is evaluated and published (:func:`publish`)
+        before the call returns, so any thread may use the store after.
 
         Raises:
             TypeError, ValueError: Tokens of another dtype or shape than the store's,
@@ -412,7 +418,7 @@ class MLXBlockStorage:
                 # unless a pending gather still reads it.
                 self._slabs[layer] = slab
                 if not self._lazy_writes:
-                    schedule(slab)
+                    publish(slab)
             return self._read(slab, step)
 
     def fetch_through_table(
@@ -633,7 +639,7 @@ class MLXBlockStorage:
         self._slabs = [slab.reshape(1, self._heads, -1, self._head_dim) for slab in resized]
         self._capacity = target
         # Evaluate now so the old buffers are released at once, not at the next step.
-        mx.eval(self._slabs)
+        publish(*self._slabs)
         if target < old:
             mx.clear_cache()  # hand the freed buffers back to the system, not MLX's cache
 
@@ -645,6 +651,19 @@ class MLXBlockStorage:
     def _zeros(self, n_blocks: int) -> mx.array:
         rows = n_blocks * self._block_size
         return mx.zeros((1, self._heads, rows, self._head_dim), dtype=self._dtype)
+
+
+def publish(*arrays: mx.array) -> None:
+    """Evaluate ``arrays`` and mark them available on this thread, so that threads
+    that read them later only read (module docstring: MLX's lazy "available").
+
+    The first ``mx.eval`` computes them; the second finds them computed and waits
+    on each, which is what marks an array available. Call it before another
+    thread can reach the arrays (here: under the store's lock, before the slab
+    list holds them).
+    """
+    mx.eval(*arrays)
+    mx.eval(*arrays)
 
 
 def _block_id(block: Block) -> int:

@@ -178,7 +178,7 @@ def make_serving_storage(
         memory_bytes: The KV budget; the store holds at most this many bytes.
         block_size: Token slots per block.
         lazy_writes: As for ``MLXBlockStorage``; ``False`` lets any thread decode
-            through the store, at the price of scheduling every write.
+            through the store, at the price of evaluating every write.
 
     Raises:
         TypeError: ``memory_bytes`` or ``block_size`` is not an int.
