@@ -1,10 +1,11 @@
-"""Decode writes never wait for the device, and keep the lazy_writes thread rule.
+"""Decode writes: none waits for the device with lazy_writes; without, each is published.
 
-A store without ``lazy_writes`` used to evaluate every write (``mx.eval``, a
-sync point per layer per step: on a GPU about half the speed of lazy
-writes). The decode path now schedules the write with ``mx.async_eval``
-instead, which any thread may then build on; a ``lazy_writes`` store builds
-no evaluation at all and still belongs to its first thread.
+A ``lazy_writes`` store builds no evaluation into a decode step and belongs to
+its first thread. A store without ``lazy_writes`` serves any thread, so each
+write evaluates and publishes its slab before it returns (a sync point per
+layer per step): scheduling it with ``mx.async_eval``, as the store did for
+a while, let two threads examine one slab at once inside MLX and crash
+(:func:`veloxquant_mlx.memory.mlx_storage.publish`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import mlx.core as mx
 import pytest
 from threads import in_thread
 
+from veloxquant_mlx.memory import mlx_storage
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
@@ -49,19 +51,49 @@ def eval_calls(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[int]]:
     yield calls
 
 
-@pytest.mark.parametrize("lazy_writes", [False, True], ids=["default", "lazy_writes"])
-def test_a_decode_step_makes_no_sync_per_write(eval_calls: list[int], lazy_writes: bool) -> None:
-    cache = _cache(lazy_writes)
+def _decode_nine_steps(cache: PoolBackedPromptCache) -> list[tuple[mx.array, mx.array]]:
+    """Nine one-token steps (crossing block boundaries); what the last step read."""
+    for step in range(9):
+        keys = _tokens(1, step + 1)
+        fetched = [layer.update_and_fetch(keys, keys) for layer in cache]
+    return fetched
+
+
+def _read_everything(fetched: list[tuple[mx.array, mx.array]], prompt: mx.array) -> bool:
+    reference = mx.concatenate([prompt] + [_tokens(1, step + 1) for step in range(9)], axis=2)
+    return all(mx.array_equal(keys, reference) for keys, _ in fetched)
+
+
+def test_a_lazy_writes_decode_step_makes_no_sync_per_write(eval_calls: list[int]) -> None:
+    cache = _cache(lazy_writes=True)
     prompt = _tokens(6, 0)
     for layer in cache:
         layer.update_and_fetch(prompt, prompt)
     eval_calls.clear()
-    for step in range(9):  # crosses block boundaries
-        keys = _tokens(1, step + 1)
-        fetched = [layer.update_and_fetch(keys, keys) for layer in cache]
+    fetched = _decode_nine_steps(cache)
     assert eval_calls == []
-    reference = mx.concatenate([prompt] + [_tokens(1, step + 1) for step in range(9)], axis=2)
-    assert all(mx.array_equal(keys, reference) for keys, _ in fetched)
+    assert _read_everything(fetched, prompt)
+    cache.release()
+
+
+def test_without_lazy_writes_each_decode_write_publishes_its_slab_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cache = _cache(lazy_writes=False)
+    prompt = _tokens(6, 0)
+    for layer in cache:
+        layer.update_and_fetch(prompt, prompt)
+    published: list[int] = []
+    real_publish = mlx_storage.publish
+
+    def counting_publish(*arrays: mx.array) -> None:
+        published.append(len(arrays))
+        real_publish(*arrays)
+
+    monkeypatch.setattr(mlx_storage, "publish", counting_publish)
+    fetched = _decode_nine_steps(cache)
+    assert published == [1] * (9 * N_LAYERS)  # one slab per layer per step
+    assert _read_everything(fetched, prompt)
     cache.release()
 
 
@@ -70,7 +102,7 @@ def test_without_lazy_writes_another_thread_decodes_on_the_same_store() -> None:
     first, second = _tokens(3, 0), _tokens(1, 1)
     mx.eval(first, second)
     for layer in cache:
-        layer.update_and_fetch(first, first)  # scheduled on this thread, not waited for
+        layer.update_and_fetch(first, first)  # written and published on this thread
     fetched: list[list[float]] = []
 
     def decode_one_token() -> None:
