@@ -13,6 +13,8 @@
 #   DURATION     seconds of calls per run (default: the profile's 600); each run then
 #                has at most its checking budget (nightly: 120 s) to finish checking
 #   STRESS_ARGS  extra options for every run (e.g. "--threads 16")
+#   SOAK_SECONDS seconds of the decode-thread soak (default 600; 0 skips it): four
+#                threads decoding through one MLX store (tests/test_decode_threads_soak.py)
 #
 # Every run ends with a verdict (report.json "verdict"); only OK passes. INCONCLUSIVE
 # (not every call was checked) is a failure here, as is a violation or a run that did
@@ -40,7 +42,8 @@ if [[ -d $out && -n $(ls -A "$out") ]]; then
   fi
   # What a night writes at the top: its logs, SUMMARY.txt, the skipped-runs note; the
   # runs' own folders are cleared by each run's --force (its files only).
-  rm -f "$out"/*.log "$out/SUMMARY.txt" "$out/free-threaded-skipped.txt"
+  rm -f "$out"/*.log "$out/SUMMARY.txt" "$out/free-threaded-skipped.txt" \
+    "$out/decode-thread-soak.txt"
 fi
 mkdir -p "$out"
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -66,6 +69,11 @@ summarize() {
         echo "(no summary: see $name.log)"
       fi
     done
+    if [[ -e $out/decode-thread-soak.txt ]]; then
+      echo
+      echo "## decode-thread-soak"
+      cat "$out/decode-thread-soak.txt"
+    fi
   } >"$out/SUMMARY.txt"
 }
 
@@ -99,6 +107,23 @@ run() {
 run gil-separate-kv "$PYTHON" --seed 1
 run gil-shared-kv "$PYTHON" --seed 2 --shared-kv
 run gil-no-grow "$PYTHON" --seed 3 --no-grow
+
+# The decode-thread soak: four mlx-lm threads on one MLX store, against KVCache. It
+# guards the MLX race that mlx_storage.publish closes; a crash is a failed run (139: a
+# segfault).
+SOAK_SECONDS=${SOAK_SECONDS:-600}
+if [[ $SOAK_SECONDS != 0 ]]; then
+  printf '== decode-thread-soak (%s s) %s\n' "$SOAK_SECONDS" "$(date +%H:%M:%S)"
+  if VELOXQUANT_SOAK_SECONDS=$SOAK_SECONDS "$PYTHON" -m pytest -q -s -p no:cacheprovider \
+      tests/test_decode_threads_soak.py >"$out/decode-thread-soak.log" 2>&1; then
+    echo "decode-thread-soak: OK" | tee "$out/decode-thread-soak.txt"
+  else
+    status=$?
+    echo "decode-thread-soak: FAILED, exit status $status (see decode-thread-soak.log)" \
+      | tee "$out/decode-thread-soak.txt"
+    violations=$((violations + 1))
+  fi
+fi
 
 # ---- free-threaded build ----------------------------------------------------------------
 # Owned by the free-threaded work (issue 5, item 5): add its runs here. FT_PYTHON is

@@ -4,7 +4,8 @@ The script is run with a stand-in interpreter that exits with a chosen
 status (as ``python -m stress`` would) and writes a summary, so each verdict's
 handling is checked in a second, without ten-minute runs. A report folder
 that holds an earlier night is refused up front, or cleared with
-``--force``, and SUMMARY.txt holds this night's runs only.
+``--force``, and SUMMARY.txt holds this night's runs only. A crashed
+decode-thread soak (the stand-in exits as its pytest would) fails the night.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def fake_interpreter(tmp_path: Path, status: int) -> Path:
-    """An executable that writes a summary into its ``--out`` folder and exits ``status``."""
+def fake_interpreter(tmp_path: Path, status: int, soak_status: int) -> Path:
+    """An executable that writes a summary into its ``--out`` folder and exits ``status``;
+    run as ``-m pytest`` (the decode-thread soak) it exits ``soak_status``."""
     script = tmp_path / "fake-python"
     script.write_text(
         "#!/usr/bin/env bash\n"
+        f"[[ $2 == pytest ]] && exit {soak_status}\n"
         "while [[ $# -gt 0 ]]; do [[ $1 == --out ]] && out=$2; shift; done\n"
         'mkdir -p "$out" && echo "stress nightly: (fake)" > "$out/summary.txt"\n'
         f"exit {status}\n"
@@ -33,9 +36,16 @@ def fake_interpreter(tmp_path: Path, status: int) -> Path:
     return script
 
 
-def run_nightly(tmp_path: Path, status: int, *options: str) -> subprocess.CompletedProcess[str]:
-    python = fake_interpreter(tmp_path, status)
-    env = {"PATH": "/usr/bin:/bin", "PYTHON": str(python), "FT_PYTHON": str(tmp_path / "none")}
+def run_nightly(
+    tmp_path: Path, status: int, *options: str, soak_status: int = 0, soak_seconds: str = "600"
+) -> subprocess.CompletedProcess[str]:
+    python = fake_interpreter(tmp_path, status, soak_status)
+    env = {
+        "PATH": "/usr/bin:/bin",
+        "PYTHON": str(python),
+        "FT_PYTHON": str(tmp_path / "none"),
+        "SOAK_SECONDS": soak_seconds,
+    }
     return subprocess.run(
         ["bash", str(ROOT / "stress" / "nightly.sh"), *options, str(tmp_path / "reports")],
         env=env,
@@ -95,5 +105,24 @@ def test_force_reruns_into_the_folder_and_summarizes_this_night_only(tmp_path: P
         "## gil-separate-kv",
         "## gil-shared-kv",
         "## gil-no-grow",
+        "## decode-thread-soak",
     ]
     assert "last week" not in summary
+
+
+def test_a_crashed_decode_thread_soak_fails_the_night_and_says_so_in_the_summary(
+    tmp_path: Path,
+) -> None:
+    result = run_nightly(tmp_path, 0, soak_status=139)  # a segfault
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "decode-thread-soak: FAILED, exit status 139" in result.stdout
+    summary = (tmp_path / "reports" / "SUMMARY.txt").read_text()
+    assert summary.splitlines()[0].endswith(": FAILED")
+    assert "## decode-thread-soak\ndecode-thread-soak: FAILED, exit status 139" in summary
+
+
+def test_soak_seconds_0_skips_the_soak(tmp_path: Path) -> None:
+    result = run_nightly(tmp_path, 0, soak_status=139, soak_seconds="0")
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "decode-thread-soak" not in result.stdout
+    assert "decode-thread-soak" not in (tmp_path / "reports" / "SUMMARY.txt").read_text()
