@@ -51,17 +51,20 @@ Books dropped inside a reference cycle. Their finaliser runs only when the
 garbage collector finds the cycle, which for a cycle that lived through a
 few collections means a full collection: CPython runs those rarely, so
 without help such blocks could stay in use long enough to exhaust the pool.
-So an append about to check out blocks that the pool would refuse (too
-few free, growth off or at ``max_blocks``), while another book holds a
-claim on the pool (so there may be garbage), runs one full collection
-first, then drains again (:meth:`DeferredReleases.reclaim_before_checkout`).
-Only that path collects: a pool that may grow grows instead, and a pool
-that is truly full pays for one collection per refused append.
+So when the pool refuses a book's checkout (too few free blocks, growth
+off or at ``max_blocks``) while another book holds a claim on the pool (so
+there may be garbage), the book runs one full collection, drains again and
+tries once more (:meth:`DeferredReleases.check_out_reclaiming`). Only that
+path collects: a checkout the free lists serve never does, a pool that may
+grow grows instead, and threads refused at once share one collection. The
+refusal that a collection then serves still counts in the pool's
+``n_exhausted``; a pool that is truly full pays one collection per refused
+append, even where ``gc.disable()`` is in force.
 
 Complexity: ``defer`` O(1); ``drain`` O(1) when nothing is queued, else
-O(k) for the k handles of each queued book; ``reclaim_before_checkout`` a
-drain plus O(1) unless the pool would refuse the blocks, then a full
-garbage collection (O(objects alive)) and a drain; ``claim`` O(1) plus a drain;
+O(k) for the k handles of each queued book; ``check_out_reclaiming`` a
+drain and the checkout, plus, if the pool refuses it, a full garbage
+collection (O(objects alive)), a drain and a second checkout; ``claim`` O(1) plus a drain;
 ``release_now`` O(k); ``deferred_releases_for`` O(1) (an attribute the pool
 keeps for this module, read under a module lock).
 
@@ -72,10 +75,12 @@ exception (``KeyboardInterrupt`` included) that interrupts its release puts
 it back on the queue. No lock of this module is ever held by a finaliser or
 around a pool call that a finaliser could interrupt with a call back into
 this module; the pool's lock is never taken here except through the pool's
-public methods. The collection lock is held around ``gc.collect()`` alone,
-so that a second thread short of blocks waits for the first one's
-finalisers to queue their books instead of returning from a collection
-already in progress before they have. ``deferred_releases_for`` is never called from a finaliser.
+public methods. The collection lock is held around ``gc.collect()`` alone:
+a second refused thread waits for the first one's collection (whose
+finalisers queue their books before it ends) and then skips its own. A
+collection that CPython itself is running on another thread at that moment
+makes ``gc.collect()`` return at once, so that retry may still be refused.
+``deferred_releases_for`` is never called from a finaliser.
 """
 
 from __future__ import annotations
@@ -83,13 +88,14 @@ from __future__ import annotations
 import gc
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeVar
 
 from veloxquant_mlx.memory.block_pool import (
     Block,
     BlockPoolAllocator,
+    BlockPoolExhaustedError,
     InvalidFreeError,
     OwnerAlreadyActiveError,
 )
@@ -104,6 +110,9 @@ __all__ = [
     "deferred_releases_for",
     "reclaim_dropped_caches",
 ]
+
+#: What a book's checkout returns (:meth:`DeferredReleases.check_out_reclaiming`).
+CheckedOut = TypeVar("CheckedOut")
 
 
 class ClaimToken:
@@ -255,21 +264,36 @@ class DeferredReleases:
                     self._in_flight.remove(book)
         return released
 
-    def reclaim_before_checkout(self, n_blocks: int) -> None:
-        """Drain before a book checks out ``n_blocks`` key and ``n_blocks`` value blocks;
-        if the pool would still refuse them and another book holds a claim, collect
-        garbage once and drain again.
+    def check_out_reclaiming(self, check_out: Callable[[], CheckedOut]) -> CheckedOut:
+        """Drain, then run ``check_out`` (a book taking blocks); if the pool refuses it
+        while another book holds a claim, collect garbage, drain and run it once more.
 
         A book dropped inside a reference cycle is queued only when the garbage
         collector finds it (module docstring). Never call it from a finaliser.
+
+        Raises:
+            BlockPoolExhaustedError: Refused again after the collection, or refused
+                with no other book to collect.
         """
         self.drain()
-        if len(self._claims) > 1 and _would_refuse(self._pool, n_blocks):
-            with self._collect_lock:
-                gc.collect()
-            self.drain()
+        try:
+            return check_out()
+        except BlockPoolExhaustedError:
+            # A snapshot without the guard, on purpose: it only decides whether to try.
+            if len(self._claims) <= 1:
+                raise
+        self._collect_garbage()
+        self.drain()
+        return check_out()
 
     # -- internals -----------------------------------------------------------------------
+
+    def _collect_garbage(self) -> None:
+        """One full collection, unless one finished while this thread waited its turn."""
+        full_collections = gc.get_stats()[2]["collections"]
+        with self._collect_lock:
+            if gc.get_stats()[2]["collections"] == full_collections:
+                gc.collect()
 
     def _register(self, pool: BlockPoolAllocator, owner: int) -> ClaimToken:
         with self._claim_lock:
@@ -312,21 +336,6 @@ class DeferredReleases:
             if current:
                 pool.release_owner(book.owner)
         return int(current)
-
-
-def _would_refuse(pool: BlockPoolAllocator, n_blocks: int) -> bool:
-    """Whether ``pool`` would refuse ``n_blocks`` per stream: too few free blocks, and
-    growth off or past ``max_blocks`` (a snapshot: other threads may change it)."""
-    config = pool.config
-    if config.separate_kv:
-        n_missing = max(0, n_blocks - pool.n_free("k")) + max(0, n_blocks - pool.n_free("v"))
-    else:
-        n_missing = max(0, 2 * n_blocks - pool.n_free("kv"))
-    if n_missing == 0:
-        return False
-    cap = config.max_blocks
-    may_grow = config.grow_on_exhaustion and (cap is None or pool.stats.n_blocks + n_missing <= cap)
-    return not may_grow
 
 
 def _free_live(pool: BlockPoolAllocator, handles: tuple[Block, ...]) -> bool:

@@ -36,10 +36,11 @@ A book dropped without ``release()`` cannot leak: its finaliser queues its
 owner id, claim and handles (taking no lock, since it may run inside a pool
 call on any thread), and the next book construction, block-taking ``append``
 or pool-backed cache update on the pool releases them (an append the pool
-would refuse first runs the garbage collector, for books dropped inside a
-reference cycle); :mod:`~veloxquant_mlx.memory.deferred_release` says exactly when and why a
-late release never frees another request's blocks, even one that reuses the
-id, and :func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_caches`
+refuses runs the garbage collector and tries again, for books dropped inside
+a reference cycle); :mod:`~veloxquant_mlx.memory.deferred_release` says
+exactly when and why a late release never frees another request's blocks,
+even one that reuses the id, and
+:func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_caches`
 drains on demand.
 
 Complexity (``L`` = layers): ``append`` O(1) when it stays in the last
@@ -436,13 +437,9 @@ class PooledKVCache:
         n_more = n_tokens - len(self._key_blocks) * block_size
         if n_more > 0:
             # A dropped cache's blocks first, even one dropped in a cycle, before exhaustion.
-            self._releases.reclaim_before_checkout(-(-n_more // block_size))
-            new_keys = pool.allocate("k", n_more, self._owner, self._format)
-            try:
-                new_values = pool.allocate("v", n_more, self._owner, self._format)
-            except BaseException:
-                self._free(new_keys)
-                raise
+            new_keys, new_values = self._releases.check_out_reclaiming(
+                lambda: self._check_out(n_more)
+            )
             if self._key_blocks and self._key_blocks[-1].n_used < block_size:
                 pool.mark_used(self._key_blocks[-1], block_size)
                 pool.mark_used(self._value_blocks[-1], block_size)
@@ -455,6 +452,17 @@ class PooledKVCache:
             pool.mark_used(self._value_blocks[-1], last_fill)
         self._n_tokens = n_tokens
         self._extent_version += 1
+
+    def _check_out(self, n_tokens: int) -> tuple[list[Block], list[Block]]:
+        """Key and value blocks for ``n_tokens`` more positions; all or nothing."""
+        pool = self._pool
+        new_keys = pool.allocate("k", n_tokens, self._owner, self._format)
+        try:
+            new_values = pool.allocate("v", n_tokens, self._owner, self._format)
+        except BaseException:
+            self._free(new_keys)
+            raise
+        return new_keys, new_values
 
     def _shrink_to(self, n_tokens: int) -> None:
         """Keep ``n_tokens`` positions: mark the new last blocks, free the ones past them."""
