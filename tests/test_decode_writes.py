@@ -76,10 +76,12 @@ def test_a_lazy_writes_decode_step_makes_no_sync_per_write(eval_calls: list[int]
     cache.release()
 
 
-def test_without_lazy_writes_each_decode_write_publishes_its_slab_once(
+def test_without_lazy_writes_each_decode_write_publishes_its_slab_once_under_the_lock(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    cache = _cache(lazy_writes=False)
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64))
+    store = MLXBlockStorage(pool, N_LAYERS, HEADS, HEAD_DIM, mx.float32)
+    cache = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=N_LAYERS))
     prompt = _tokens(6, 0)
     for layer in cache:
         layer.update_and_fetch(prompt, prompt)
@@ -87,6 +89,7 @@ def test_without_lazy_writes_each_decode_write_publishes_its_slab_once(
     real_publish = mlx_storage.publish
 
     def counting_publish(*arrays: mx.array) -> None:
+        assert store._lock.locked()  # before another thread can take the slab
         published.append(len(arrays))
         real_publish(*arrays)
 
@@ -95,6 +98,25 @@ def test_without_lazy_writes_each_decode_write_publishes_its_slab_once(
     assert published == [1] * (9 * N_LAYERS)  # one slab per layer per step
     assert _read_everything(fetched, prompt)
     cache.release()
+
+
+def test_publish_evaluates_the_arrays_then_evaluates_them_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The second ``mx.eval`` waits on the computed arrays, which marks them available
+    in MLX: without it, threads that read them later race to do that."""
+    calls: list[tuple[object, ...]] = []
+    real_eval = mx.eval
+
+    def recording_eval(*arrays: object) -> None:
+        calls.append(arrays)
+        real_eval(*arrays)
+
+    monkeypatch.setattr(mx, "eval", recording_eval)
+    slab, other = mx.arange(4) * 2, mx.ones((2,))
+    mlx_storage.publish(slab, other)
+    assert len(calls) == 2
+    assert all(arrays[0] is slab and arrays[1] is other for arrays in calls)
 
 
 def test_without_lazy_writes_another_thread_decodes_on_the_same_store() -> None:

@@ -54,9 +54,11 @@ __all__ = ["DeviceBlockTable", "StaleBlockTableError", "schedule"]
 
 MemoT = TypeVar("MemoT")
 
-#: ``mx.async_eval``, typed: start computing arrays without waiting for them. An
-#: array scheduled so may be used by any thread (MLX streams are per thread, and a
-#: graph left lazy can only be evaluated by the thread that built it).
+#: ``mx.async_eval``, typed: start computing arrays without waiting for them. A
+#: graph left lazy can only be evaluated by the thread that built it (MLX streams are
+#: per thread); one scheduled so may be used by another thread, as long as two threads
+#: never look at it at once: MLX 0.32 races there (mlx_storage.publish). A table's
+#: arrays belong to one request, used by one thread at a time.
 schedule: Final = cast(Callable[..., None], mx.async_eval)
 
 

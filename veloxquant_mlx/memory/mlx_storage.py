@@ -263,6 +263,8 @@ class MLXBlockStorage:
         require_token_dtype(tokens.dtype, self._dtype, dtype_name)
         n_tokens = require_token_shape(tuple(tokens.shape), self._slot_shape)
         require_slots(start, n_tokens, self._block_size)
+        if not self._lazy_writes:
+            mx.eval(tokens)  # this thread's own compute, outside the lock (publish, below)
         with self._lock:
             require_layer(layer, len(self._slabs))
             require_writable(self._pool, block, "write to")
@@ -394,6 +396,10 @@ class MLXBlockStorage:
         ):
             self._require_head_tokens(keys, values)
         n_new = shape[2]
+        if not self._lazy_writes:
+            # This thread's forward pass up to here, outside the lock: under it, publishing
+            # the slab then computes only the update.
+            mx.eval(keys, values)
         with self._lock:
             rows = self._slot_rows_locked(layer, table, this_step=True)
             if type(start) is not int or start < 0 or start + n_new > rows.n_slots:
@@ -659,8 +665,8 @@ def publish(*arrays: mx.array) -> None:
 
     The first ``mx.eval`` computes them; the second finds them computed and waits
     on each, which is what marks an array available. Call it before another
-    thread can reach the arrays (here: under the store's lock, before the slab
-    list holds them).
+    thread can reach the arrays (here: under the store's lock, before it is
+    released).
     """
     mx.eval(*arrays)
     mx.eval(*arrays)

@@ -29,7 +29,9 @@ positions. Thread safety: a ``SlotRows`` belongs to one request's table,
 used from one thread at a time; its step pieces are made per thread (an MLX
 graph left lazy on one thread cannot be evaluated on another), and with
 ``schedule_rows`` the entries themselves are scheduled with
-``mx.async_eval`` so any thread may build on them.
+``mx.async_eval`` so another thread may build on them later (not while
+the last one's step is still running: two threads looking at one array at
+once race inside MLX 0.32, see ``mlx_storage.publish``).
 """
 
 from __future__ import annotations
