@@ -112,17 +112,26 @@ run gil-no-grow "$PYTHON" --seed 3 --no-grow
 # guards the MLX race that mlx_storage.publish closes; a crash is a failed run (139: a
 # segfault).
 SOAK_SECONDS=${SOAK_SECONDS:-600}
-if [[ $SOAK_SECONDS != 0 ]]; then
+if [[ $SOAK_SECONDS =~ ^[0-9]+$ ]] && ((10#$SOAK_SECONDS > 0)); then
   printf '== decode-thread-soak (%s s) %s\n' "$SOAK_SECONDS" "$(date +%H:%M:%S)"
-  if VELOXQUANT_SOAK_SECONDS=$SOAK_SECONDS "$PYTHON" -m pytest -q -s -p no:cacheprovider \
-      tests/test_decode_threads_soak.py >"$out/decode-thread-soak.log" 2>&1; then
+  VELOXQUANT_SOAK_SECONDS=$SOAK_SECONDS "$PYTHON" -m pytest -q -s -p no:cacheprovider \
+    tests/test_decode_threads_soak.py >"$out/decode-thread-soak.log" 2>&1
+  status=$?
+  if ((status == 2)); then  # pytest's status when interrupted: stop the night as run() does
+    echo "   INTERRUPTED: the remaining runs are skipped"
+    summarize
+    exit 130
+  elif ((status == 0)) && grep -q "1 passed" "$out/decode-thread-soak.log"; then
     echo "decode-thread-soak: OK" | tee "$out/decode-thread-soak.txt"
-  else
-    status=$?
+  else  # a failure, a crash (139: a segfault), or a soak that did not run
     echo "decode-thread-soak: FAILED, exit status $status (see decode-thread-soak.log)" \
       | tee "$out/decode-thread-soak.txt"
     violations=$((violations + 1))
   fi
+elif [[ ! $SOAK_SECONDS =~ ^0+$ ]]; then
+  echo "decode-thread-soak: FAILED, SOAK_SECONDS='$SOAK_SECONDS' is not a whole number" \
+    "of seconds" | tee "$out/decode-thread-soak.txt"
+  violations=$((violations + 1))
 fi
 
 # ---- free-threaded build ----------------------------------------------------------------

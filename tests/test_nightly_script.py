@@ -27,7 +27,10 @@ def fake_interpreter(tmp_path: Path, status: int, soak_status: int) -> Path:
     script = tmp_path / "fake-python"
     script.write_text(
         "#!/usr/bin/env bash\n"
-        f"[[ $2 == pytest ]] && exit {soak_status}\n"
+        f"if [[ $2 == pytest ]]; then\n"
+        f'  (({soak_status})) || echo "1 passed"\n'
+        f"  exit {soak_status}\n"
+        "fi\n"
         "while [[ $# -gt 0 ]]; do [[ $1 == --out ]] && out=$2; shift; done\n"
         'mkdir -p "$out" && echo "stress nightly: (fake)" > "$out/summary.txt"\n'
         f"exit {status}\n"
@@ -126,3 +129,15 @@ def test_soak_seconds_0_skips_the_soak(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout + result.stderr
     assert "decode-thread-soak" not in result.stdout
     assert "decode-thread-soak" not in (tmp_path / "reports" / "SUMMARY.txt").read_text()
+
+
+def test_a_soak_that_did_not_run_fails_the_night(tmp_path: Path) -> None:
+    result = run_nightly(tmp_path, 0, soak_seconds="ten")
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "SOAK_SECONDS='ten' is not a whole number of seconds" in result.stdout
+
+
+def test_ctrl_c_in_the_soak_stops_the_night_with_130(tmp_path: Path) -> None:
+    result = run_nightly(tmp_path, 0, soak_status=2)  # pytest, interrupted
+    assert result.returncode == 130, result.stdout + result.stderr
+    assert result.stdout.count("INTERRUPTED") == 1
