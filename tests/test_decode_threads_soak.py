@@ -8,20 +8,25 @@ test of ``test_dropped_caches.py`` runs for a few seconds in CI, too short to
 catch such a race coming back. This soak runs for
 ``VELOXQUANT_SOAK_SECONDS`` (``stress/nightly.sh`` sets it, 600 by default):
 four threads decode greedily through one pool-backed store, every request's
-tokens checked against mlx-lm's ``KVCache`` decoding the same prompt, half
-the caches released and half dropped. A crash ends the pytest process, which
-the nightly script reports as a failed run (status 139 for a segfault).
+tokens checked against mlx-lm's ``KVCache`` decoding the same prompt. As in
+the CI test, requests stop mid-generation (the generator dropped with a step
+still in flight), half the caches are released and half dropped, and the
+garbage collector runs often, on whichever thread allocates. A crash ends
+the pytest process, which the nightly script reports as a failed run (status
+139 for a segfault).
 """
 
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import sys
 import threading
 import time
 
 import pytest
+from mlx_lm.generate import generate_step
 from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import greedy, prompt, tiny_model
 
@@ -61,11 +66,14 @@ def test_threads_decoding_through_one_store_for_minutes_agree_with_kv_cache_and_
             while time.monotonic() < deadline and not problems:
                 index = (thread + requests[thread]) % N_PROMPTS
                 cache = make_pool_backed_cache(model, storage)
-                decoded = greedy(model, prompts[index], cache, STEPS)[0]
-                if decoded != expected[index]:
+                steps = generate_step(prompts[index], model, prompt_cache=cache, max_tokens=STEPS)
+                n_taken = 1 + requests[thread] % STEPS  # stop mid-generation
+                decoded = [int(token) for token, _ in itertools.islice(steps, n_taken)]
+                if decoded != expected[index][:n_taken]:
                     problems.append(
                         f"thread {thread}, prompt {index}: {decoded} != {expected[index]}"
                     )
+                del steps  # dropped with a step still in flight
                 if requests[thread] % 2:
                     cache.release()  # the other half is dropped: deferred release
                 requests[thread] += 1
@@ -75,9 +83,14 @@ def test_threads_decoding_through_one_store_for_minutes_agree_with_kv_cache_and_
     threads = [
         threading.Thread(target=serve, args=(index,), daemon=True) for index in range(N_THREADS)
     ]
-    for thread in threads:
-        thread.start()
-    _report_progress(threads, requests, deadline)
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50)  # collections (so finalisers and frees) inside any call, any thread
+    try:
+        for thread in threads:
+            thread.start()
+        _report_progress(threads, requests, deadline)
+    finally:
+        gc.set_threshold(*thresholds)
     assert problems == []
     gc.collect()
     reclaim_dropped_caches(pool)
