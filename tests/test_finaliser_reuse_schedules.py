@@ -45,7 +45,12 @@ from veloxquant_mlx.memory.deferred_release import (
     reclaim_dropped_caches,
 )
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
-from veloxquant_mlx.stress.controlled_scheduler import ControlledLock, ControlledRun, next_choices
+from veloxquant_mlx.stress.controlled_scheduler import (
+    ControlledLock,
+    ControlledRun,
+    next_choices,
+    pool_lock_replaced,
+)
 from veloxquant_mlx.stress.finaliser_schedules import FinaliserDropper
 
 VICTIM: Final = 1
@@ -72,16 +77,14 @@ class ReuseRun:
     def run(self) -> str | None:
         """Run the schedule; what broke, or ``None``."""
         # Both locks are private and Final: swapped for this run only, for controlled ones.
-        pool_vars = vars(self.pool)
         releases_vars = vars(deferred_releases_for(self.pool))
-        real_pool_lock, pool_vars["_lock"] = pool_vars["_lock"], self.pool_lock
         real_claim_lock = releases_vars["_claim_lock"]
         releases_vars["_claim_lock"] = ControlledLock(self.control)
         hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         try:
-            self.control.run([self._reusing, self._draining], line_points=False)
+            with pool_lock_replaced(self.pool, self.pool_lock):
+                self.control.run([self._reusing, self._draining], line_points=False)
         finally:
-            pool_vars["_lock"] = real_pool_lock
             releases_vars["_claim_lock"] = real_claim_lock
             sys.unraisablehook = hook
             self.dropper.holder.clear()  # a run that never reached its drop point

@@ -10,6 +10,7 @@ lost update and a lock-order deadlock.
 
 from __future__ import annotations
 
+import _thread
 import os
 import signal
 import threading
@@ -19,11 +20,13 @@ import pytest
 
 from veloxquant_mlx.commandline.interrupts import InterruptRequest
 from veloxquant_mlx.commandline.verdicts import Verdict
+from veloxquant_mlx.memory import block_pool
 from veloxquant_mlx.memory.block_pool import AllocationStats, Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.controlled_scheduler import (
     ControlledLock,
     ControlledRun,
     next_choices,
+    pool_lock_replaced,
 )
 from veloxquant_mlx.stress.schedules import (
     SCENARIOS,
@@ -212,6 +215,32 @@ def test_scheduler_finds_the_lost_update_of_a_read_then_write_increment() -> Non
     runs = explore_bodies(make_bodies, 2)
     assert all(run.failure is None for run in runs)
     assert 1 in finals, "some schedule loses one of the two updates"
+
+
+def test_a_replaced_pool_lock_serves_the_hot_paths_and_is_put_back_after_an_error() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
+    real_lock = vars(pool)["_lock"]
+    taken: list[str] = []
+
+    class CountingLock(ControlledLock):
+        def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+            taken.append("acquire")
+            return True
+
+        def release(self) -> None:
+            taken.append("release")
+
+    counting = CountingLock(ControlledRun(1, [], frozenset()))
+    with pytest.raises(KeyError), pool_lock_replaced(pool, counting):
+        pool.mark_used(pool.allocate("k", 3, owner=1)[0], 2)
+        pool.free_all(1)
+        raise KeyError("a run that fails")
+    assert taken == ["acquire", "release"] * 3  # allocate, mark_used, free_all
+    assert vars(pool)["_lock"] is real_lock
+    assert block_pool._acquire_lock is _thread.LockType.acquire
+    assert block_pool._release_lock is _thread.LockType.release
+    assert pool.allocate("k", 3, owner=2)  # the real lock again
+    assert not real_lock.locked()
 
 
 def test_scheduler_reports_a_lock_order_deadlock() -> None:

@@ -29,13 +29,17 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any, Final, NoReturn
+
+from veloxquant_mlx.memory import block_pool
 
 if TYPE_CHECKING:
     from _typeshed import TraceFunction
+
+    from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 
 __all__ = [
     "INTERRUPT_GRACE_S",
@@ -45,6 +49,7 @@ __all__ = [
     "Decision",
     "RunCutShort",
     "next_choices",
+    "pool_lock_replaced",
 ]
 
 STEP_LIMIT = 100_000  # scheduling points per run before it is called a livelock
@@ -94,6 +99,37 @@ class ControlledLock:
 
     def __exit__(self, *exc_info: object) -> None:
         self.release()
+
+
+@contextlib.contextmanager
+def pool_lock_replaced(pool: BlockPoolAllocator, lock: ControlledLock) -> Iterator[None]:
+    """Make ``lock`` the lock of interpreted ``pool`` inside the block; then the real one again.
+
+    The pool's lock is private and ``Final``, so it is swapped in the instance's
+    ``vars``. The pool's hot paths call the lock type's methods with it
+    (``block_pool._acquire_lock``), which accept only a real lock; for as long
+    as the block runs they are swapped for calls by name, which any lock takes.
+    """
+    pool_vars, module_vars = vars(pool), vars(block_pool)
+    real = {name: module_vars[name] for name in _LOCK_CALLS}
+    real_lock, pool_vars["_lock"] = pool_vars["_lock"], lock
+    module_vars.update(_LOCK_CALLS)
+    try:
+        yield
+    finally:
+        pool_vars["_lock"] = real_lock
+        module_vars.update(real)
+
+
+def _acquire_by_name(lock: ControlledLock) -> bool:
+    return lock.acquire()
+
+
+def _release_by_name(lock: ControlledLock) -> None:
+    lock.release()
+
+
+_LOCK_CALLS: Final = {"_acquire_lock": _acquire_by_name, "_release_lock": _release_by_name}
 
 
 @dataclass

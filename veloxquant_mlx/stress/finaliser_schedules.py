@@ -62,6 +62,7 @@ from veloxquant_mlx.stress.controlled_scheduler import (
     ControlledRun,
     RunCutShort,
     next_choices,
+    pool_lock_replaced,
 )
 
 if TYPE_CHECKING:
@@ -175,13 +176,11 @@ class _Run:
 
     def run(self) -> str | None:
         """Run the schedule; what broke, or ``None``."""
-        pool_vars = vars(self.pool)  # the lock is private and Final: swapped for this run only
-        real_lock, pool_vars["_lock"] = pool_vars["_lock"], self.lock
         hook, sys.unraisablehook = sys.unraisablehook, self._unraisable
         try:
-            self.control.run([self._allocating, self._draining], line_points=False)
+            with pool_lock_replaced(self.pool, self.lock):  # for this run only
+                self.control.run([self._allocating, self._draining], line_points=False)
         finally:
-            pool_vars["_lock"] = real_lock
             sys.unraisablehook = hook
             self.dropper.holder.clear()  # a run that never reached its drop point
         return self._judge()

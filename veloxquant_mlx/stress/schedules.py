@@ -76,6 +76,7 @@ from veloxquant_mlx.stress.controlled_scheduler import (
     ControlledRun,
     RunCutShort,
     next_choices,
+    pool_lock_replaced,
 )
 from veloxquant_mlx.stress.schedule_outcomes import (
     ScheduleOutcome,
@@ -152,14 +153,9 @@ class _Schedule:
         self.results: list[list[Outcome]] = [[] for _ in scenario.threads]
 
     def run(self, run: ControlledRun, granularity: Granularity) -> ScheduleOutcome | None:
-        pool_vars = vars(self.pool)  # the lock is private and Final: swapped for this run only
-        original_lock = pool_vars["_lock"]
-        pool_vars["_lock"] = ControlledLock(run)
-        try:
+        with pool_lock_replaced(self.pool, ControlledLock(run)):  # for this run only
             bodies = [self._body(run, t) for t in range(len(self.scenario.threads))]
             run.run(bodies, line_points=granularity == "line")
-        finally:
-            pool_vars["_lock"] = original_lock
         if run.failure:
             return None
         results = tuple(map(tuple, self.results))
