@@ -527,6 +527,11 @@ class BlockPoolAllocator:
         self._stream_names: Final = _SEPARATE_STREAMS if config.separate_kv else _SHARED_STREAMS
         # Per free list, a stack of block ids: the top (next handed out) is the end.
         self._free_lists: Final = _initial_free_lists(config)
+        # Stream name accepted from callers -> its free list's name and that list, so that
+        # allocate finds both in one lookup.
+        self._free_list_routes: Final = {
+            stream: (name, self._free_lists[name]) for stream, name in self._stream_names.items()
+        }
         # Owner -> {block_id: live handle}, in allocation order; never empty.
         self._owner_blocks: Final[dict[int, dict[BlockId, Block]]] = {}
         # Block id -> reference count, for shared ids only (count >= 2): a checked-out
@@ -688,9 +693,10 @@ class BlockPoolAllocator:
             TypeError: ``n_tokens`` or ``owner`` not an int, ``format`` not a str.
             BlockPoolExhaustedError: Too few free blocks and growth is off or capped.
         """
-        free_list_name = self._stream_names.get(stream) if type(stream) is str else None
-        if free_list_name is None:
-            free_list_name = resolve_stream(stream, self._stream_names)
+        route = self._free_list_routes.get(stream) if type(stream) is str else None
+        if route is None:  # not an exact str, or no stream: the helper names the error
+            route = self._free_list_routes[resolve_stream(stream, self._stream_names)]
+        free_list_name, free_list = route
         # Exact-type fast paths; the helpers raise the errors (and accept int subclasses).
         if type(n_tokens) is not int or n_tokens < 1:
             n_tokens = require_int("n_tokens", n_tokens, minimum=1)
@@ -702,7 +708,6 @@ class BlockPoolAllocator:
         # acquire/try/finally rather than `with`: measurably cheaper on this hot path.
         _acquire_lock(self._lock)
         try:
-            free_list = self._free_lists[free_list_name]
             if n_needed == 1 and free_list:  # the decode loop's case, worth its own path
                 block_ids = [free_list.pop()]
             elif n_needed <= len(free_list):
