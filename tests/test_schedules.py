@@ -166,6 +166,18 @@ def test_the_command_exits_3_when_a_scenario_ran_out_of_schedules(
     assert "NOT CHECKED: schedules of " in out
 
 
+def test_the_command_refuses_a_compiled_allocator_in_one_line(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(block_pool, "COMPILED", True)
+    assert schedules_main(["--scenario", "register_owner_race"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.strip().splitlines()
+    assert "needs the interpreted allocator" in line
+    assert "block_pool.COMPILED is True" in line
+
+
 @pytest.mark.slow
 def test_the_command_exits_0_when_every_schedule_within_the_bound_ran(
     capsys: pytest.CaptureFixture[str],
