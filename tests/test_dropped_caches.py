@@ -223,6 +223,28 @@ def test_a_lone_book_is_refused_without_a_collection(pool: BlockPoolAllocator) -
     book.release()
 
 
+@pytest.mark.parametrize("change", ["append", "trim"])
+def test_a_refused_copy_on_write_collects_a_book_dropped_in_a_cycle_and_succeeds(
+    pool: BlockPoolAllocator, change: str
+) -> None:
+    parent = PooledKVCache(pool, owner=2)
+    parent.append(BLOCK_SIZE + 2)  # the last K and V blocks half full: copy-on-write moves them
+    child = parent.fork(owner=3)
+    copied: list[int] = []
+    child.copy_block = lambda old_id, block: copied.append(old_id)
+    with _collections_counted() as runs:
+        _book_dropped_in_a_cycle(pool, owner=4, n_tokens=6 * BLOCK_SIZE)  # every free block
+        child.append(1) if change == "append" else child.trim(1)
+    assert runs == [2]  # one full collection, for the move of the last K block
+    assert pool.blocks_for(4) == []
+    assert copied == [parent.key_blocks[-1].block_id, parent.value_blocks[-1].block_id]
+    assert [pool.ref_count(block.block_id) for block in child.key_blocks] == [2, 1]
+    assert child.size() == (BLOCK_SIZE + 3 if change == "append" else BLOCK_SIZE + 1)
+    assert pool.stats.n_exhausted == 1
+    child.release()
+    parent.release()
+
+
 def test_reclaim_dropped_caches_refuses_a_non_pool() -> None:
     with pytest.raises(TypeError, match="BlockPoolAllocator"):
         reclaim_dropped_caches("pool")  # type: ignore[arg-type]

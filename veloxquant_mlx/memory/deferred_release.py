@@ -51,8 +51,9 @@ Books dropped inside a reference cycle. Their finaliser runs only when the
 garbage collector finds the cycle, which for a cycle that lived through a
 few collections means a full collection: CPython runs those rarely, so
 without help such blocks could stay in use long enough to exhaust the pool.
-So when the pool refuses a book's checkout (too few free blocks, growth
-off or at ``max_blocks``) while another book holds a claim on the pool (so
+So when the pool refuses a book's checkout (new blocks for an append, or
+the private block of a copy-on-write: too few free blocks, growth off or
+at ``max_blocks``) while another book holds a claim on the pool (so
 there may be garbage), the book runs one full collection, drains again and
 tries once more (:meth:`DeferredReleases.check_out_reclaiming`). Only that
 path collects: a checkout the free lists serve never does, a pool that may

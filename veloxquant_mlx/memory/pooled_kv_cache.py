@@ -35,9 +35,9 @@ callback a store-backed cache installs); full shared blocks stay shared.
 A book dropped without ``release()`` cannot leak: its finaliser queues its
 owner id, claim and handles (taking no lock, since it may run inside a pool
 call on any thread), and the next book construction, block-taking ``append``
-or pool-backed cache update on the pool releases them (an append the pool
-refuses runs the garbage collector and tries again, for books dropped inside
-a reference cycle); :mod:`~veloxquant_mlx.memory.deferred_release` says
+or pool-backed cache update on the pool releases them (an append or a
+copy-on-write the pool refuses runs the garbage collector and tries again,
+for books dropped inside a reference cycle); :mod:`~veloxquant_mlx.memory.deferred_release` says
 exactly when and why a late release never frees another request's blocks,
 even one that reuses the id, and
 :func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_caches`
@@ -432,7 +432,7 @@ class PooledKVCache:
         pool, block_size = self._pool, self._block_size
         if self._last_may_be_shared:  # once, after a fork: the growth writes into it
             if self._key_blocks and self._key_blocks[-1].n_used < block_size:
-                self._own_last_blocks()
+                self._own_last_blocks_reclaiming()
             self._last_may_be_shared = False
         n_more = n_tokens - len(self._key_blocks) * block_size
         if n_more > 0:
@@ -478,11 +478,19 @@ class PooledKVCache:
         if n_kept:
             last_fill = n_tokens - (n_kept - 1) * block_size
             if self._shares and self._key_blocks[-1].n_used != last_fill:
-                self._own_last_blocks()  # trimmed back into a block that may be shared
+                self._own_last_blocks_reclaiming()  # trimmed back into a block maybe shared
             self._pool.mark_used(self._key_blocks[-1], last_fill)
             self._pool.mark_used(self._value_blocks[-1], last_fill)
         if tail:
             self._free(tail)
+
+    def _own_last_blocks_reclaiming(self) -> None:
+        """``_own_last_blocks``, with a dropped cache's blocks first, as a checkout has.
+
+        A retry after a collection redoes only what the refusal left undone: a
+        block already moved has count 1, and ``make_writable`` returns it as it is.
+        """
+        self._releases.check_out_reclaiming(self._own_last_blocks)
 
     def _own_last_blocks(self) -> None:
         """Copy-on-write: the last key and value blocks, if shared, move to private ones.
