@@ -43,7 +43,7 @@ if [[ -d $out && -n $(ls -A "$out") ]]; then
   # What a night writes at the top: its logs, SUMMARY.txt, the skipped-runs note; the
   # runs' own folders are cleared by each run's --force (its files only).
   rm -f "$out"/*.log "$out/SUMMARY.txt" "$out/free-threaded-skipped.txt" \
-    "$out/decode-thread-soak.txt"
+    "$out/decode-thread-soak.txt" "$out/ft-thread-tests.txt"
 fi
 mkdir -p "$out"
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -69,11 +69,13 @@ summarize() {
         echo "(no summary: see $name.log)"
       fi
     done
-    if [[ -e $out/decode-thread-soak.txt ]]; then
-      echo
-      echo "## decode-thread-soak"
-      cat "$out/decode-thread-soak.txt"
-    fi
+    for section in decode-thread-soak ft-thread-tests free-threaded-skipped; do
+      if [[ -e $out/$section.txt ]]; then
+        echo
+        echo "## $section"
+        cat "$out/$section.txt"
+      fi
+    done
   } >"$out/SUMMARY.txt"
 }
 
@@ -145,9 +147,9 @@ if [[ -x $FT_PYTHON ]]; then
   # nightly rather than in the README's test command; tests/test_free_threaded.py).
   if VELOXQUANT_FT_SUITE=1 VELOXQUANT_FT_PYTHON="$FT_PYTHON" "$PYTHON" -m pytest -q \
       -p no:cacheprovider tests/test_free_threaded.py >"$out/ft-thread-tests.log" 2>&1; then
-    echo "ft-thread-tests: OK" | tee -a "$out/ft-thread-tests.txt"
+    echo "ft-thread-tests: OK" | tee "$out/ft-thread-tests.txt"
   else
-    echo "ft-thread-tests: FAILED (see ft-thread-tests.log)" | tee -a "$out/ft-thread-tests.txt"
+    echo "ft-thread-tests: FAILED (see ft-thread-tests.log)" | tee "$out/ft-thread-tests.txt"
     violations=$((violations + 1))
   fi
 else

@@ -40,13 +40,19 @@ def fake_interpreter(tmp_path: Path, status: int, soak_status: int) -> Path:
 
 
 def run_nightly(
-    tmp_path: Path, status: int, *options: str, soak_status: int = 0, soak_seconds: str = "600"
+    tmp_path: Path,
+    status: int,
+    *options: str,
+    soak_status: int = 0,
+    soak_seconds: str = "600",
+    free_threaded: bool = False,
 ) -> subprocess.CompletedProcess[str]:
+    """The night with the stand-in as ``PYTHON`` (and as ``FT_PYTHON`` if ``free_threaded``)."""
     python = fake_interpreter(tmp_path, status, soak_status)
     env = {
         "PATH": "/usr/bin:/bin",
         "PYTHON": str(python),
-        "FT_PYTHON": str(tmp_path / "none"),
+        "FT_PYTHON": str(python if free_threaded else tmp_path / "none"),
         "SOAK_SECONDS": soak_seconds,
     }
     return subprocess.run(
@@ -109,8 +115,30 @@ def test_force_reruns_into_the_folder_and_summarizes_this_night_only(tmp_path: P
         "## gil-shared-kv",
         "## gil-no-grow",
         "## decode-thread-soak",
+        "## free-threaded-skipped",
     ]
     assert "last week" not in summary
+
+
+def test_the_free_threaded_thread_tests_verdict_is_this_nights_and_in_the_summary(
+    tmp_path: Path,
+) -> None:
+    assert run_nightly(tmp_path, 0, free_threaded=True).returncode == 0
+    result = run_nightly(tmp_path, 0, "--force", soak_status=1, free_threaded=True)
+    assert result.returncode == 1, result.stdout + result.stderr
+    verdict = "ft-thread-tests: FAILED (see ft-thread-tests.log)"
+    assert (tmp_path / "reports" / "ft-thread-tests.txt").read_text() == verdict + "\n"
+    summary = (tmp_path / "reports" / "SUMMARY.txt").read_text()
+    assert f"## ft-thread-tests\n{verdict}" in summary
+    assert "ft-thread-tests: OK" not in summary  # last night's verdict is gone
+
+
+def test_a_night_without_a_free_threaded_interpreter_says_so_in_the_summary(
+    tmp_path: Path,
+) -> None:
+    assert run_nightly(tmp_path, 0).returncode == 0
+    summary = (tmp_path / "reports" / "SUMMARY.txt").read_text()
+    assert "## free-threaded-skipped\nno free-threaded interpreter at FT_PYTHON=" in summary
 
 
 def test_a_crashed_decode_thread_soak_fails_the_night_and_says_so_in_the_summary(
