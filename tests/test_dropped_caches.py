@@ -245,6 +245,51 @@ def test_a_refused_copy_on_write_collects_a_book_dropped_in_a_cycle_and_succeeds
     parent.release()
 
 
+def test_a_copy_on_write_retried_after_a_collection_moves_only_what_the_refusal_left(
+    pool: BlockPoolAllocator,
+) -> None:
+    parent = PooledKVCache(pool, owner=2)
+    parent.append(BLOCK_SIZE + 2)  # K and V blocks 0 and 1, block 1 half full
+    child = parent.fork(owner=3)
+    copied: list[int] = []
+    child.copy_block = lambda old_id, block: copied.append(old_id)
+    pool.allocate("v", BLOCK_SIZE, owner=9)  # one V block held outside the books
+    with _collections_counted() as runs:
+        _book_dropped_in_a_cycle(pool, owner=4, n_tokens=5 * BLOCK_SIZE)  # 1 K block left free
+        child.append(1)  # the K block moves; the V block is refused, then moves
+    assert runs == [2]
+    assert copied == [parent.key_blocks[-1].block_id, parent.value_blocks[-1].block_id]
+    assert [pool.is_shared(block.block_id) for block in child.key_blocks] == [True, False]
+    assert [pool.is_shared(block.block_id) for block in child.value_blocks] == [True, False]
+    child.check_invariants()
+    child.release()
+    parent.release()
+    pool.free_all(9)
+
+
+def test_a_trim_whose_copy_on_write_is_refused_changes_nothing(pool: BlockPoolAllocator) -> None:
+    parent = PooledKVCache(pool, owner=2)
+    parent.append(2 * BLOCK_SIZE)  # two full blocks per stream, both shared after the fork
+    child = parent.fork(owner=3)
+    child.append(BLOCK_SIZE, layer=0)  # a third, private block per stream
+    held = pool.allocate("k", 5 * BLOCK_SIZE, owner=9) + pool.allocate("v", 5 * BLOCK_SIZE, 9)
+    before = (child.size(), child.key_blocks, child.value_blocks, child.table_version)
+    with pytest.raises(BlockPoolExhaustedError):
+        child.trim(BLOCK_SIZE + 1)  # back into block 1, shared: its fill needs a copy
+    assert (child.size(), child.key_blocks, child.value_blocks, child.table_version) == before
+    child.check_invariants()
+    pool.free(held)
+    assert child.trim(BLOCK_SIZE + 1) == BLOCK_SIZE + 1  # a block for the copy: it goes through
+    assert (child.size(), [pool.is_shared(b.block_id) for b in child.key_blocks]) == (
+        2 * BLOCK_SIZE - 1,
+        [True, False],
+    )
+    child.check_invariants()
+    child.release()
+    parent.release()
+    assert pool.stats.blocks_in_use() == 0
+
+
 def test_reclaim_dropped_caches_refuses_a_non_pool() -> None:
     with pytest.raises(TypeError, match="BlockPoolAllocator"):
         reclaim_dropped_caches("pool")  # type: ignore[arg-type]

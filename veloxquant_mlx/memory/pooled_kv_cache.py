@@ -304,20 +304,25 @@ class PooledKVCache:
             OwnerAlreadyActiveError: The last block went back and, before the book could
                 claim its owner id again, code outside the books took it (an id
                 collision); the book then holds nothing and counts as released.
+            BlockPoolExhaustedError: The new last blocks are shared with a fork, so
+                their fill can change only in private copies, and the pool has no
+                block for one (after a collection, as ``append``); nothing changes.
         """
         require_int("n", n, minimum=0)
         if self._released:
             return 0
         if layer is None:
             n = min(n, self._n_tokens)
-            end = self._n_tokens - n
-            for index, offset in enumerate(self._offsets):
-                self._offsets[index] = min(offset, end)
+            offsets = [min(offset, self._n_tokens - n) for offset in self._offsets]
         else:
             self._require_layer(layer)
             n = min(n, self._offsets[layer])
-            self._offsets[layer] -= n
-        furthest = max(self._offsets)
+            offsets = [*self._offsets]
+            offsets[layer] -= n
+        furthest = max(offsets)
+        if furthest < self._n_tokens:
+            self._own_blocks_kept_by(furthest)  # the one step that may be refused: first
+        self._offsets[:] = offsets
         if furthest < self._n_tokens:
             self._shrink_to(furthest)
         return n
@@ -432,7 +437,7 @@ class PooledKVCache:
         pool, block_size = self._pool, self._block_size
         if self._last_may_be_shared:  # once, after a fork: the growth writes into it
             if self._key_blocks and self._key_blocks[-1].n_used < block_size:
-                self._own_last_blocks_reclaiming()
+                self._own_blocks_reclaiming(len(self._key_blocks) - 1)
             self._last_may_be_shared = False
         n_more = n_tokens - len(self._key_blocks) * block_size
         if n_more > 0:
@@ -477,43 +482,51 @@ class PooledKVCache:
         self._extent_version += 1
         if n_kept:
             last_fill = n_tokens - (n_kept - 1) * block_size
-            if self._shares and self._key_blocks[-1].n_used != last_fill:
-                self._own_last_blocks_reclaiming()  # trimmed back into a block maybe shared
             self._pool.mark_used(self._key_blocks[-1], last_fill)
             self._pool.mark_used(self._value_blocks[-1], last_fill)
         if tail:
             self._free(tail)
 
-    def _own_last_blocks_reclaiming(self) -> None:
-        """``_own_last_blocks``, with a dropped cache's blocks first, as a checkout has.
+    def _own_blocks_kept_by(self, n_tokens: int) -> None:
+        """Before a shrink to ``n_tokens`` changes anything: copy-on-write the blocks
+        that become the last ones, if their fill changes and they may be shared."""
+        n_kept = -(-n_tokens // self._block_size)
+        if not (n_kept and self._shares):
+            return
+        last_fill = n_tokens - (n_kept - 1) * self._block_size
+        if self._key_blocks[n_kept - 1].n_used != last_fill:
+            self._own_blocks_reclaiming(n_kept - 1)
+
+    def _own_blocks_reclaiming(self, index: int) -> None:
+        """``_own_blocks``, with a dropped cache's blocks first, as a checkout has.
 
         A retry after a collection redoes only what the refusal left undone: a
         block already moved has count 1, and ``make_writable`` returns it as it is.
         """
-        self._releases.check_out_reclaiming(self._own_last_blocks)
+        self._releases.check_out_reclaiming(lambda: self._own_blocks(index))
 
-    def _own_last_blocks(self) -> None:
-        """Copy-on-write: the last key and value blocks, if shared, move to private ones.
+    def _own_blocks(self, index: int) -> None:
+        """Copy-on-write: the key and value blocks at ``index``, if shared, move to
+        private ones.
 
         Each move is recorded before its data is copied, so the table never holds
         a handle the pool has made stale, even if the value block is exhausted.
         """
-        last_key = self._key_blocks[-1]
-        if last_key.owner is None:  # freed behind the book's back: the table check says so
-            return
-        own_key = self._pool.make_writable(last_key)
-        if own_key is not last_key:
-            self._key_blocks = (*self._key_blocks[:-1], own_key)
+        for stream in ("k", "v"):
+            blocks = self._key_blocks if stream == "k" else self._value_blocks
+            shared = blocks[index]
+            if shared.owner is None:  # freed behind the book's back: the table check says so
+                return
+            own = self._pool.make_writable(shared)
+            if own is shared:
+                continue
+            moved = (*blocks[:index], own, *blocks[index + 1 :])
+            if stream == "k":
+                self._key_blocks = moved
+            else:
+                self._value_blocks = moved
             self._table_version += 1
-            self._copy(last_key.block_id, own_key)
-        last_value = self._value_blocks[-1]
-        if last_value.owner is None:
-            return
-        own_value = self._pool.make_writable(last_value)
-        if own_value is not last_value:
-            self._value_blocks = (*self._value_blocks[:-1], own_value)
-            self._table_version += 1
-            self._copy(last_value.block_id, own_value)
+            self._copy(shared.block_id, own)
 
     def _copy(self, old_id: int, own: Block) -> None:
         if self.copy_block is not None:
