@@ -21,12 +21,14 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def fake_interpreter(tmp_path: Path, status: int, soak_status: int) -> Path:
+def fake_interpreter(tmp_path: Path, status: int, soak_status: int, ft_status: int) -> Path:
     """An executable that writes a summary into its ``--out`` folder and exits ``status``;
-    run as ``-m pytest`` (the decode-thread soak) it exits ``soak_status``."""
+    run as ``-m pytest`` it exits ``ft_status`` for the free-threaded thread tests
+    (``VELOXQUANT_FT_SUITE`` set), else ``soak_status`` (the decode-thread soak)."""
     script = tmp_path / "fake-python"
     script.write_text(
         "#!/usr/bin/env bash\n"
+        f"if [[ $2 == pytest && -n ${{VELOXQUANT_FT_SUITE:-}} ]]; then exit {ft_status}; fi\n"
         f"if [[ $2 == pytest ]]; then\n"
         f'  (({soak_status})) || echo "1 passed"\n'
         f"  exit {soak_status}\n"
@@ -46,9 +48,10 @@ def run_nightly(
     soak_status: int = 0,
     soak_seconds: str = "600",
     free_threaded: bool = False,
+    ft_status: int = 0,
 ) -> subprocess.CompletedProcess[str]:
     """The night with the stand-in as ``PYTHON`` (and as ``FT_PYTHON`` if ``free_threaded``)."""
-    python = fake_interpreter(tmp_path, status, soak_status)
+    python = fake_interpreter(tmp_path, status, soak_status, ft_status)
     env = {
         "PATH": "/usr/bin:/bin",
         "PYTHON": str(python),
@@ -124,7 +127,7 @@ def test_the_free_threaded_thread_tests_verdict_is_this_nights_and_in_the_summar
     tmp_path: Path,
 ) -> None:
     assert run_nightly(tmp_path, 0, free_threaded=True).returncode == 0
-    result = run_nightly(tmp_path, 0, "--force", soak_status=1, free_threaded=True)
+    result = run_nightly(tmp_path, 0, "--force", free_threaded=True, ft_status=1)
     assert result.returncode == 1, result.stdout + result.stderr
     verdict = "ft-thread-tests: FAILED (see ft-thread-tests.log)"
     assert (tmp_path / "reports" / "ft-thread-tests.txt").read_text() == verdict + "\n"
