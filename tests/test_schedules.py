@@ -11,6 +11,7 @@ lost update and a lock-order deadlock.
 from __future__ import annotations
 
 import _thread
+import contextlib
 import os
 import signal
 import threading
@@ -253,6 +254,29 @@ def test_a_replaced_pool_lock_serves_the_hot_paths_and_is_put_back_after_an_erro
     assert block_pool._release_lock is _thread.LockType.release
     assert pool.allocate("k", 3, owner=2)  # the real lock again
     assert not real_lock.locked()
+
+
+def test_a_second_replacement_or_a_compiled_allocator_is_refused_and_changes_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first, second = (BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8)) for _ in "ab")
+    real_lock = vars(second)["_lock"]
+
+    def replacement(pool: BlockPoolAllocator) -> contextlib.AbstractContextManager[None]:
+        return pool_lock_replaced(pool, ControlledLock(ControlledRun(1, [], frozenset())))
+
+    with (
+        replacement(first),
+        pytest.raises(RuntimeError, match="already replaced in this process"),
+        replacement(second),
+    ):
+        pass
+    assert vars(second)["_lock"] is real_lock
+    assert block_pool._acquire_lock is _thread.LockType.acquire
+    monkeypatch.setattr(block_pool, "COMPILED", True)
+    with pytest.raises(RuntimeError, match=r"block_pool\.COMPILED is True"), replacement(second):
+        pass
+    assert vars(second)["_lock"] is real_lock
 
 
 def test_scheduler_reports_a_lock_order_deadlock() -> None:

@@ -23,6 +23,7 @@ bookkeeping is only ever touched by the one running thread.
 
 from __future__ import annotations
 
+import _thread
 import contextlib
 import faulthandler
 import os
@@ -109,23 +110,39 @@ def pool_lock_replaced(pool: BlockPoolAllocator, lock: ControlledLock) -> Iterat
     ``vars``. The pool's hot paths call the lock type's methods with it
     (``block_pool._acquire_lock``), which accept only a real lock; for as long
     as the block runs they are swapped for calls by name, which any lock takes.
+    That swap is the module's, so it holds for every pool of the process (slower,
+    as safe) and there is one replacement at a time per process.
+
+    Raises:
+        RuntimeError: The allocator is compiled (its lock and module cannot be
+            swapped), or a replacement is already in force.
     """
-    pool_vars, module_vars = vars(pool), vars(block_pool)
-    real = {name: module_vars[name] for name in _LOCK_CALLS}
-    real_lock, pool_vars["_lock"] = pool_vars["_lock"], lock
-    module_vars.update(_LOCK_CALLS)
+    if block_pool.COMPILED:
+        raise RuntimeError(
+            "a compiled allocator's lock cannot be replaced (block_pool.COMPILED is True); "
+            "expected the interpreted allocator (pip install -e .)"
+        )
+    module_vars = vars(block_pool)
+    if any(module_vars[name] is call for name, call in _LOCK_CALLS.items()):
+        raise RuntimeError(
+            "a pool's lock is already replaced in this process; expected one at a time"
+        )
+    pool_vars = vars(pool)
+    real_lock, real_calls = pool_vars["_lock"], {name: module_vars[name] for name in _LOCK_CALLS}
     try:
+        pool_vars["_lock"] = lock
+        module_vars.update(_LOCK_CALLS)
         yield
     finally:
         pool_vars["_lock"] = real_lock
-        module_vars.update(real)
+        module_vars.update(real_calls)
 
 
-def _acquire_by_name(lock: ControlledLock) -> bool:
+def _acquire_by_name(lock: ControlledLock | _thread.LockType) -> bool:
     return lock.acquire()
 
 
-def _release_by_name(lock: ControlledLock) -> None:
+def _release_by_name(lock: ControlledLock | _thread.LockType) -> None:
     lock.release()
 
 
