@@ -49,6 +49,7 @@ __all__ = [
     "ControlledRun",
     "Decision",
     "RunCutShort",
+    "compiled_allocator_problem",
     "next_choices",
     "pool_lock_replaced",
 ]
@@ -117,11 +118,9 @@ def pool_lock_replaced(pool: BlockPoolAllocator, lock: ControlledLock) -> Iterat
         RuntimeError: The allocator is compiled (its lock and module cannot be
             swapped), or a replacement is already in force.
     """
-    if block_pool.COMPILED:
-        raise RuntimeError(
-            "a compiled allocator's lock cannot be replaced (block_pool.COMPILED is True); "
-            "expected the interpreted allocator (pip install -e .)"
-        )
+    problem = compiled_allocator_problem()
+    if problem is not None:
+        raise RuntimeError(problem)
     module_vars = vars(block_pool)
     if any(module_vars[name] is call for name, call in _LOCK_CALLS.items()):
         raise RuntimeError(
@@ -136,6 +135,17 @@ def pool_lock_replaced(pool: BlockPoolAllocator, lock: ControlledLock) -> Iterat
     finally:
         pool_vars["_lock"] = real_lock
         module_vars.update(real_calls)
+
+
+def compiled_allocator_problem() -> str | None:
+    """Why the explorers cannot run on this allocator (it is compiled), or ``None``."""
+    if not block_pool.COMPILED:
+        return None
+    return (
+        "the schedule explorer needs the interpreted allocator, and this one is compiled "
+        "(block_pool.COMPILED is True): it replaces the pool's lock and traces its lines; "
+        "run it from the editable install (pip install -e .)"
+    )
 
 
 def _acquire_by_name(lock: ControlledLock | _thread.LockType) -> bool:

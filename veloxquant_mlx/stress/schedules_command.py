@@ -84,15 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace) -> str | None:
     """Refused on a compiled allocator, whose lock cannot be replaced nor its lines traced."""
-    from veloxquant_mlx.memory import block_pool  # noqa: PLC0415
+    from veloxquant_mlx.stress.controlled_scheduler import (  # noqa: PLC0415
+        compiled_allocator_problem,
+    )
 
-    if block_pool.COMPILED:
-        return (
-            "the schedule explorer needs the interpreted allocator, and this one is compiled "
-            "(block_pool.COMPILED is True): it replaces the pool's lock and traces its lines; "
-            "run it from the editable install (pip install -e .)"
-        )
-    return None
+    return compiled_allocator_problem()
 
 
 def _row(result: object, threads: int) -> str:
