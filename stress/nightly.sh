@@ -34,16 +34,19 @@ if [[ -e $out && ! -d $out ]]; then
   echo "nightly.sh: error: REPORT_DIR '$out' is a file; expected a folder" >&2
   exit 2
 fi
+# The night's verdicts outside the stress runs, one NAME.txt each: a section of SUMMARY.txt
+# each, and cleared by --force with the rest of a night's top-level files.
+sections=(decode-thread-soak ft-thread-tests free-threaded-skipped)
 if [[ -d $out && -n $(ls -A "$out") ]]; then
   if ((!force)); then
     echo "nightly.sh: error: REPORT_DIR '$out' is not empty (an earlier night's reports?);" \
       "expected a new or empty folder, or --force to delete an earlier night's files" >&2
     exit 2
   fi
-  # What a night writes at the top: its logs, SUMMARY.txt, the skipped-runs note; the
+  # What a night writes at the top: its logs, SUMMARY.txt, the sections' files; the
   # runs' own folders are cleared by each run's --force (its files only).
-  rm -f "$out"/*.log "$out/SUMMARY.txt" "$out/free-threaded-skipped.txt" \
-    "$out/decode-thread-soak.txt" "$out/ft-thread-tests.txt"
+  rm -f "$out"/*.log "$out/SUMMARY.txt"
+  for section in "${sections[@]}"; do rm -f "$out/$section.txt"; done
 fi
 mkdir -p "$out"
 PYTHON=${PYTHON:-.venv/bin/python}
@@ -69,7 +72,7 @@ summarize() {
         echo "(no summary: see $name.log)"
       fi
     done
-    for section in decode-thread-soak ft-thread-tests free-threaded-skipped; do
+    for section in "${sections[@]}"; do
       if [[ -e $out/$section.txt ]]; then
         echo
         echo "## $section"
