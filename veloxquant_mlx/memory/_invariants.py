@@ -31,7 +31,7 @@ class PoolBooks(NamedTuple):
     retired_set: AbstractSet[int]
     id_bound: int
     next_new_id: int
-    ever_allocated: bytes | bytearray
+    ever_allocated: Sequence[bool]
     stats: AllocationStats
 
 
