@@ -17,6 +17,7 @@ figures' own, twice, plus one compiled build of REV (a minute or two).
 
 from __future__ import annotations
 
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,17 +37,25 @@ SIDES = ("base", "this")
 def checked_out(revision: str) -> Iterator[Path]:
     """A temporary detached git worktree of ``revision``, removed on the way out."""
     root = _two_builds.REPO_ROOT
-    path = Path(tempfile.mkdtemp(prefix="veloxquant-bench-base-")) / "tree"
+    holder = Path(tempfile.mkdtemp(prefix="veloxquant-bench-base-"))
+    path = holder / "tree"
     git = ["git", "-C", str(root), "worktree"]
-    added = subprocess.run(
-        [*git, "add", "--detach", str(path), revision], capture_output=True, text=True, check=False
-    )
-    if added.returncode != 0:
-        raise SystemExit(f"--against {revision}: git worktree add failed: {added.stderr.strip()}")
     try:
-        yield path
+        added = subprocess.run(
+            [*git, "add", "--detach", str(path), revision],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if added.returncode != 0:
+            message = added.stderr.strip()
+            raise SystemExit(f"--against {revision}: git worktree add failed: {message}")
+        try:
+            yield path
+        finally:
+            subprocess.run([*git, "remove", "--force", str(path)], check=False)
     finally:
-        subprocess.run([*git, "remove", "--force", str(path)], check=False)
+        shutil.rmtree(holder, ignore_errors=True)  # the folder mkdtemp made, empty by now
 
 
 def base_tree(path: Path, revision: str) -> _two_builds.Tree:
