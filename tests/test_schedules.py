@@ -273,10 +273,13 @@ def test_a_second_replacement_or_a_compiled_allocator_is_refused_and_changes_not
         pass
     assert vars(second)["_lock"] is real_lock
     assert block_pool._acquire_lock is _thread.LockType.acquire
+    assert block_pool._release_lock is _thread.LockType.release
     monkeypatch.setattr(block_pool, "COMPILED", True)
     with pytest.raises(RuntimeError, match=r"block_pool\.COMPILED is True"), replacement(second):
         pass
     assert vars(second)["_lock"] is real_lock
+    assert block_pool._acquire_lock is _thread.LockType.acquire
+    assert block_pool._release_lock is _thread.LockType.release
 
 
 def test_scheduler_reports_a_lock_order_deadlock() -> None:
