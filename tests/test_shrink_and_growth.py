@@ -194,6 +194,16 @@ def test_growth_counts_the_allocation_and_the_fresh_blocks() -> None:
     assert stats.peak_blocks_in_use == 3
 
 
+def test_growth_block_by_block_counts_each_grown_block_as_new_until_it_comes_back() -> None:
+    pool = make_pool(block_size=4, n_blocks=0, grow_on_exhaustion=True)
+    for owner in range(3):  # one missing block each time: the decode loop's growth
+        pool.allocate("k", 4, owner=owner)
+    assert (pool.stats.n_grown, pool.stats.n_reused) == (3, 0)
+    pool.free_all(1)
+    pool.allocate("k", 4, owner=9)
+    assert (pool.stats.n_grown, pool.stats.n_reused) == (3, 1)
+
+
 def test_growth_up_to_exactly_max_blocks_succeeds() -> None:
     pool = make_pool(block_size=4, n_blocks=4, grow_on_exhaustion=True, max_blocks=6)
     assert block_ids(pool.allocate("k", 16, owner=1)) == [0, 1, 4, 5]

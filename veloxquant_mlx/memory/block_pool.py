@@ -898,7 +898,9 @@ class BlockPoolAllocator:
             require_int("owner", owner)
         _acquire_lock(self._lock)
         try:
-            self._registered_owners.discard(owner)
+            registered = self._registered_owners
+            if registered:  # most pools register no owner: skip the hash and the probe
+                registered.discard(owner)
             owned = self._owner_blocks.pop(owner, None)
             if owned:
                 self._return_to_free_lists(owned.values())
