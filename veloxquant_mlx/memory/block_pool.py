@@ -980,9 +980,9 @@ class BlockPoolAllocator:
                         "with count 1: call make_writable(block) first"
                     )
                 old_fill: int = handle.n_used  # a live handle: the pool wrote it
-                partial = 0 < new_fill < block_size
-                if partial is not (0 < old_fill < block_size):  # only as a block turns full/empty
-                    self._stats._fragmented_count += 1 if partial else -1
+                self._stats._fragmented_count += (0 < new_fill < block_size) - (
+                    0 < old_fill < block_size
+                )
             handle.n_used = n_used
         finally:
             _release_lock(self._lock)
