@@ -17,7 +17,6 @@ figures' own, twice, plus one compiled build of REV (a minute or two).
 
 from __future__ import annotations
 
-import shutil
 import statistics
 import subprocess
 import sys
@@ -37,10 +36,9 @@ SIDES = ("base", "this")
 def checked_out(revision: str) -> Iterator[Path]:
     """A temporary detached git worktree of ``revision``, removed on the way out."""
     root = _two_builds.REPO_ROOT
-    holder = Path(tempfile.mkdtemp(prefix="veloxquant-bench-base-"))
-    path = holder / "tree"
     git = ["git", "-C", str(root), "worktree"]
-    try:
+    with tempfile.TemporaryDirectory(prefix="veloxquant-bench-base-") as holder:
+        path = Path(holder) / "tree"
         added = subprocess.run(
             [*git, "add", "--detach", str(path), revision],
             capture_output=True,
@@ -54,8 +52,6 @@ def checked_out(revision: str) -> Iterator[Path]:
             yield path
         finally:
             subprocess.run([*git, "remove", "--force", str(path)], check=False)
-    finally:
-        shutil.rmtree(holder, ignore_errors=True)  # the folder mkdtemp made, empty by now
 
 
 def base_tree(path: Path, revision: str) -> _two_builds.Tree:
