@@ -10,8 +10,6 @@ lost update and a lock-order deadlock.
 
 from __future__ import annotations
 
-import _thread
-import contextlib
 import os
 import signal
 import threading
@@ -250,36 +248,32 @@ def test_a_replaced_pool_lock_serves_the_hot_paths_and_is_put_back_after_an_erro
         raise KeyError("a run that fails")
     assert taken == ["acquire", "release"] * 3  # allocate, mark_used, free_all
     assert vars(pool)["_lock"] is real_lock
-    assert block_pool._acquire_lock is _thread.LockType.acquire
-    assert block_pool._release_lock is _thread.LockType.release
     assert pool.allocate("k", 3, owner=2)  # the real lock again
     assert not real_lock.locked()
 
 
-def test_a_second_replacement_or_a_compiled_allocator_is_refused_and_changes_nothing(
+def test_two_pools_locks_replaced_at_once_each_go_back_to_their_own_lock() -> None:
+    first, second = (BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8)) for _ in "ab")
+    real_locks = [vars(first)["_lock"], vars(second)["_lock"]]
+    stand_ins = [ControlledLock(ControlledRun(1, [], frozenset())) for _ in "ab"]
+    with pool_lock_replaced(first, stand_ins[0]), pool_lock_replaced(second, stand_ins[1]):
+        assert [vars(first)["_lock"], vars(second)["_lock"]] == stand_ins
+    assert [vars(first)["_lock"], vars(second)["_lock"]] == real_locks
+
+
+def test_a_compiled_allocator_is_refused_and_changes_nothing(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    first, second = (BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8)) for _ in "ab")
-    real_lock = vars(second)["_lock"]
-
-    def replacement(pool: BlockPoolAllocator) -> contextlib.AbstractContextManager[None]:
-        return pool_lock_replaced(pool, ControlledLock(ControlledRun(1, [], frozenset())))
-
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
+    real_lock = vars(pool)["_lock"]
+    monkeypatch.setattr(block_pool, "COMPILED", True)
+    stand_in = ControlledLock(ControlledRun(1, [], frozenset()))
     with (
-        replacement(first),
-        pytest.raises(RuntimeError, match="already replaced in this process"),
-        replacement(second),
+        pytest.raises(RuntimeError, match=r"block_pool\.COMPILED is True"),
+        pool_lock_replaced(pool, stand_in),
     ):
         pass
-    assert vars(second)["_lock"] is real_lock
-    assert block_pool._acquire_lock is _thread.LockType.acquire
-    assert block_pool._release_lock is _thread.LockType.release
-    monkeypatch.setattr(block_pool, "COMPILED", True)
-    with pytest.raises(RuntimeError, match=r"block_pool\.COMPILED is True"), replacement(second):
-        pass
-    assert vars(second)["_lock"] is real_lock
-    assert block_pool._acquire_lock is _thread.LockType.acquire
-    assert block_pool._release_lock is _thread.LockType.release
+    assert vars(pool)["_lock"] is real_lock
 
 
 def test_scheduler_reports_a_lock_order_deadlock() -> None:

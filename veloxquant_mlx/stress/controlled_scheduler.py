@@ -23,7 +23,6 @@ bookkeeping is only ever touched by the one running thread.
 
 from __future__ import annotations
 
-import _thread
 import contextlib
 import faulthandler
 import os
@@ -33,7 +32,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import TYPE_CHECKING, Any, Final, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from veloxquant_mlx.memory import block_pool
 
@@ -74,7 +73,7 @@ class RunCutShort(Exception):  # noqa: N818 -- a stop, not an error of the pool
 
 
 class ControlledLock:
-    """A stand-in for the pool's ``threading.Lock`` whose every acquire is a scheduling point.
+    """A stand-in for the pool's lock whose every acquire is a scheduling point.
 
     Only one controlled thread runs at a time, so the lock needs no atomicity
     of its own: ``holder`` is the index of the thread that holds it.
@@ -108,33 +107,23 @@ def pool_lock_replaced(pool: BlockPoolAllocator, lock: ControlledLock) -> Iterat
     """Make ``lock`` the lock of interpreted ``pool`` inside the block; then the real one again.
 
     The pool's lock is private and ``Final``, so it is swapped in the instance's
-    ``vars``. The pool's hot paths call the lock type's methods with it
-    (``block_pool._acquire_lock``), which accept only a real lock; for as long
-    as the block runs they are swapped for calls by name, which any lock takes.
-    That swap is the module's, so it holds for every pool of the process (slower,
-    as safe) and there is one replacement at a time per process.
+    ``vars``; the pool calls its lock's ``acquire`` and ``release`` by name, so
+    any lock with those methods serves. Only ``pool`` is affected.
 
     Raises:
-        RuntimeError: The allocator is compiled (its lock and module cannot be
-            swapped), or a replacement is already in force.
+        RuntimeError: The allocator is compiled (its instances have no ``vars``,
+            and its lock calls are bound to the lock type).
     """
     problem = compiled_allocator_problem()
     if problem is not None:
         raise RuntimeError(problem)
-    module_vars = vars(block_pool)
-    if any(module_vars[name] is call for name, call in _LOCK_CALLS.items()):
-        raise RuntimeError(
-            "a pool's lock is already replaced in this process; expected one at a time"
-        )
     pool_vars = vars(pool)
-    real_lock, real_calls = pool_vars["_lock"], {name: module_vars[name] for name in _LOCK_CALLS}
+    real_lock = pool_vars["_lock"]
     try:
         pool_vars["_lock"] = lock
-        module_vars.update(_LOCK_CALLS)
         yield
     finally:
         pool_vars["_lock"] = real_lock
-        module_vars.update(real_calls)
 
 
 def compiled_allocator_problem() -> str | None:
@@ -146,17 +135,6 @@ def compiled_allocator_problem() -> str | None:
         "(block_pool.COMPILED is True): it replaces the pool's lock and traces its lines; "
         "run it from the editable install (pip install -e .)"
     )
-
-
-def _acquire_by_name(lock: ControlledLock | _thread.LockType) -> bool:
-    return lock.acquire()
-
-
-def _release_by_name(lock: ControlledLock | _thread.LockType) -> None:
-    lock.release()
-
-
-_LOCK_CALLS: Final = {"_acquire_lock": _acquire_by_name, "_release_lock": _release_by_name}
 
 
 @dataclass
