@@ -172,11 +172,7 @@ class PoolConfig:
 # CPython's trashcan, which at 50 nested deallocations links the object through a
 # garbage-collector header that an acyclic instance lacks, writing into the heap
 # in front of it (tests/test_deep_deallocation.py).
-# free_list_len=1: compiled, the memory of the last handle freed serves the next
-# one (no malloc, no free; per callgrind about 300 instructions fewer per
-# allocate + free_all pair). It rules out interpreted subclasses of Block, which
-# nothing makes: the pool creates every handle itself.
-@mypyc_attr(free_list_len=1)
+@mypyc_attr(allow_interpreted_subclasses=True)
 @dataclass(slots=True, eq=False, init=False)
 class Block:
     """A handle of one fixed-size block of KV-cache storage, for one checkout.
