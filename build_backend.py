@@ -55,6 +55,14 @@ COMPILED_MODULES = (
 )
 #: Read by mypyc for its types (AsGiven, mypyc_attr) but not compiled: it holds no code.
 ANALYSED_ONLY = ("veloxquant_mlx/memory/_mypyc.py",)
+#: What every install needs at run time (``[project]`` declares its dependencies
+#: dynamic, so that :func:`install_requirements` can add the compiled wheel's).
+BASE_REQUIREMENTS = ("rich>=13", "numpy>=1.24")
+#: What a compiled wheel needs besides: mypyc's run-time library, whose lock the
+#: compiled pool calls directly (``_PoolLock`` in ``block_pool.py``). A pure wheel
+#: does not ask for it (librt has no wheel for a free-threaded 3.13): the pool
+#: takes librt's lock where it is installed anyway, ``threading.Lock`` elsewhere.
+COMPILED_REQUIREMENTS = ("librt>=0.16",)
 #: How mypy analyses the build: the rest of the package is followed silently, so a
 #: missing optional dependency (mlx-lm, or numpy not installed yet) cannot fail it.
 MYPYC_FLAGS = ("--follow-imports=silent",)
@@ -74,6 +82,18 @@ def get_requires_for_build_wheel(config_settings: dict[str, str] | None = None) 
     if interpreter_reason() is None:
         requirements.append(MYPYC_REQUIREMENT)
     return requirements
+
+
+def install_requirements() -> list[str]:
+    """The run-time requirements of the wheel this ``setup.py`` run describes or builds.
+
+    pip asks for the metadata and then for the wheel in one build environment, so
+    both runs get the same answer from :func:`pure_python_reason`. The editable
+    install's environment has no mypyc, so it is pure and asks for no librt.
+    """
+    if pure_python_reason() is not None:
+        return list(BASE_REQUIREMENTS)
+    return [*BASE_REQUIREMENTS, *COMPILED_REQUIREMENTS]
 
 
 def interpreter_reason() -> str | None:

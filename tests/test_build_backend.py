@@ -4,6 +4,8 @@ A wheel compiles the allocator with mypyc unless it cannot: no working C
 compiler, a free-threaded CPython (mypyc 2.4.1 cannot build for 3.13t), or
 ``VELOXQUANT_PURE=1``. Each of these builds a pure wheel and prints one line
 naming the reason; the editable install compiles nothing and prints nothing.
+A compiled wheel also requires librt (the compiled pool calls its lock); a
+pure one does not.
 The real builds are slow, so these tests call the backend's hooks the way
 setuptools does, with the interpreter or the compiler swapped out.
 """
@@ -93,3 +95,17 @@ def test_the_editable_install_compiles_nothing_and_prints_nothing(
     monkeypatch.setattr(sys, "argv", ["setup.py", "editable_wheel"])
     assert backend.compiled_extensions() == []
     assert capsys.readouterr().err == ""
+
+
+def test_a_compiled_wheel_requires_librt_for_its_lock(
+    backend: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(backend, "pure_python_reason", lambda: None)
+    assert backend.install_requirements() == ["rich>=13", "numpy>=1.24", "librt>=0.16"]
+
+
+def test_a_pure_wheel_does_not_require_librt(
+    backend: ModuleType, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pretend_free_threaded(monkeypatch)  # librt has no wheel for 3.13t
+    assert backend.install_requirements() == ["rich>=13", "numpy>=1.24"]

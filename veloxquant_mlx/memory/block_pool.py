@@ -26,7 +26,7 @@ Complexity (``k`` = blocks in the call, ``f`` = free blocks of the stream,
 Thread safety: every public method of ``BlockPoolAllocator`` that reads or
 writes pool state holds one plain, non-reentrant lock with ``threading.Lock``'s
 semantics (``librt.threading.Lock``, or ``threading.Lock`` where librt is
-missing; see ``_PoolLock``) for its whole critical section, and no callback
+not installed; see ``_PoolLock``) for its whole critical section, and no callback
 ever runs under it. ``Block``, ``AllocationStats`` and ``PoolConfig`` objects
 are not locked: a stats object returned to a caller is a private snapshot, and
 a ``Block`` handle belongs to the owner it was checked out to.
@@ -54,14 +54,16 @@ from veloxquant_mlx.memory._arguments import (
 from veloxquant_mlx.memory._history import StatsHistory
 from veloxquant_mlx.memory._mypyc import AsGiven, mypyc_attr
 
-# The pool's lock: mypyc's run-time library's lock (librt, a dependency of this
-# package) where it imports, else threading.Lock; the same semantics (not
-# reentrant, any thread may release it, a waiting thread lets the GIL go and runs
-# signal handlers). Compiled, mypyc calls its acquire and release directly: per
-# callgrind about 580 instructions fewer per locked call than threading.Lock, whose
-# 3.11 acquire parses its arguments as keywords. Interpreted it is cheaper too
-# (about 27 against 70 ns an acquire and release here). A free-threaded CPython
-# has no wheel of librt, so it gets threading.Lock.
+# The pool's lock: mypyc's run-time library's lock (librt) where it is installed,
+# else threading.Lock; the same acquire/release/locked semantics (not reentrant,
+# any thread may release it, a waiting thread lets the GIL go and runs signal
+# handlers; its acquire takes no timeout, which the pool never uses). Compiled,
+# mypyc calls its acquire and release directly: per callgrind about 580
+# instructions fewer per locked call than threading.Lock, whose 3.11 acquire parses
+# its arguments as keywords; so a compiled wheel requires librt. Interpreted it is
+# cheaper too (about 27 against 70 ns an acquire and release here), but a pure
+# wheel does not require it (librt has no wheel for a free-threaded 3.13):
+# build_backend.install_requirements.
 try:
     from librt.threading import Lock as _PoolLock
 except ImportError:

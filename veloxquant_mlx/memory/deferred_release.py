@@ -9,7 +9,7 @@ itself, from its finaliser. A finaliser runs on whatever thread drops the
 last reference or triggers the garbage collector, at any bytecode of that
 thread, including one inside the pool's critical section (the pool creates
 ``Block`` objects under its lock, and any allocation may start a
-collection). The pool's lock is a plain, non-reentrant ``threading.Lock``, so
+collection). The pool's lock is plain and non-reentrant, so
 a finaliser that called the pool could deadlock its own thread. It takes no
 lock at all: it only *queues* what the book held, with
 ``queue.SimpleQueue.put``, which CPython documents as reentrant (safe in
