@@ -75,7 +75,7 @@ class PoolObservation:
 
     stats: StatsView
     n_free: tuple[tuple[str, int], ...]
-    owners: tuple[tuple[int, tuple[int, ...]], ...]
+    owners: tuple[tuple[int, tuple[Block, ...]], ...]  # Block compares by identity
     handles: tuple[HandleView, ...]
     history: tuple[StatsView, ...]
 
@@ -87,15 +87,16 @@ def observe(
 ) -> PoolObservation:
     """Take a full observation of ``pool``.
 
-    ``owners`` are the owner ids whose ``blocks_for`` is recorded (by handle
-    identity, so a re-created handle shows up as a change); ``handles`` are
+    ``owners`` are the owner ids whose ``blocks_for`` is recorded (the handles
+    themselves, compared by identity and kept alive, so that a re-created handle
+    shows up as a change even if it lands at a freed one's address); ``handles`` are
     the Block objects the test holds, live, stale or foreign.
     """
     return PoolObservation(
         stats=stats_view(pool.stats),
         n_free=tuple((stream, pool.n_free(stream)) for stream in stream_names(pool)),
         owners=tuple(
-            (owner, tuple(id(block) for block in pool.blocks_for(owner))) for owner in owners
+            (owner, tuple(pool.blocks_for(owner))) for owner in owners
         ),
         handles=tuple(handle_view(block) for block in handles),
         history=tuple(stats_view(entry) for entry in pool.history),
