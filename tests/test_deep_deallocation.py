@@ -42,7 +42,9 @@ CHILD = textwrap.dedent(
         "freed handle": lambda: freed(pool.allocate("k", 1, owner=1)),
     }[sys.argv[1]]
     for _ in range(200):
-        nested = [made()]
+        # Two objects: with a mypyc free list of one (free_list_len=1), the first
+        # would be parked before the trashcan; the second still goes through it.
+        nested = [made(), made()]
         for _ in range(int(sys.argv[2])):
             nested = [nested]
         del nested
