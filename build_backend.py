@@ -20,6 +20,7 @@ or ``veloxquant-mlx --version``. ``VELOXQUANT_PURE=1`` asks for a pure wheel.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import sys
@@ -108,6 +109,7 @@ def interpreter_reason() -> str | None:
     return None
 
 
+@functools.cache  # asked twice per setup.py run (extensions, requirements); one probe
 def pure_python_reason() -> str | None:
     """Why this build must be pure Python, or ``None`` if it can be compiled."""
     reason = interpreter_reason()

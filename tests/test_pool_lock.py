@@ -16,29 +16,25 @@ import sys
 import threading
 
 import pytest
+from conftest import make_pool
 
 from veloxquant_mlx.memory import block_pool
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
-
-
-def small_pool() -> BlockPoolAllocator:
-    return BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
 
 
 def test_the_pool_takes_librts_lock_where_librt_is_installed() -> None:
     librt_threading = pytest.importorskip("librt.threading", reason="librt is not installed")
-    assert type(small_pool()._lock) is librt_threading.Lock
+    assert type(make_pool()._lock) is librt_threading.Lock
 
 
 def test_the_pools_lock_is_not_reentrant() -> None:
-    lock = small_pool()._lock
+    lock = make_pool()._lock
     assert lock.acquire()
     assert not lock.acquire(False)  # the holder cannot take it again
     lock.release()
 
 
 def test_another_thread_may_release_the_pools_lock() -> None:
-    pool = small_pool()
+    pool = make_pool()
     lock = pool._lock
     assert lock.acquire()
     releaser = threading.Thread(target=lock.release)

@@ -112,7 +112,7 @@ def pool_lock_replaced(pool: BlockPoolAllocator, lock: ControlledLock) -> Iterat
 
     Raises:
         RuntimeError: The allocator is compiled (its instances have no ``vars``,
-            and its lock calls are bound to the lock type).
+            and it takes librt's lock through C calls, not by name).
     """
     problem = compiled_allocator_problem()
     if problem is not None:
