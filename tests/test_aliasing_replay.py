@@ -21,9 +21,11 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
+from veloxquant_mlx.stress.reproducer import replay_trace
 from veloxquant_mlx.testing.aliasing import (
     AliasingReplay,
     ReplayError,
@@ -234,6 +236,25 @@ def test_a_version_1_trace_loads_upgraded_to_the_api_names() -> None:
     assert upgraded.lines[0].outcome == Returned((0, 1))
     assert upgraded.lines[3].outcome == Returned(2)
     replay(upgraded, numpy_backend())
+
+
+OK_WITHOUT_RETURNED = (
+    '{"trace":"veloxquant-mlx","version":2,"pool":{"block_size":4,"n_blocks":8}}\n'
+    '{"op":"allocate","call":0,"stream":"k","n_tokens":5,"owner":1,"expect":"ok"}\n'
+    '{"op":"share","call":1,"blocks":[[0,0]],"owner":2,"expect":"ok"}\n'
+)
+
+
+@pytest.mark.parametrize("on", ["spec", "pool", "numpy"])
+def test_an_ok_line_without_returned_accepts_any_return_but_not_an_error(on: str) -> None:
+    assert replay_trace(loads(OK_WITHOUT_RETURNED), on) == (
+        Verdict.OK,
+        f"2 ops replayed on {on}: ok",
+    )
+    refused = OK_WITHOUT_RETURNED + '{"op":"free","blocks":[[0,0],[0,0]],"expect":"ok"}\n'
+    verdict, why = replay_trace(loads(refused), on)
+    assert verdict is Verdict.VIOLATION
+    assert "the spec: raised InvalidFreeError" in why
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ from veloxquant_mlx_spec.table import (
     Raised,
     declaration_of,
     issued,
+    matches,
     spec_call,
     spec_outcome,
 )
@@ -168,10 +169,8 @@ def step(
         after, predicted = _predict(state, names, event, window_calls)
     except _UnresolvableError:
         return None
-    if (
-        event.outcome is not None
-        and event.outcome != predicted
-        and not _refused_for_its_shape(event, store_layers, state.config.block_size)
+    if not matches(event.outcome, predicted) and not _refused_for_its_shape(
+        event, store_layers, state.config.block_size
     ):
         return None
     if isinstance(predicted, Raised) or event.call is None:
