@@ -512,7 +512,7 @@ def prometheus_samples(
     transition=query(prometheus_samples),
     domains={"prefix": PREFIX},
     path=("stats", "to_prometheus"),
-    source="C",
+    source="R",  # the method is the reference's; what it renders is the contract's
     changes_state=False,
     rules=("C-PROMETHEUS",),
 )
