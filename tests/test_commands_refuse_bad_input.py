@@ -257,6 +257,36 @@ def test_every_other_command_refuses_bad_input_in_one_line(
     refused(capsys, main, args, fragment)
 
 
+@pytest.mark.parametrize(
+    ("factory", "fragment"),
+    [
+        ("json:loads", "the port 'loads' raised TypeError: the JSON object must be str"),
+        ("broken_factory:make", "the port 'make' raised RuntimeError: no pool today"),
+        ("broken_syntax:make", "cannot import 'broken_syntax' (SyntaxError: "),
+    ],
+    ids=["wrong-signature", "raises", "syntax-error"],
+)
+def test_a_factory_that_cannot_build_a_pool_is_one_line_not_a_traceback(
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    factory: str,
+    fragment: str,
+) -> None:
+    (tmp_path / "broken_factory.py").write_text(
+        "def make(config, history_len=None):\n    raise RuntimeError('no pool today')\n"
+    )
+    (tmp_path / "broken_syntax.py").write_text("def make(:\n")
+    monkeypatch.chdir(tmp_path)
+    args = ["--scope", "shared-4", "--depth", "1", "--factory", factory]
+    assert exhaustive.main(args) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err
+    [error_line] = [line for line in captured.err.splitlines() if ": error: " in line]
+    assert captured.err.endswith(error_line + "\n")  # the last line; before it, progress only
+    assert fragment in error_line
+
+
 def test_stress_names_every_option_that_sizes_a_run_too_big(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

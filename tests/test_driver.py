@@ -5,14 +5,20 @@ veloxquant_mlx.testing.driver``), passes the whole kit and the exhaustive
 command through the protocol; a planted deviation served the same way is
 found by both, and allowed by the kit's allow-list. A driver that dies,
 writes junk or answers late ends the run with one ``DriverFailure`` naming
-the driver, never a hang; on the command line, one line and status 2.
+the driver, never a hang; on the command line, one line and status 2. So does a
+response that breaks the protocol (a result where a ref belongs, an error that
+is not an object), and our driver refuses a request line that is not a JSON
+object the same way.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 
@@ -70,6 +76,61 @@ def _fake(script: str) -> list[str]:
 def test_a_broken_driver_is_one_clear_failure(script: str, timeout: float, said: str) -> None:
     with pytest.raises(DriverFailure, match=said):
         DriverProcess(_fake(script), timeout=timeout).request("pool", config={})
+
+
+def _answering(response: str) -> str:
+    """A fake driver that says hello, then answers every request with ``response``
+    (``ID`` stands for the request's id)."""
+    return (
+        f"import json, sys\nprint({HELLO!r}, flush=True)\n"
+        "for line in sys.stdin:\n"
+        f"    print({response!r}.replace('ID', str(json.loads(line)['id'])), flush=True)\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("response", "said"),
+    [
+        ('{"id": ID, "result": 5}', "it answered 5 to a pool request; expected a ref"),
+        ('{"id": ID, "result": {"ref": "abc"}}', "a ref must be an int"),
+        ('{"id": ID, "error": "oops"}', 'expected an error {"class": NAME, "message": TEXT}'),
+        ('{"id": ID, "result": 1, "error": {"class": "X"}}', "expected result or error"),
+        ('{"id": ID}', "expected result or error"),
+    ],
+    ids=["not-a-ref", "ref-not-an-int", "error-not-an-object", "both", "neither"],
+)
+def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
+    response: str, said: str
+) -> None:
+    port = driven_port(_fake(_answering(response)))
+    with pytest.raises(DriverFailure, match=re.escape(said)):
+        port.build(SCOPES[1].config, 2)
+
+
+@pytest.mark.parametrize(
+    ("request_line", "said"),
+    [
+        (
+            "{oops",
+            "request line 2 is not JSON "
+            "(Expecting property name enclosed in double quotes): '{oops'",
+        ),
+        ("[1]", "request line 2 must be a JSON object, got list: '[1]'"),
+    ],
+    ids=["not-json", "not-an-object"],
+)
+def test_the_driver_refuses_a_request_line_that_is_not_a_json_object(
+    request_line: str, said: str
+) -> None:
+    pool = json.dumps({"id": 1, "op": "pool", "config": dataclasses.asdict(SEPARATE_4.config)})
+    ran = subprocess.run(
+        DRIVER, input=f"{pool}\n{request_line}\n", capture_output=True, text=True, check=False
+    )
+    assert ran.returncode == 2
+    hello, answer = ran.stdout.splitlines()
+    assert json.loads(hello)["protocol"] == PROTOCOL
+    assert json.loads(answer) == {"id": 1, "result": {"ref": 1}}
+    assert ran.stderr == f"python -m veloxquant_mlx.testing.driver: error: {said}\n"
 
 
 @pytest.fixture

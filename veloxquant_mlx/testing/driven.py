@@ -35,7 +35,7 @@ import subprocess
 import tempfile
 import weakref
 from collections.abc import Callable, Sequence
-from typing import IO, Any, Final
+from typing import IO, Any, Final, NoReturn
 
 from veloxquant_mlx.testing.driver import PROTOCOL, PROTOCOL_VERSION
 from veloxquant_mlx.testing.port import Port
@@ -119,9 +119,7 @@ class DriverProcess:
         self.dropped: list[int] = []  # pools gone here, told to the driver before the next request
         hello = self._read_line("the hello line")
         if hello.get("protocol") != PROTOCOL or hello.get("version") != PROTOCOL_VERSION:
-            self._fail(
-                f"its hello is {hello!r}; expected protocol {PROTOCOL!r} v{PROTOCOL_VERSION}"
-            )
+            self.fail(f"its hello is {hello!r}; expected protocol {PROTOCOL!r} v{PROTOCOL_VERSION}")
         self.calls: frozenset[str] = frozenset(hello.get("calls", ()))
 
     @property
@@ -142,25 +140,32 @@ class DriverProcess:
             self._process.stdin.write(line.encode())
             self._process.stdin.flush()
         except (BrokenPipeError, OSError):
-            self._fail(f"it stopped reading (request {line.strip()})")
+            self.fail(f"it stopped reading (request {line.strip()})")
         response = self._read_line(f"the response to {line.strip()}")
         if response.get("id") != self._next_id:
-            self._fail(f"it answered {response!r} to request {self._next_id}")
-        error = response.get("error")
-        if isinstance(error, dict):
-            cls = ERRORS.get(str(error.get("class")), RuntimeError)
-            raise cls(str(error.get("message", "")))
-        return response.get("result")
+            self.fail(f"it answered {response!r} to request {self._next_id}")
+        if ("result" in response) == ("error" in response):
+            self.fail(f"it answered {response!r} to {line.strip()}: expected result or error")
+        if "result" in response:
+            return response["result"]
+        error = response["error"]
+        if not isinstance(error, dict) or not isinstance(error.get("class"), str):
+            self.fail(
+                f"it answered {response!r} to {line.strip()}: expected an error "
+                '{"class": NAME, "message": TEXT}'
+            )
+        cls = ERRORS.get(error["class"], RuntimeError)
+        raise cls(str(error.get("message", "")))
 
     def _read_line(self, what: str) -> dict[str, Any]:
         """One JSON object line, within the timeout."""
         while b"\n" not in self._buffer:
             if not self._selector.select(self.timeout):
-                self._fail(f"it gave no answer within {self.timeout:g} s (waiting for {what})")
+                self.fail(f"it gave no answer within {self.timeout:g} s (waiting for {what})")
             assert self._process.stdout is not None, "piped"
             chunk = os.read(self._process.stdout.fileno(), 65536)
             if not chunk:
-                self._fail(f"it exited (status {self._process.wait()}) before {what}")
+                self.fail(f"it exited (status {self._process.wait()}) before {what}")
             self._buffer += chunk
         raw, self._buffer = self._buffer.split(b"\n", 1)
         try:
@@ -168,10 +173,12 @@ class DriverProcess:
         except ValueError:
             record = None
         if not isinstance(record, dict):
-            self._fail(f"it wrote {raw[:200]!r}, not a JSON object, for {what}")
+            self.fail(f"it wrote {raw[:200]!r}, not a JSON object, for {what}")
         return dict(record)
 
-    def _fail(self, why: str) -> Any:
+    def fail(self, why: str) -> NoReturn:
+        """Stop the driver and raise :class:`DriverFailure` saying ``why`` (and the last
+        line of its stderr): it broke the protocol."""
         _stop(self._process)
         said = _last_line(self._stderr)
         told = f"; its stderr ends: {said}" if said else ""
@@ -242,8 +249,18 @@ class DrivenObjects:
         if isinstance(value, list):
             return [self.decode(item) for item in value]
         if isinstance(value, dict) and "ref" in value:
-            return self.proxy(int(value["ref"]))
+            ref = value["ref"]
+            if type(ref) is not int:
+                self.driver.fail(f"it sent {value!r}: a ref must be an int")
+            return self.proxy(ref)
         return value
+
+    def decode_ref(self, value: object, what: str) -> RemoteObject:
+        """A result that must be a ref (a new pool or block): its proxy."""
+        decoded = self.decode(value)
+        if not isinstance(decoded, RemoteObject):
+            self.driver.fail(f"it answered {value!r} to a {what} request; expected a ref")
+        return decoded
 
     def encode(self, value: object) -> object:
         """An argument: proxies as refs, tuples and bytes wrapped, anything else as JSON."""
@@ -287,12 +304,12 @@ def driven_port(
     def factory(**fields: object) -> Any:
         history_len = fields.pop("history_len", None)
         result = objects.driver.request("pool", config=fields, history_len=history_len)
-        pool = objects.decode(result)
-        weakref.finalize(pool, objects.driver.dropped.append, int(result["ref"]))  # type: ignore[index]
+        pool = objects.decode_ref(result, "pool")
+        weakref.finalize(pool, objects.driver.dropped.append, pool._ref)
         return pool
 
     def block_class(block_id: int) -> object:
-        return objects.decode(objects.driver.request("block", block_id=block_id))
+        return objects.decode_ref(objects.driver.request("block", block_id=block_id), "block")
 
     factory.__name__ = name
     return Port(

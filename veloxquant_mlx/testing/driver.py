@@ -30,6 +30,7 @@ import json
 from collections.abc import Sequence
 from typing import IO, Any, Final
 
+from veloxquant_mlx.commandline.bad_input import BadInputError
 from veloxquant_mlx.testing.port import ERROR_NAMES, Port
 
 __all__ = ["PROTOCOL", "PROTOCOL_VERSION", "Driver", "serve_lines"]
@@ -118,9 +119,8 @@ class Driver:
             return self.encode(getattr(target, request["name"])(*arguments), pool)
         raise ValueError(f"unknown op {op!r}; expected pool, block, drop, get or call")
 
-    def respond(self, line: str) -> dict[str, object]:
-        """The response to one request line; a port's error is named by its contract class."""
-        request = json.loads(line)
+    def respond(self, request: dict[str, Any]) -> dict[str, object]:
+        """The response to one request; a port's error is named by its contract class."""
         answer: dict[str, object] = {"id": request.get("id")}
         try:
             answer["result"] = self.serve(request)
@@ -138,11 +138,37 @@ def _contract_name(error: BaseException) -> str:
 
 
 def serve_lines(port: Port, lines: IO[str], out: IO[str]) -> None:
-    """Serve ``lines`` until they end: the hello, then one response per request."""
+    """Serve ``lines`` until they end: the hello, then one response per request.
+
+    Raises:
+        BadInputError: A line is not UTF-8 text or not a JSON object (the client does
+            not speak the protocol); the responses before it were sent.
+    """
     driver = Driver(port)
     out.write(json.dumps(driver.hello()) + "\n")
     out.flush()
-    for line in lines:
-        if line.strip():
-            out.write(json.dumps(driver.respond(line)) + "\n")
-            out.flush()
+    number = 0
+    try:
+        for number, line in enumerate(lines, start=1):
+            if line.strip():
+                out.write(json.dumps(driver.respond(_request(line, number))) + "\n")
+                out.flush()
+    except UnicodeDecodeError as error:
+        why = f"request line {number + 1} is not UTF-8 text ({error.reason})"
+        raise BadInputError(why) from None
+
+
+def _request(line: str, number: int) -> dict[str, Any]:
+    """Request line ``number`` as a JSON object, or the bad input it is."""
+    try:
+        request = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise BadInputError(
+            f"request line {number} is not JSON ({error.msg}): {line.strip()[:80]!r}"
+        ) from None
+    if not isinstance(request, dict):
+        raise BadInputError(
+            f"request line {number} must be a JSON object, got {type(request).__name__}: "
+            f"{line.strip()[:80]!r}"
+        )
+    return request

@@ -231,8 +231,9 @@ def _explore_scopes(
     """Explore each chosen scope in turn, printing its lines unless ``--json``.
 
     Raises:
-        BadInputError: A driver broke the protocol (died, wrote junk, answered late);
-            the scopes printed before stand, and no verdict is given.
+        BadInputError: A driver broke the protocol (died, wrote junk, answered late),
+            or a port raised outside a pool call (its factory); the scopes printed
+            before stand, and no verdict is given.
     """
     results: list[Exploration] = []
     for scope in SCOPES:
@@ -250,6 +251,16 @@ def _explore_scopes(
         except DriverFailure as failure:
             notes = "".join(f"; {note}" for note in getattr(failure, "__notes__", ()))
             raise BadInputError(f"{failure} (exploring {scope.name}{notes})") from None
+        except Exception as error:
+            if port is None:
+                raise  # our own pool: a bug of ours, shown whole
+            # A pool call's error is an outcome the checker compares; this escaped one
+            # came from building a pool (the factory, or the driver's answer to "pool").
+            raise BadInputError(
+                f"the port {port.name!r} raised {type(error).__name__}: {error} while a pool "
+                f"was built or set up (exploring {scope.name}); a factory must build a pool "
+                f"of {scope.config}"
+            ) from None
         results.append(result)
         _save(result, scope.name, args.out)
         if not args.json:

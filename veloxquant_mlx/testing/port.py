@@ -218,7 +218,8 @@ def factory_from_text(text: str) -> Port:
     """The port named ``module:callable`` (the module is imported; ``.`` is on the path).
 
     Raises:
-        ValueError: The text is not of that form, or names nothing callable.
+        ValueError: The text is not of that form, its module cannot be imported (or
+            raises while it is), or it names nothing callable.
     """
     module_name, colon, attribute = text.partition(":")
     if not (colon and module_name and attribute):
@@ -227,8 +228,10 @@ def factory_from_text(text: str) -> Port:
         sys.path.insert(0, os.getcwd())
     try:
         target: object = importlib.import_module(module_name)
-    except ImportError as error:
-        raise ValueError(f"cannot import {module_name!r} ({error})") from None
+    except Exception as error:  # importing runs the module: a SyntaxError, a NameError...
+        raise ValueError(
+            f"cannot import {module_name!r} ({type(error).__name__}: {error})"
+        ) from None
     for part in attribute.split("."):
         if not hasattr(target, part):
             raise ValueError(f"{module_name!r} has no {attribute!r}")
