@@ -91,6 +91,8 @@ def refused(
         ('{"trace": "veloxquant-mlx", "x": ' + "1" * 5000 + "}\n", "header is not JSON"),
         (header_with() + "[" * 200_000 + "]" * 200_000 + "\n", "line 2: not JSON: nested too"),
         ("[" * 200_000 + "\n", "header is not JSON: nested too deeply"),
+        (header_with() + '{"op": "n_free", "stream": NaN}\n', "line 2: not JSON: a number must"),
+        (header_with() + '{"op": "n_free", "stream": 1e400}\n', "must be finite, got 1e400"),
     ],
     ids=[
         "missing",
@@ -106,6 +108,8 @@ def refused(
         "int-of-5000-digits-in-the-header",
         "arrays-nested-200000-deep",
         "header-nested-200000-deep",
+        "nan",
+        "a-float-beyond-any-float",
     ],
 )
 def test_the_aliasing_cli_refuses_a_bad_trace_in_one_line(

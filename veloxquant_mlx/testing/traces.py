@@ -429,15 +429,28 @@ def _parse_json(text: str, what: str) -> object:
     """``json.loads(text)``; whatever it refuses is a :class:`TraceFormatError` saying ``what``.
 
     Besides malformed JSON, that is an integer of more digits than Python
-    converts (``ValueError``) and arrays nested deeper than the parser
-    recurses (``RecursionError``): bad input, never a traceback.
+    converts (``ValueError``), a number that is not finite (``NaN``,
+    ``Infinity`` or ``1e400``: the writer never writes one), and arrays nested
+    deeper than the parser recurses (``RecursionError``): bad input, never a
+    traceback.
     """
     try:
-        return json.loads(text)
+        return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
     except RecursionError:
         raise TraceFormatError(f"{what}: nested too deeply to read") from None
     except ValueError as error:  # JSONDecodeError, or an int of over 4,300 digits
         raise TraceFormatError(f"{what}: {error}") from None
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"a number must be finite, got {text}")
+    return value
+
+
+def _no_constant(text: str) -> float:
+    raise ValueError(f"a number must be finite, got {text}")
 
 
 def _not_a_trace(record: object, line: str) -> TraceFormatError:
