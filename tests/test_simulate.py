@@ -401,6 +401,14 @@ def test_wasted_slots_are_less_than_one_block_per_stream() -> None:
         assert 0 <= wasted <= 2 * (8 - 1) * running
 
 
+def test_the_largest_block_size_reports_wasted_slots_past_2_63() -> None:
+    largest = 2**63 - 1  # the bound of every int the pool takes
+    engine = make_engine(block_size=largest, n_blocks=40)
+    report = simulate(engine, generate_workload(SMALL_MIX, 4, until_step=50))
+    assert report.wasted_slots.slots.max > 2**63  # two such blocks: more slots than an int64
+    assert report.wasted_slots.mean_pct_of_allocated == pytest.approx(100, abs=1e-6)
+
+
 def test_prometheus_text_matches_the_report() -> None:
     engine = make_engine(n_blocks=24)
     report = simulate(engine, generate_workload(SMALL_MIX, 2, until_step=200))

@@ -93,7 +93,9 @@ class Recorder:
     # Typed arrays: 8 bytes a sample, so a million-step run stays small.
     blocks_in_use: array[int] = field(default_factory=lambda: array("q"))
     fragmentation: array[float] = field(default_factory=lambda: array("d"))
-    wasted_slots: array[int] = field(default_factory=lambda: array("q"))
+    # Floats: with blocks near the largest size a slot count passes 2**63 (its
+    # distribution is in floats anyway).
+    wasted_slots: array[float] = field(default_factory=lambda: array("d"))
     queue_len: array[int] = field(default_factory=lambda: array("q"))
     running: array[int] = field(default_factory=lambda: array("q"))
     queue_waits: array[int] = field(default_factory=lambda: array("q"))  # at first admission
