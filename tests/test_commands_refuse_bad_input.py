@@ -251,6 +251,7 @@ def test_stress_replay_refuses_what_is_not_a_trace(
         (exhaustive.main, ["--driver", "x", "--factory", "json:dumps"], "not allowed with"),
         (cli.main, ["driver", "--factory", "nowhere:Pool"], "cannot import 'nowhere'"),
         (driver_command.main, ["--factory", "json"], "expected module:callable, got 'json'"),
+        (cli.main, ["stress", "--check-interval", "1e10"], "<= 3600, got '1e10'"),
         (schedules.main, ["--max-preemptions", "-1"], "got '-1'"),
         (schedules.main, ["--max-schedules", "0"], "got '0'"),
     ],

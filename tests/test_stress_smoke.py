@@ -16,6 +16,7 @@ import contextlib
 import dataclasses
 import io
 import json
+import math
 import random
 import subprocess
 import sys
@@ -33,7 +34,7 @@ from veloxquant_mlx import cli
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.checker import LinearizabilityChecker, check_history
-from veloxquant_mlx.stress.config import OPERATION_KINDS, OperationMix
+from veloxquant_mlx.stress.config import OPERATION_KINDS, OperationMix, profile
 from veloxquant_mlx.stress.history import ThreadRecorder
 from veloxquant_mlx.stress.linearizability import split_at_quiescent_points
 from veloxquant_mlx.stress.recording import EXPECTED_ERRORS
@@ -164,6 +165,14 @@ def test_stress_rejects_a_bad_mix_as_a_usage_error(capsys: pytest.CaptureFixture
 
 
 # -- the checker on hand-written histories -------------------------------------------------
+
+
+@pytest.mark.parametrize("seconds", [-0.5, 3600.5, 1e10, math.inf, math.nan])
+def test_a_config_refuses_a_check_interval_outside_0_to_an_hour(seconds: float) -> None:
+    # 1e10 s once killed the checker thread (past threading.TIMEOUT_MAX) and the run
+    # still said OK.
+    with pytest.raises(ValueError, match="check_interval must be from 0 to 3600 seconds"):
+        profile("smoke").with_options(check_interval=seconds)
 
 
 def test_concurrent_allocates_may_take_blocks_in_either_order() -> None:

@@ -44,6 +44,7 @@ from veloxquant_mlx.commandline.values import any_int, finite_float, int_at_leas
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.stress.config import (
+    MAX_CHECK_INTERVAL,
     MAX_WINDOW_OPS,
     PROFILES,
     OperationMix,
@@ -191,9 +192,10 @@ def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("checks")
     group.add_argument(
         "--check-interval",
-        type=finite_float(0, low_inclusive=True),
+        type=finite_float(0, MAX_CHECK_INTERVAL, low_inclusive=True),
         metavar="SECONDS",
-        help="seconds between check_invariants() calls; 0 turns them off",
+        help=f"seconds between check_invariants() calls (at most {MAX_CHECK_INTERVAL:g}); "
+        "0 turns them off",
     )
     group.add_argument(
         "--stall-timeout",

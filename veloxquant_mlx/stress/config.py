@@ -33,6 +33,7 @@ from veloxquant_mlx_spec.table import declarations
 
 __all__ = [
     "DEFAULT_MIX",
+    "MAX_CHECK_INTERVAL",
     "MAX_WINDOW_OPS",
     "OPERATION_KINDS",
     "PROFILES",
@@ -76,6 +77,10 @@ StorageName = Literal["mlx", "numpy", "none"]
 #: steeply with its size: past a few dozen calls per thread it rarely
 #: finishes, and the recorded calls of a huge window fill the memory first.
 MAX_WINDOW_OPS: Final = 1_000
+#: The longest pause between two ``check_invariants()`` calls during a run, in
+#: seconds (an hour). A longer one would never check a run, and past
+#: ``threading.TIMEOUT_MAX`` the checker's wait cannot even be started.
+MAX_CHECK_INTERVAL: Final = 3600.0
 
 
 @dataclass(frozen=True)
@@ -209,6 +214,11 @@ class StressConfig:
             raise ValueError(f"history_len must be >= 0, got {self.history_len}")
         if not self.check_budget > 0:
             raise ValueError(f"check_budget must be > 0 seconds, got {self.check_budget}")
+        if not 0 <= self.check_interval <= MAX_CHECK_INTERVAL:
+            raise ValueError(
+                f"check_interval must be from 0 to {MAX_CHECK_INTERVAL:g} seconds, "
+                f"got {self.check_interval}"
+            )
 
     def checks_off(self) -> tuple[str, ...]:
         """The checks this run was asked to leave out, each naming the option that did.
