@@ -93,6 +93,13 @@ def refused(
         ("[" * 200_000 + "\n", "header is not JSON: nested too deeply"),
         (header_with() + '{"op": "n_free", "stream": NaN}\n', "line 2: not JSON: a number must"),
         (header_with() + '{"op": "n_free", "stream": 1e400}\n', "must be finite, got 1e400"),
+        (
+            header_with()
+            + '{"op": "allocate", "call": 0, "stream": "k", "n_tokens": 5, "owner": 1}\n'
+            + '{"op": "write", "layer": 0, "block": [0, 0], "start": 0, '
+            + '"n_tokens": 10000000000000}\n',
+            "and a write of n_tokens=10,000,000,000,000 needs about",
+        ),
     ],
     ids=[
         "missing",
@@ -110,6 +117,7 @@ def refused(
         "header-nested-200000-deep",
         "nan",
         "a-float-beyond-any-float",
+        "a-write-too-big",
     ],
 )
 def test_the_aliasing_cli_refuses_a_bad_trace_in_one_line(

@@ -163,12 +163,7 @@ def replay_memory_estimate(trace: Trace, itemsize: int) -> int:
         itemsize=itemsize,
     )
     shadow = (store.n_layers + 2) * ids * block_size * values * _SHADOW_ITEMSIZE
-    writes = [
-        line.op.n_tokens
-        for line in trace.lines
-        if isinstance(line.op, Write) and isinstance(line.op.n_tokens, int)
-    ]
-    sentinels = max(writes, default=0) * values * (8 + _SHADOW_ITEMSIZE + itemsize)
+    sentinels = max(_write_sizes(trace), default=0) * values * (8 + _SHADOW_ITEMSIZE + itemsize)
     return pool_bytes(ids) + slabs + shadow + sentinels
 
 
@@ -196,10 +191,21 @@ def load_checked(path: Path, backend: StorageBackend[Any] | None) -> Trace:
     except ValueError as error:
         raise BadInputError(f"{path}: {error}") from None
     pool, store = trace.pool, trace.store
+    largest_write = max(_write_sizes(trace), default=0)
     require_fits_in_memory(
         replay_memory_estimate(trace, itemsize),
         f"{path}: replaying a pool of n_blocks={pool.n_blocks} (max_blocks={pool.max_blocks}) "
         f"with a store of n_layers={store.n_layers}, n_kv_heads={store.n_kv_heads}, "
-        f"head_dim={store.head_dim}, dtype={store.dtype}",
+        f"head_dim={store.head_dim}, dtype={store.dtype}"
+        + (f", and a write of n_tokens={largest_write:,}" if largest_write else ""),
     )
     return trace
+
+
+def _write_sizes(trace: Trace) -> list[int]:
+    """``n_tokens`` of every store write of ``trace`` (its sentinel values take memory)."""
+    return [
+        line.op.n_tokens
+        for line in trace.lines
+        if isinstance(line.op, Write) and isinstance(line.op.n_tokens, int)
+    ]
