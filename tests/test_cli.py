@@ -252,6 +252,19 @@ def test_missing_subcommand_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     assert "required: SUBCOMMAND" in capsys.readouterr().err
 
 
+def test_an_option_before_any_subcommand_is_named_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert cli.main(["--bogus-opt"]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1
+    assert captured.err.startswith(
+        "veloxquant-mlx: error: unrecognized arguments: --bogus-opt; expected a subcommand "
+        "first (simulate, stress, exhaustive, replay, schedules, driver)"
+    )
+    assert cli.main(["--version"]) == 0  # the top level's own options still work
+
+
 def test_help_exits_0_and_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["simulate", "--help"]) == 0
     out = capsys.readouterr().out

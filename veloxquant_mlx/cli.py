@@ -167,7 +167,9 @@ def _run_one(prog: str, subcommand: Subcommand, argv: Sequence[str]) -> int:
 
 def _parse_and_run(argv: Sequence[str] | None) -> int:
     parser, subparsers = build_parser()
-    args, unknown = parser.parse_known_args(argv)  # a usage error exits: see run_command
+    arguments = list(sys.argv[1:] if argv is None else argv)
+    _refuse_options_before_a_subcommand(parser, arguments)
+    args, unknown = parser.parse_known_args(arguments)  # a usage error exits: see run_command
     subcommand = _find(args.subcommand)
     # Reported by the subcommand's parser, so that its name is the one shown.
     problem = (
@@ -177,3 +179,23 @@ def _parse_and_run(argv: Sequence[str] | None) -> int:
         subparsers[subcommand.name].error(problem)
     args.prog = f"{PROG} {subcommand.name}"
     return run_command(args.prog, lambda: subcommand.run(args))
+
+
+def _refuse_options_before_a_subcommand(
+    parser: argparse.ArgumentParser, arguments: Sequence[str]
+) -> None:
+    """With no subcommand named, an option other than ``--help`` or ``--version`` is
+    refused by name (argparse would only say that a subcommand is missing)."""
+    names = {subcommand.name for subcommand in SUBCOMMANDS}
+    if any(argument in names for argument in arguments):
+        return
+    unknown = [
+        argument
+        for argument in arguments
+        if argument.startswith("-") and argument not in ("-h", "--help", "--version")
+    ]
+    if unknown:
+        parser.error(
+            f"unrecognized arguments: {' '.join(unknown)}; expected a subcommand first "
+            f"({', '.join(subcommand.name for subcommand in SUBCOMMANDS)}), its options after it"
+        )
