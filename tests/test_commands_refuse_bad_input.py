@@ -238,6 +238,23 @@ def test_stress_replay_refuses_what_is_not_a_trace(
     refused(capsys, cli.main, ["stress", "--replay", str(garbage)], "not a trace")
 
 
+def test_stress_replay_refuses_the_run_options_it_would_ignore(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    trace = tmp_path / "t.jsonl"
+    allocate = TraceLine(Allocate("k", 5, 1), 0)
+    save(Trace(PoolConfig(block_size=4, n_blocks=8), StoreSpec(1, 1, 2), (allocate,)), trace)
+    replay = ["stress", "--replay", str(trace)]
+    refused(
+        capsys,
+        cli.main,
+        [*replay, "--search-budget", "1", "--threads", "8", "--json"],
+        "so --threads, --search-budget, --json would have no effect",
+    )
+    assert cli.main([*replay, "--replay-backend", "numpy", "--no-progress"]) == 0
+    assert capsys.readouterr().out == f"{trace}: 1 ops replayed on numpy: ok\n"
+
+
 # -- simulate, exhaustive, schedules ----------------------------------------------------------
 
 

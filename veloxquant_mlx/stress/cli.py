@@ -247,6 +247,8 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
 
 def validate(args: argparse.Namespace) -> str | None:
     """A usage error message for options that conflict or cannot fit, else ``None``."""
+    if args.replay is not None:
+        return _replay_conflicts(args)
     if args.mix is not None:
         try:
             OperationMix.parse(args.mix)
@@ -261,6 +263,30 @@ def validate(args: argparse.Namespace) -> str | None:
     except ValueError as error:
         return str(error)
     return None
+
+
+def _replay_conflicts(args: argparse.Namespace) -> str | None:
+    """With ``--replay``, the run's options that were given (they would be ignored)."""
+    given = [
+        "--" + name.replace("_", "-")
+        for name, value in vars(args).items()
+        if name not in _REPLAY_OPTIONS
+        and value not in (None, False)
+        and not (name == "profile" and value == "smoke")
+    ]
+    if not given:
+        return None
+    return (
+        f"--replay replays a trace and runs nothing, so {', '.join(given)} would have no "
+        "effect; leave them out (a replay's search budget is veloxquant-mlx replay FILE "
+        "--budget N)"
+    )
+
+
+#: What ``--replay`` uses of the options (and the names the command line adds).
+_REPLAY_OPTIONS: Final = frozenset(
+    {"replay", "replay_backend", "no_progress", "subcommand", "prog"}
+)
 
 
 def memory_estimate(config: StressConfig) -> int:
