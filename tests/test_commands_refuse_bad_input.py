@@ -24,7 +24,7 @@ from veloxquant_mlx import cli
 from veloxquant_mlx.commandline import bad_input
 from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.stress import finaliser_schedules, schedules
-from veloxquant_mlx.stress.cli import memory_estimate
+from veloxquant_mlx.stress.cli import config_from, memory_estimate
 from veloxquant_mlx.stress.config import PROFILES
 from veloxquant_mlx.testing import aliasing, driver_command, exhaustive, exhaustive_command
 from veloxquant_mlx.testing.exhaustive_command import default_max_states
@@ -236,6 +236,26 @@ def test_stress_replay_refuses_what_is_not_a_trace(
     garbage = tmp_path / "garbage.jsonl"
     garbage.write_text("not json\n")
     refused(capsys, cli.main, ["stress", "--replay", str(garbage)], "not a trace")
+
+
+@pytest.mark.parametrize(
+    ("args", "fragment"),
+    [
+        (["--no-grow", "--max-blocks", "50"], "--max-blocks 50 has no effect on a pool that"),
+        (["--n-blocks", "100"], "--n-blocks 100 is above the profile's cap of growth, max_blocks"),
+    ],
+)
+def test_stress_names_the_pool_options_that_conflict(
+    capsys: pytest.CaptureFixture[str], args: list[str], fragment: str
+) -> None:
+    refused(capsys, cli.main, ["stress", *args], fragment)
+
+
+def test_stress_no_grow_drops_the_profiles_cap_so_any_n_blocks_fits() -> None:
+    parser, _ = cli.build_parser()
+    config = config_from(parser.parse_args(["stress", "--no-grow", "--n-blocks", "100"]))
+    assert (config.pool.n_blocks, config.pool.grow_on_exhaustion) == (100, False)
+    assert config.pool.max_blocks is None
 
 
 def test_stress_replay_refuses_the_run_options_it_would_ignore(

@@ -340,13 +340,28 @@ def _sizes_named(config: StressConfig) -> str:
 
 
 def _pool_from(args: argparse.Namespace, base: PoolConfig) -> PoolConfig:
+    """The profile's pool with the options given; a conflict names the options.
+
+    Raises:
+        ValueError: ``--max-blocks`` with ``--no-grow``, or ``--n-blocks`` above the
+            profile's cap of growth with no ``--max-blocks`` given.
+    """
     grow = base.grow_on_exhaustion and not args.no_grow
+    if args.max_blocks is not None and not grow:
+        raise ValueError(f"--max-blocks {args.max_blocks} has no effect on a pool that never grows")
+    max_blocks = base.max_blocks if args.max_blocks is None and grow else args.max_blocks
+    n_blocks = base.n_blocks if args.n_blocks is None else args.n_blocks
+    if args.max_blocks is None and max_blocks is not None and n_blocks > max_blocks:
+        raise ValueError(
+            f"--n-blocks {n_blocks} is above the profile's cap of growth, max_blocks "
+            f"{max_blocks}; give --max-blocks >= {n_blocks} too, or --no-grow"
+        )
     return PoolConfig(
         block_size=base.block_size if args.block_size is None else args.block_size,
-        n_blocks=base.n_blocks if args.n_blocks is None else args.n_blocks,
+        n_blocks=n_blocks,
         separate_kv=base.separate_kv and not args.shared_kv,
         grow_on_exhaustion=grow,
-        max_blocks=base.max_blocks if args.max_blocks is None else args.max_blocks,
+        max_blocks=max_blocks,
     )
 
 
