@@ -129,6 +129,10 @@ def test_random_trace_round_trips_and_replays_to_the_same_outcomes(data: st.Data
         ('{"op": "shrink", "stream": "k"}', "target_free"),
         ('{"op": "allocate", "stream": "k", "n_tokens": 1, "owner": 1}', "needs a 'call' label"),
         ('{"op": "free_all", "owner": 1, "returned": 3}', "'returned' needs"),
+        (
+            '{"op": "n_free", "stream": "k", "thread": 0, "invoke_ns": 9, "return_ns": 8}',
+            "return_ns must be >= invoke_ns (9): a call returns after it starts, got 8",
+        ),
     ],
 )
 def test_a_bad_op_line_is_rejected_with_its_line_number(line: str, complaint: str) -> None:
@@ -136,6 +140,21 @@ def test_a_bad_op_line_is_rejected_with_its_line_number(line: str, complaint: st
     with pytest.raises(TraceFormatError, match="line 2") as raised:
         loads(text)
     assert complaint in str(raised.value)
+
+
+def test_a_call_label_used_twice_is_rejected_naming_both_lines() -> None:
+    text = dumps(trace()) + '{"op": "free_all", "call": 4, "owner": 1}\n' * 2
+    with pytest.raises(TraceFormatError, match="line 3: call label 4 is already line 2's"):
+        loads(text)
+
+
+def test_a_replayed_trace_keeps_unlabelled_lines_unlabelled() -> None:
+    # Once labelled by position, an unlabelled line took a label a later line already had.
+    given = trace(TraceLine(Allocate("kv", 2, 1), 0), TraceLine(Free((h(0, 0),))))
+    given = given.with_lines([*given.lines, TraceLine(Allocate("kv", 2, 2), 1)])
+    recorded = replay(given, numpy_backend()).trace()
+    assert [line.call for line in recorded.lines] == [0, None, 1]
+    assert loads(dumps(recorded)) == recorded
 
 
 def test_a_bad_header_is_rejected() -> None:

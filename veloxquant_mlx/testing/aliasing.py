@@ -265,7 +265,9 @@ class AliasingReplay(Generic[ArrayT]):
             spec.compact()
         if isinstance(outcome, Raised):
             outcome = Raised(outcome.kind)
-        return replace(line, call=label, outcome=outcome), [*_names_in(line.op), *gone]
+        # An unlabelled line (one that hands out no handle) stays unlabelled: its position,
+        # the lockstep's label for it, may be another line's label in the file.
+        return replace(line, outcome=outcome), [*_names_in(line.op), *gone]
 
     def _give_contents(self, name: Handle) -> None:
         """A handle the spec says became live: a share of a block already live reads its

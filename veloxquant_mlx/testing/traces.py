@@ -388,11 +388,17 @@ def _timing(fields: dict[str, object]) -> dict[str, int | None]:
         return {}
     if set(fields) != set(_TIMING):
         raise TraceFormatError(f"a timed line needs all of {list(_TIMING)}, got {sorted(fields)}")
-    return_ns = fields["return_ns"]
+    invoke_ns = _int("invoke_ns", fields["invoke_ns"])
+    return_ns = None if fields["return_ns"] is None else _int("return_ns", fields["return_ns"])
+    if return_ns is not None and return_ns < invoke_ns:
+        raise TraceFormatError(
+            f"return_ns must be >= invoke_ns ({invoke_ns}): a call returns after it starts, "
+            f"got {return_ns}"
+        )
     return {
         "thread": _int("thread", fields["thread"]),
-        "invoke_ns": _int("invoke_ns", fields["invoke_ns"]),
-        "return_ns": None if return_ns is None else _int("return_ns", return_ns),
+        "invoke_ns": invoke_ns,
+        "return_ns": return_ns,
     }
 
 
@@ -509,11 +515,20 @@ def loads(text: str) -> Trace:
     except TraceFormatError as error:
         raise _one_document(text) or TraceFormatError(f"line {header_number}: {error}") from None
     lines: list[TraceLine] = []
+    labelled: dict[int, int] = {}  # call label -> the line that has it
     for number, line in numbered[1:]:
         try:
-            lines.append(decode_line(line, version=version))
+            decoded = decode_line(line, version=version)
         except TraceFormatError as error:
             raise TraceFormatError(f"line {number}: {error}") from None
+        if decoded.call is not None:
+            first = labelled.setdefault(decoded.call, number)
+            if first != number:
+                raise TraceFormatError(
+                    f"line {number}: call label {decoded.call} is already line {first}'s; "
+                    "expected labels distinct in the file"
+                )
+        lines.append(decoded)
     return trace.with_lines(lines)
 
 
