@@ -1,29 +1,42 @@
-"""What a decode step's slab write costs the fused kernel that reads it next (CUDA only).
+"""What a decode step's reads cost on the device: the store's two paths against ``KVCache``'s.
 
 The fused paged-attention kernel is faster per call than gather + MLX's
 attention (``bench_paged_attention.py``), yet a decode step through it is
-slower end to end (``bench_kv_cache.py``). This benchmark takes the model and
+slower end to end (``bench_kv_cache.py``); on the CPU the gathered path
+falls behind ``KVCache`` at long contexts. This benchmark takes the model and
 the cache away and times only the device side. It runs a graph of 8 layers,
 each a small matmul followed by one of these:
 
 - ``matmul_only``: nothing more (the baseline);
 - ``slab_writes``: the decode step's two one-row writes into a slab;
-- ``fused``: the fused kernel over the slab, with no write;
-- ``fused_after_writes``: both, the kernel reading what was just written;
+- ``take_after_writes``: the writes, then the store's read of every held
+  position (``block_gather.gather_by_take``), with no attention;
+- ``gathered``: the writes, the read, then ``mx.fast.scaled_dot_product_attention``
+  over the gathered keys and values: the store's default decode path;
+- ``fused``: the fused kernel over the slab, with no write (CUDA only);
+- ``fused_after_writes``: both, the kernel reading what was just written
+  (CUDA only);
 - ``kv_cache_like``: two one-row writes into per-layer buffers, then
   ``mx.fast.scaled_dot_product_attention`` over a slice of them, as mlx-lm's
   ``KVCache`` does.
 
 Each step is scheduled as soon as it is built, as a decode loop would, with
 every slab and buffer it wrote (a write that nothing reads would otherwise
-never run); the figure is the wall time per 8-layer step. ``interaction_us_per_layer`` is
-what the write-then-read pair costs beyond its parts, per layer:
-``(fused_after_writes - fused - slab_writes + matmul_only) / 8``.
+never run); the figure is the wall time per 8-layer step, a median over
+samples. Derived, per context: ``take_us_per_layer``, the read alone
+(``(take_after_writes - slab_writes) / 8``); ``gathered_speed_over_kv_cache_like``,
+the gathered path's steps per second over ``KVCache``'s (what
+``bench_kv_cache.py``'s ratio tends to where the device, not the host, decides
+a step and attention is most of it); and on
+CUDA ``interaction_us_per_layer``, what the write-then-read pair costs beyond its
+parts, per layer: ``(fused_after_writes - fused - slab_writes + matmul_only) / 8``.
 
     python benchmarks/bench_write_then_read.py [--quick]
 
-Prints one JSON document. Without MLX's CUDA back-end it says why and exits 0
-(a benchmark reports; it never fails). Thread safety: single-threaded.
+Progress goes to stderr, one JSON document to stdout. MLX's buffer cache
+limit is raised to 8 GiB, as in ``bench_kv_cache.py``. Without MLX's CUDA
+back-end the fused modes are left out and it says why (a benchmark reports;
+it never fails). Thread safety: single-threaded.
 """
 
 from __future__ import annotations
@@ -31,12 +44,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
 
+from veloxquant_mlx.memory.block_gather import gather_by_take
 from veloxquant_mlx.memory.block_table import schedule
 from veloxquant_mlx.memory.paged_attention import (
     PagedKV,
@@ -46,8 +61,10 @@ from veloxquant_mlx.memory.paged_attention import (
 
 LAYERS = 8
 KV_HEADS, Q_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 8, 64, 16
-CONTEXTS = (256, 4096, 32768)
-MODES = ("matmul_only", "slab_writes", "fused", "fused_after_writes", "kv_cache_like")
+CONTEXTS = (256, 4096, 16384, 32768)
+#: Modes that run on any back-end, then those that need MLX's CUDA back-end.
+PORTABLE_MODES = ("matmul_only", "slab_writes", "take_after_writes", "gathered", "kv_cache_like")
+CUDA_MODES = ("fused", "fused_after_writes")
 STEPS_PER_SAMPLE = 30
 
 
@@ -65,6 +82,7 @@ class Layers:
     key_ids: mx.array
     value_ids: mx.array
     weight: mx.array
+    reads: list[mx.array]
 
     @classmethod
     def make(cls, context: int) -> Layers:
@@ -83,6 +101,7 @@ class Layers:
             key_ids=mx.arange(0, n_blocks, dtype=mx.int32),
             value_ids=mx.arange(n_blocks, 2 * n_blocks, dtype=mx.int32),
             weight=mx.random.normal((Q_HEADS * HEAD_DIM, Q_HEADS * HEAD_DIM)) * 0.01,
+            reads=[],
         )
         mx.eval(layers.slabs, layers.keys, layers.values, layers.key_ids, layers.value_ids)
         mx.eval(layers.weight)
@@ -90,6 +109,8 @@ class Layers:
 
     def step(self, mode: str, x: mx.array, position: int) -> mx.array:
         """One 8-layer step at ``position`` (the new token's), in ``mode``."""
+        self.reads = []
+        read_blocks = self._read_blocks(position + 1)
         for layer in range(LAYERS):
             queries = (x @ self.weight).reshape(1, Q_HEADS, 1, HEAD_DIM)
             row = mx.broadcast_to(
@@ -99,21 +120,25 @@ class Layers:
             if mode == "kv_cache_like":
                 attended = self._kv_cache_like(layer, queries, row, position)
             elif mode != "matmul_only":
-                slab = self.slabs[layer]
-                if mode in ("slab_writes", "fused_after_writes"):
-                    slab = self._write_row(layer, row, position)
-                if mode in ("fused", "fused_after_writes"):
-                    by_block = slab.reshape(KV_HEADS, self.capacity, BLOCK_SIZE, HEAD_DIM)
-                    paged = PagedKV(by_block, self.key_ids, self.value_ids)
-                    attended = cuda_paged_decode_attention(
-                        queries, paged, position + 1, scale=0.125
+                slab = (
+                    self.slabs[layer] if mode == "fused" else self._write_row(layer, row, position)
+                )
+                if mode in ("take_after_writes", "gathered"):
+                    keys, values = self._take(slab, read_blocks, position + 1)
+                    self.reads += [keys, values]
+                if mode == "gathered":
+                    attended = mx.fast.scaled_dot_product_attention(
+                        queries, keys, values, scale=0.125
                     )
+                elif mode in CUDA_MODES:
+                    attended = self._fused(slab, queries, position)
             x = x + attended.reshape(1, Q_HEADS * HEAD_DIM)
         return x
 
     def written(self) -> list[mx.array]:
-        """The slabs and buffers as last written, to be evaluated with each step."""
-        return [*self.slabs, *self.keys, *self.values]
+        """The slabs and buffers as last written, and the step's reads, to be evaluated
+        with each step."""
+        return [*self.slabs, *self.keys, *self.values, *self.reads]
 
     def _write_row(self, layer: int, row: mx.array, position: int) -> mx.array:
         """The new key and value rows, written where the store's decode step writes them."""
@@ -125,6 +150,32 @@ class Layers:
         slab[..., value_row : value_row + 1, :] = row
         self.slabs[layer] = slab
         return slab
+
+    def _read_blocks(self, n_tokens: int) -> mx.array:
+        """The store's block entries of the first ``n_tokens`` positions, ``(2, heads,
+        blocks)``: keys, then values (built once per step, as the store's are)."""
+        n_blocks = -(-n_tokens // BLOCK_SIZE)
+        ids = mx.stack([self.key_ids[:n_blocks], self.value_ids[:n_blocks]])
+        first_entries = mx.arange(KV_HEADS, dtype=mx.int32)[None, :, None] * self.capacity
+        return first_entries + ids[:, None, :]
+
+    def _take(
+        self, slab: mx.array, read_blocks: mx.array, n_tokens: int
+    ) -> tuple[mx.array, mx.array]:
+        return gather_by_take(
+            slab,
+            read_blocks,
+            n_tokens,
+            n_kv_heads=KV_HEADS,
+            capacity=self.capacity,
+            block_size=BLOCK_SIZE,
+            head_dim=HEAD_DIM,
+        )
+
+    def _fused(self, slab: mx.array, queries: mx.array, position: int) -> mx.array:
+        by_block = slab.reshape(KV_HEADS, self.capacity, BLOCK_SIZE, HEAD_DIM)
+        paged = PagedKV(by_block, self.key_ids, self.value_ids)
+        return cuda_paged_decode_attention(queries, paged, position + 1, scale=0.125)
 
     def _kv_cache_like(
         self, layer: int, queries: mx.array, row: mx.array, position: int
@@ -157,13 +208,18 @@ def microseconds_per_step(layers: Layers, mode: str, samples: int) -> float:
     return statistics.median(per_step)
 
 
-def bench_context(context: int, samples: int, progress: Callable[[str], None]) -> dict[str, float]:
+def bench_context(
+    context: int, modes: tuple[str, ...], samples: int, progress: Callable[[str], None]
+) -> dict[str, float]:
     layers = Layers.make(context)
-    row = {mode: round(microseconds_per_step(layers, mode, samples), 1) for mode in MODES}
-    interaction = (
-        row["fused_after_writes"] - row["fused"] - row["slab_writes"] + row["matmul_only"]
-    ) / LAYERS
-    row["interaction_us_per_layer"] = round(interaction, 1)
+    row = {mode: round(microseconds_per_step(layers, mode, samples), 1) for mode in modes}
+    row["take_us_per_layer"] = round((row["take_after_writes"] - row["slab_writes"]) / LAYERS, 1)
+    row["gathered_speed_over_kv_cache_like"] = round(row["kv_cache_like"] / row["gathered"], 3)
+    if "fused_after_writes" in row:
+        interaction = (
+            row["fused_after_writes"] - row["fused"] - row["slab_writes"] + row["matmul_only"]
+        ) / LAYERS
+        row["interaction_us_per_layer"] = round(interaction, 1)
     progress(f"context {context}: " + ", ".join(f"{key} {value}" for key, value in row.items()))
     return row
 
@@ -173,18 +229,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer samples")
     arguments = parser.parse_args(argv)
     reason = cuda_unavailable_reason()
+    modes = PORTABLE_MODES if reason is not None else PORTABLE_MODES + CUDA_MODES
     if reason is not None:
-        print(f"not measured: the fused kernel needs MLX's CUDA back-end ({reason})")
-        return 0
+        print(
+            f"the fused modes are left out: they need MLX's CUDA back-end ({reason})",
+            file=sys.stderr,
+        )
     samples = 2 if arguments.quick else 5
+    # MLX's CPU back-end keeps freed buffers for reuse only up to 32 MB by default, below
+    # a long context's per-step reads: without this, every step page-faults fresh memory.
+    mx.set_cache_limit(8 << 30)
 
     def progress(line: str) -> None:
-        print(line, flush=True)
+        print(line, file=sys.stderr, flush=True)
 
     report = {
         "device": str(mx.default_device()),
         "layers": LAYERS,
-        "us_per_step": {str(c): bench_context(c, samples, progress) for c in CONTEXTS},
+        "us_per_step": {str(c): bench_context(c, modes, samples, progress) for c in CONTEXTS},
     }
     print(json.dumps(report, indent=2))
     return 0
