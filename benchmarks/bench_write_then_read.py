@@ -20,9 +20,11 @@ each a small matmul followed by one of these:
   ``mx.fast.scaled_dot_product_attention`` over a slice of them, as mlx-lm's
   ``KVCache`` does.
 
-Each step is scheduled as soon as it is built, as a decode loop would, with
-every slab and buffer it wrote (a write that nothing reads would otherwise
-never run); the figure is the wall time per 8-layer step, a median over
+On MLX's CUDA back-end each step is scheduled as soon as it is built, as a
+decode loop would, with every slab and buffer it wrote (a write that nothing
+reads would otherwise never run); on the CPU each step is evaluated before
+the next is built (see ``microseconds_per_step``). The figure is the wall
+time per 8-layer step, a median over
 samples. Derived, per context: ``take_us_per_layer``, the read alone
 (``(take_after_writes - slab_writes) / 8``); ``gathered_speed_over_kv_cache_like``,
 the gathered path's steps per second over ``KVCache``'s (what
@@ -190,8 +192,16 @@ class Layers:
         )
 
 
-def microseconds_per_step(layers: Layers, mode: str, samples: int) -> float:
-    """Median wall microseconds per step over ``samples`` runs of pipelined steps."""
+def microseconds_per_step(layers: Layers, mode: str, samples: int, *, pipelined: bool) -> float:
+    """Median wall microseconds per step over ``samples`` runs of steps, each scheduled
+    as soon as it is built (``pipelined``) or evaluated before the next is built.
+
+    Pipelined is the GPU's measure: launches overlap. On MLX's CPU back-end a slab
+    scheduled with ``mx.async_eval`` while the next step writes it is copied, not
+    updated in place (8 slabs of a 4K context: 5.7 ms a step, against 0.15 ms
+    evaluated step by step), which would charge the writes a copy a real decode
+    step never makes; so there each step is evaluated in turn.
+    """
     x = mx.random.normal((1, Q_HEADS * HEAD_DIM))
     position = layers.context - 256
     mx.eval(layers.step(mode, x, position))  # compiles the kernels outside the timing
@@ -202,7 +212,10 @@ def microseconds_per_step(layers: Layers, mode: str, samples: int) -> float:
         for _ in range(STEPS_PER_SAMPLE):
             position += 1
             x = layers.step(mode, x, position)
-            schedule(x, *layers.written())  # a write nothing reads would never run
+            if pipelined:
+                schedule(x, *layers.written())  # a write nothing reads would never run
+            else:
+                mx.eval(x, *layers.written())
         mx.eval(x, *layers.written())
         per_step.append((time.perf_counter() - start) / STEPS_PER_SAMPLE * 1e6)
     return statistics.median(per_step)
@@ -212,7 +225,11 @@ def bench_context(
     context: int, modes: tuple[str, ...], samples: int, progress: Callable[[str], None]
 ) -> dict[str, float]:
     layers = Layers.make(context)
-    row = {mode: round(microseconds_per_step(layers, mode, samples), 1) for mode in modes}
+    pipelined = "fused" in modes  # MLX's CUDA back-end: see microseconds_per_step
+    row = {
+        mode: round(microseconds_per_step(layers, mode, samples, pipelined=pipelined), 1)
+        for mode in modes
+    }
     row["take_us_per_layer"] = round((row["take_after_writes"] - row["slab_writes"]) / LAYERS, 1)
     row["gathered_speed_over_kv_cache_like"] = round(row["kv_cache_like"] / row["gathered"], 3)
     if "fused_after_writes" in row:
