@@ -271,6 +271,7 @@ def test_stress_replay_refuses_the_run_options_it_would_ignore(
         [*replay, "--search-budget", "1", "--threads", "8", "--json"],
         "so --threads, --search-budget, --json would have no effect",
     )
+    refused(capsys, cli.main, [*replay, "--seed", "0"], "so --seed would have no effect")
     assert cli.main([*replay, "--replay-backend", "numpy", "--no-progress"]) == 0
     assert capsys.readouterr().out == f"{trace}: 1 ops replayed on numpy: ok\n"
 

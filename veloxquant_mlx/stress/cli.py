@@ -271,7 +271,8 @@ def _replay_conflicts(args: argparse.Namespace) -> str | None:
         "--" + name.replace("_", "-")
         for name, value in vars(args).items()
         if name not in _REPLAY_OPTIONS
-        and value not in (None, False)
+        and value is not None
+        and value is not False  # (not "in (None, False)": --seed 0 is given too)
         and not (name == "profile" and value == "smoke")
     ]
     if not given:
