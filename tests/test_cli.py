@@ -262,6 +262,10 @@ def test_an_option_before_any_subcommand_is_named_in_one_line(
         "veloxquant-mlx: error: unrecognized arguments: --bogus-opt; expected a subcommand "
         "first (simulate, stress, exhaustive, replay, schedules, driver)"
     )
+    assert cli.main(["--ops", "5", "stress"]) == 2
+    assert "unrecognized arguments: --ops; expected a subcommand" in capsys.readouterr().err
+    assert cli.main(["stres", "--ops", "5"]) == 2  # a mistyped subcommand is what is named
+    assert "invalid choice: 'stres'" in capsys.readouterr().err
     assert cli.main(["--version"]) == 0  # the top level's own options still work
 
 

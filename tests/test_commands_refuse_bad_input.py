@@ -91,7 +91,7 @@ def refused(
         ('{"trace": "veloxquant-mlx", "x": ' + "1" * 5000 + "}\n", "header is not JSON"),
         (header_with() + "[" * 200_000 + "]" * 200_000 + "\n", "line 2: not JSON: nested too"),
         ("[" * 200_000 + "\n", "header is not JSON: nested too deeply"),
-        (header_with() + '{"op": "n_free", "stream": NaN}\n', "line 2: not JSON: a number must"),
+        (header_with() + '{"op": "n_free", "stream": NaN}\n', "line 2: a number must be finite"),
         (header_with() + '{"op": "n_free", "stream": 1e400}\n', "must be finite, got 1e400"),
         (
             header_with()

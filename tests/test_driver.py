@@ -70,8 +70,13 @@ def _fake(script: str) -> list[str]:
         (f"print({HELLO!r}, flush=True); input(); print('oops', flush=True)", 10, "not a JSON"),
         (f"import time; print({HELLO!r}, flush=True); time.sleep(30)", 0.5, "no answer within 0.5"),
         ("print('{}', flush=True)", 10, "its hello is {}"),
+        (
+            f"print({HELLO.replace('[]', '5')!r}, flush=True)",
+            10,
+            "expected its calls as a list of names",
+        ),
     ],
-    ids=["dies", "junk", "late", "no-hello"],
+    ids=["dies", "junk", "late", "no-hello", "calls-not-a-list"],
 )
 def test_a_broken_driver_is_one_clear_failure(script: str, timeout: float, said: str) -> None:
     with pytest.raises(DriverFailure, match=said):
@@ -111,26 +116,31 @@ def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
     ("request_line", "said"),
     [
         (
-            "{oops",
+            b"{oops",
             "request line 2 is not JSON "
             "(Expecting property name enclosed in double quotes): '{oops'",
         ),
-        ("[1]", "request line 2 must be a JSON object, got list: '[1]'"),
+        (b"[1]", "request line 2 must be a JSON object, got list: '[1]'"),
+        (b"\xff{}", "request line 2 is not UTF-8 text (invalid start byte): b'\\xff{}'"),
+        (b"[" * 200_000, "request line 2 is nested too deeply to read"),
+        (b'{"id": ' + b"9" * 5000 + b"}", "request line 2 cannot be read (Exceeds the limit"),
     ],
-    ids=["not-json", "not-an-object"],
+    ids=["not-json", "not-an-object", "not-utf-8", "nested-200000-deep", "int-of-5000-digits"],
 )
 def test_the_driver_refuses_a_request_line_that_is_not_a_json_object(
-    request_line: str, said: str
+    request_line: bytes, said: str
 ) -> None:
     pool = json.dumps({"id": 1, "op": "pool", "config": dataclasses.asdict(SEPARATE_4.config)})
-    ran = subprocess.run(
-        DRIVER, input=f"{pool}\n{request_line}\n", capture_output=True, text=True, check=False
-    )
+    # Bytes, and one good line after the bad one: the lines before the bad one are
+    # answered whatever follows (stdin is read line by line, not decoded in chunks).
+    given = pool.encode() + b"\n" + request_line + b"\n" + pool.encode() + b"\n"
+    ran = subprocess.run(DRIVER, input=given, capture_output=True, check=False)
     assert ran.returncode == 2
-    hello, answer = ran.stdout.splitlines()
+    hello, answer = ran.stdout.decode().splitlines()
     assert json.loads(hello)["protocol"] == PROTOCOL
     assert json.loads(answer) == {"id": 1, "result": {"ref": 1}}
-    assert ran.stderr == f"python -m veloxquant_mlx.testing.driver: error: {said}\n"
+    [error] = ran.stderr.decode().splitlines()
+    assert error.startswith(f"python -m veloxquant_mlx.testing.driver: error: {said}")
 
 
 @pytest.fixture

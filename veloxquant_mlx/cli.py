@@ -25,6 +25,7 @@ Thread safety: :func:`main` writes to the process's stdout and stderr.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -184,14 +185,17 @@ def _parse_and_run(argv: Sequence[str] | None) -> int:
 def _refuse_options_before_a_subcommand(
     parser: argparse.ArgumentParser, arguments: Sequence[str]
 ) -> None:
-    """With no subcommand named, an option other than ``--help`` or ``--version`` is
-    refused by name (argparse would only say that a subcommand is missing)."""
+    """Options before the subcommand, other than ``--help`` and ``--version``, are
+    refused by name (argparse would say that a subcommand is missing, or that the
+    option's value is not one). A first argument that is a word is left to argparse,
+    which names it if it is no subcommand."""
     names = {subcommand.name for subcommand in SUBCOMMANDS}
-    if any(argument in names for argument in arguments):
+    if not arguments or not arguments[0].startswith("-"):
         return
+    before = itertools.takewhile(lambda argument: argument not in names, arguments)
     unknown = [
         argument
-        for argument in arguments
+        for argument in before
         if argument.startswith("-") and argument not in ("-h", "--help", "--version")
     ]
     if unknown:

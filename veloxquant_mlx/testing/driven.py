@@ -120,7 +120,10 @@ class DriverProcess:
         hello = self._read_line("the hello line")
         if hello.get("protocol") != PROTOCOL or hello.get("version") != PROTOCOL_VERSION:
             self.fail(f"its hello is {hello!r}; expected protocol {PROTOCOL!r} v{PROTOCOL_VERSION}")
-        self.calls: frozenset[str] = frozenset(hello.get("calls", ()))
+        calls = hello.get("calls", [])
+        if not isinstance(calls, list) or not all(isinstance(call, str) for call in calls):
+            self.fail(f"its hello is {hello!r}; expected its calls as a list of names")
+        self.calls: frozenset[str] = frozenset(calls)
 
     @property
     def _named(self) -> str:

@@ -27,7 +27,7 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one 
     run_program("python -m veloxquant_mlx.testing.driver", "veloxquant_mlx.testing.driver_command")
 
 import json
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import IO, Any, Final
 
 from veloxquant_mlx.commandline.bad_input import BadInputError
@@ -137,8 +137,9 @@ def _contract_name(error: BaseException) -> str:
     return type(error).__name__
 
 
-def serve_lines(port: Port, lines: IO[str], out: IO[str]) -> None:
-    """Serve ``lines`` until they end: the hello, then one response per request.
+def serve_lines(port: Port, lines: Iterable[bytes], out: IO[str]) -> None:
+    """Serve ``lines`` (raw bytes, one request each) until they end: the hello, then one
+    response per request.
 
     Raises:
         BadInputError: A line is not UTF-8 text or not a JSON object (the client does
@@ -147,28 +148,30 @@ def serve_lines(port: Port, lines: IO[str], out: IO[str]) -> None:
     driver = Driver(port)
     out.write(json.dumps(driver.hello()) + "\n")
     out.flush()
-    number = 0
-    try:
-        for number, line in enumerate(lines, start=1):
-            if line.strip():
-                out.write(json.dumps(driver.respond(_request(line, number))) + "\n")
-                out.flush()
-    except UnicodeDecodeError as error:
-        why = f"request line {number + 1} is not UTF-8 text ({error.reason})"
-        raise BadInputError(why) from None
+    for number, raw in enumerate(lines, start=1):
+        if raw.strip():
+            out.write(json.dumps(driver.respond(_request(raw, number))) + "\n")
+            out.flush()
 
 
-def _request(line: str, number: int) -> dict[str, Any]:
+def _request(raw: bytes, number: int) -> dict[str, Any]:
     """Request line ``number`` as a JSON object, or the bad input it is."""
     try:
-        request = json.loads(line)
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as error:
+        why = f"request line {number} is not UTF-8 text ({error.reason}): {raw.strip()[:80]!r}"
+        raise BadInputError(why) from None
+    shown = repr(text.strip()[:80])
+    try:
+        request = json.loads(text)
+    except RecursionError:
+        raise BadInputError(f"request line {number} is nested too deeply to read") from None
     except json.JSONDecodeError as error:
-        raise BadInputError(
-            f"request line {number} is not JSON ({error.msg}): {line.strip()[:80]!r}"
-        ) from None
+        raise BadInputError(f"request line {number} is not JSON ({error.msg}): {shown}") from None
+    except ValueError as error:  # an int of over 4,300 digits
+        raise BadInputError(f"request line {number} cannot be read ({error})") from None
     if not isinstance(request, dict):
         raise BadInputError(
-            f"request line {number} must be a JSON object, got {type(request).__name__}: "
-            f"{line.strip()[:80]!r}"
+            f"request line {number} must be a JSON object, got {type(request).__name__}: {shown}"
         )
     return request

@@ -62,7 +62,7 @@ def validate(args: argparse.Namespace) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Serve stdin until it ends; status 0."""
     port: Port = args.factory or Port(BlockPoolAllocator)
-    serve_lines(port, sys.stdin, sys.stdout)
+    serve_lines(port, sys.stdin.buffer, sys.stdout)  # bytes: each line decoded alone
     return 0
 
 

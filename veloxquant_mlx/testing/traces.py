@@ -442,21 +442,27 @@ def _parse_json(text: str, what: str) -> object:
     """
     try:
         return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+    except _NotFiniteError as error:  # JSON, but not a number a trace can hold
+        raise TraceFormatError(str(error)) from None
     except RecursionError:
         raise TraceFormatError(f"{what}: nested too deeply to read") from None
     except ValueError as error:  # JSONDecodeError, or an int of over 4,300 digits
         raise TraceFormatError(f"{what}: {error}") from None
 
 
+class _NotFiniteError(ValueError):
+    """A number that is not finite, met while parsing."""
+
+
 def _finite_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
-        raise ValueError(f"a number must be finite, got {text}")
+        raise _NotFiniteError(f"a number must be finite, got {text}")
     return value
 
 
 def _no_constant(text: str) -> float:
-    raise ValueError(f"a number must be finite, got {text}")
+    raise _NotFiniteError(f"a number must be finite, got {text}")
 
 
 def _not_a_trace(record: object, line: str) -> TraceFormatError:
