@@ -266,14 +266,13 @@ def validate(args: argparse.Namespace) -> str | None:
 
 
 def _replay_conflicts(args: argparse.Namespace) -> str | None:
-    """With ``--replay``, the run's options that were given (they would be ignored)."""
+    """With ``--replay``, the run's options that were given (they would be ignored): those
+    whose value is not the parser's default."""
+    defaults = _option_defaults()
     given = [
         "--" + name.replace("_", "-")
-        for name, value in vars(args).items()
-        if name not in _REPLAY_OPTIONS
-        and value is not None
-        and value is not False  # (not "in (None, False)": --seed 0 is given too)
-        and not (name == "profile" and value == "smoke")
+        for name, default in defaults.items()
+        if name not in _REPLAY_OPTIONS and getattr(args, name) != default
     ]
     if not given:
         return None
@@ -284,10 +283,15 @@ def _replay_conflicts(args: argparse.Namespace) -> str | None:
     )
 
 
-#: What ``--replay`` uses of the options (and the names the command line adds).
-_REPLAY_OPTIONS: Final = frozenset(
-    {"replay", "replay_backend", "no_progress", "subcommand", "prog"}
-)
+def _option_defaults() -> dict[str, object]:
+    """Every option of ``stress`` with its default, as the parser declares them."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_arguments(parser)
+    return vars(parser.parse_args([]))
+
+
+#: The options ``--replay`` uses.
+_REPLAY_OPTIONS: Final = frozenset({"replay", "replay_backend", "no_progress"})
 
 
 def memory_estimate(config: StressConfig) -> int:
