@@ -67,6 +67,8 @@ CONTEXTS = (256, 4096, 16384, 32768)
 #: Modes that run on any back-end, then those that need MLX's CUDA back-end.
 PORTABLE_MODES = ("matmul_only", "slab_writes", "take_after_writes", "gathered", "kv_cache_like")
 CUDA_MODES = ("fused", "fused_after_writes")
+#: Modes that read the held positions with the store's take (its indices: once a step).
+READING_MODES = ("take_after_writes", "gathered")
 STEPS_PER_SAMPLE = 30
 
 
@@ -112,7 +114,7 @@ class Layers:
     def step(self, mode: str, x: mx.array, position: int) -> mx.array:
         """One 8-layer step at ``position`` (the new token's), in ``mode``."""
         self.reads = []
-        read_blocks = self._read_blocks(position + 1)
+        read_blocks = self._read_blocks(position + 1) if mode in READING_MODES else None
         for layer in range(LAYERS):
             queries = (x @ self.weight).reshape(1, Q_HEADS, 1, HEAD_DIM)
             row = mx.broadcast_to(
@@ -125,7 +127,7 @@ class Layers:
                 slab = (
                     self.slabs[layer] if mode == "fused" else self._write_row(layer, row, position)
                 )
-                if mode in ("take_after_writes", "gathered"):
+                if read_blocks is not None:
                     keys, values = self._take(slab, read_blocks, position + 1)
                     self.reads += [keys, values]
                 if mode == "gathered":
@@ -222,12 +224,14 @@ def microseconds_per_step(layers: Layers, mode: str, samples: int, *, pipelined:
 
 
 def bench_context(
-    context: int, modes: tuple[str, ...], samples: int, progress: Callable[[str], None]
+    context: int, samples: int, progress: Callable[[str], None], *, cuda: bool
 ) -> dict[str, float]:
+    """Every mode at ``context``; on MLX's CUDA back-end (``cuda``) the fused ones too,
+    and steps pipelined (see :func:`microseconds_per_step`)."""
     layers = Layers.make(context)
-    pipelined = "fused" in modes  # MLX's CUDA back-end: see microseconds_per_step
+    modes = PORTABLE_MODES + CUDA_MODES if cuda else PORTABLE_MODES
     row = {
-        mode: round(microseconds_per_step(layers, mode, samples, pipelined=pipelined), 1)
+        mode: round(microseconds_per_step(layers, mode, samples, pipelined=cuda), 1)
         for mode in modes
     }
     row["take_us_per_layer"] = round((row["take_after_writes"] - row["slab_writes"]) / LAYERS, 1)
@@ -246,7 +250,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="fewer samples")
     arguments = parser.parse_args(argv)
     reason = cuda_unavailable_reason()
-    modes = PORTABLE_MODES if reason is not None else PORTABLE_MODES + CUDA_MODES
     if reason is not None:
         print(
             f"the fused modes are left out: they need MLX's CUDA back-end ({reason})",
@@ -263,7 +266,9 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "device": str(mx.default_device()),
         "layers": LAYERS,
-        "us_per_step": {str(c): bench_context(c, modes, samples, progress) for c in CONTEXTS},
+        "us_per_step": {
+            str(c): bench_context(c, samples, progress, cuda=reason is None) for c in CONTEXTS
+        },
     }
     print(json.dumps(report, indent=2))
     return 0
