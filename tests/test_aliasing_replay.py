@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -146,6 +147,38 @@ def test_a_call_label_used_twice_is_rejected_naming_both_lines() -> None:
     text = dumps(trace()) + '{"op": "free_all", "call": 4, "owner": 1}\n' * 2
     with pytest.raises(TraceFormatError, match="line 3: call label 4 is already line 2's"):
         loads(text)
+
+
+@pytest.mark.parametrize(
+    ("lines", "complaint"),
+    [
+        ((Allocate("kv", 2, 1), Free((h(5, 0),))), "line 3: names handle h(5, 0)"),
+        ((Free((h(1, 0),)), Allocate("kv", 2, 1)), "line 2: names handle h(1, 0)"),
+        ((FreeAll(1), MarkUsed(h(0, 0), 1)), "line 3: names handle h(0, 0)"),
+        (
+            (
+                TraceLine(Allocate("kv", 9, 1), 0, Raised("BlockPoolExhaustedError")),
+                Write(0, h(0, 0), 0, 1),
+            ),
+            "line 3: names handle h(0, 0)",
+        ),
+    ],
+    ids=["no-such-label", "a-later-line", "hands-out-none", "raised"],
+)
+def test_a_handle_no_earlier_call_handed_out_is_refused_when_the_trace_loads(
+    lines: tuple[object, ...], complaint: str
+) -> None:
+    with pytest.raises(TraceFormatError, match=re.escape(complaint)) as raised:
+        loads(dumps(trace(*lines)))
+    assert "no call of the trace handed it out" in str(raised.value)
+
+
+def test_a_timed_line_may_name_a_handle_of_a_call_listed_after_it() -> None:
+    # A concurrent window's lines come in no particular order: the search linearizes them.
+    use = TraceLine(Free((h(1, 0),)), None, Returned(None), thread=0, invoke_ns=5, return_ns=6)
+    issue = TraceLine(Allocate("kv", 2, 1), 1, Returned((0,)), thread=1, invoke_ns=1, return_ns=2)
+    window = trace(use, issue)
+    assert loads(dumps(window)) == window
 
 
 def test_a_replayed_trace_keeps_unlabelled_lines_unlabelled() -> None:

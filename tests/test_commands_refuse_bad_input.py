@@ -138,6 +138,19 @@ def test_the_aliasing_cli_refuses_a_folder_and_bfloat16_on_numpy(
     refused(capsys, aliasing.main, [str(path), "--backend", "numpy"], "got 'bfloat16'")
 
 
+@pytest.mark.parametrize("backend", ["spec", "pool", "numpy"])
+def test_replay_refuses_a_trace_naming_a_handle_no_call_handed_out(
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Once the spec replayed it as a stale handle and said ok, and the pool said FAILED.
+    path = tmp_path / "typo.jsonl"
+    path.write_text(
+        json.dumps({**HEADER, "version": 2})
+        + '\n{"op": "mark_used", "block": [5, 0], "n_used": 1, "expect": "ok"}\n'
+    )
+    refused(capsys, cli.main, ["replay", str(path), "--on", backend], "typo.jsonl", "h(5, 0)")
+
+
 def test_a_bad_trace_among_good_ones_is_refused_before_any_is_replayed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -66,6 +66,7 @@ __all__ = [
     "declaration_of",
     "declarations",
     "h",
+    "handle_names",
     "matches",
     "named_values",
     "observation_ops",
@@ -481,6 +482,26 @@ def spec_arguments(
         return value if isinstance(value, NotAList) else tuple(_handle_list(value, resolve))
 
     return tuple(_resolved(declaration, op, resolve, handle_list))
+
+
+def handle_names(op: object) -> tuple[Handle, ...]:
+    """Every handle name ``op`` passes, in argument order (references that name no
+    handle, such as a block built by hand, are left out)."""
+    declaration = declaration_of(op)
+    if declaration.values_only:
+        return ()
+    names: list[Handle] = []
+
+    def note(ref: HandleRef) -> HandleRef:
+        if isinstance(ref, Handle):
+            names.append(ref)
+        return ref
+
+    def note_list(value: object) -> object:
+        return value if isinstance(value, NotAList) else _handle_list(value, note)
+
+    _resolved(declaration, op, note, note_list)
+    return tuple(names)
 
 
 def spec_call(state: PoolState, op: object, resolve: SpecResolve) -> tuple[PoolState, object]:

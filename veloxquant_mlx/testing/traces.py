@@ -54,6 +54,7 @@ from veloxquant_mlx_spec.table import (
     declaration_named,
     declaration_of,
     declarations,
+    handle_names,
     returned_blocks,
 )
 
@@ -535,7 +536,34 @@ def loads(text: str) -> Trace:
                     "expected labels distinct in the file"
                 )
         lines.append(decoded)
+    _require_issued_names([number for number, _ in numbered[1:]], lines)
     return trace.with_lines(lines)
+
+
+def _require_issued_names(numbers: Sequence[int], lines: Sequence[TraceLine]) -> None:
+    """Refuse a line that names a handle no line of the trace can have handed out.
+
+    The label must be a line's whose call hands out handles and did not raise;
+    an untimed line's, an earlier line's (untimed lines apply in file order; a
+    concurrent window's timed lines come in no particular order).
+    """
+    issuers = {
+        line.call: index
+        for index, line in enumerate(lines)
+        if line.call is not None
+        and declaration_of(line.op).may_issue_handles
+        and not isinstance(line.outcome, Raised)
+    }
+    for index, line in enumerate(lines):
+        for name in handle_names(line.op):
+            issuer = issuers.get(name.call)
+            if issuer is None or (not line.timed and issuer >= index):
+                where = "a line" if line.timed else "an earlier line"
+                raise TraceFormatError(
+                    f"line {numbers[index]}: names handle {name!r} (call {name.call}, "
+                    f"block {name.position}), but no call of the trace handed it out; "
+                    f"expected the label of {where} whose call hands out handles"
+                )
 
 
 def _one_document(text: str) -> TraceFormatError | None:
