@@ -348,3 +348,12 @@ def test_the_share_checked_is_never_rounded_up_to_all(tmp_path: Path) -> None:
     assert almost.percent_checked_text() == "99.9%"
     assert almost.percent_checked() == 99.999
     assert "(99.9%)" in summary_text(almost)
+
+
+def test_a_run_shorter_than_the_check_interval_still_checks_the_invariants_once(
+    tmp_path: Path,
+) -> None:
+    # Once such a run reported "invariant checks: 0" beside its OK.
+    report = run_stress(quick_config(tmp_path, ops=100, check_interval=3600.0))
+    assert report.ok
+    assert report.invariant_checks == 1

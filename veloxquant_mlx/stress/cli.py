@@ -194,8 +194,8 @@ def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
         "--check-interval",
         type=finite_float(0, MAX_CHECK_INTERVAL, low_inclusive=True),
         metavar="SECONDS",
-        help=f"seconds between check_invariants() calls (at most {MAX_CHECK_INTERVAL:g}); "
-        "0 turns them off",
+        help=f"seconds between check_invariants() calls (at most {MAX_CHECK_INTERVAL:g}), "
+        "plus one when the calls end; 0 turns them off",
     )
     group.add_argument(
         "--stall-timeout",

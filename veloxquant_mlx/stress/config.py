@@ -161,7 +161,8 @@ class StressConfig:
             most :data:`MAX_WINDOW_OPS`. The checker's cost grows steeply with a
             window's size, so keep it small.
         switch_interval: ``sys.setswitchinterval`` for the run; ``None`` leaves it.
-        check_interval: Seconds between ``check_invariants()`` calls; 0 disables them.
+        check_interval: Seconds between ``check_invariants()`` calls, plus one when the
+            calls end; 0 disables them.
         progress_interval: Seconds between progress lines; 0 disables them.
         stall_timeout: Seconds without progress after which the run is a deadlock.
         storage: The store the workers share: ``mlx``, ``numpy`` or ``none``.

@@ -19,7 +19,8 @@ or ``config.duration`` passed, or a violation was found:
 - the **history checker**: the linearizability checker, window by window,
   feeding each decided stretch of the linearization to the storage replay
   (:mod:`.replay`), which also writes it to ``linearized.jsonl``;
-- the **invariant checker**: ``check_invariants()`` every ``check_interval``;
+- the **invariant checker**: ``check_invariants()`` every ``check_interval``, and
+  once more when the calls end;
 - the **watchdog**: the progress line, and a deadlock alarm with every
   thread's stack when no progress is made for ``stall_timeout`` seconds.
 
@@ -319,7 +320,11 @@ class _Run:
             self._violation("replay", str(replay.failure), where)
 
     def check_invariants(self, stop: threading.Event) -> None:
-        while not stop.wait(self.config.check_interval):
+        """``check_invariants()`` every ``check_interval`` while the calls run, and once more
+        when they end: a run shorter than the interval is still checked."""
+        ended = False
+        while not ended:
+            ended = stop.wait(self.config.check_interval)
             try:
                 self.pool.check_invariants()
             except Exception as error:
