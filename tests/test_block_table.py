@@ -114,11 +114,33 @@ def test_a_block_freed_behind_the_cache_is_never_written_or_read(how: str) -> No
     before = store.gather(0, thief, BLOCK_SIZE * 4)
     mx.eval(before)
     keys = _tokens(1, 3)
-    with pytest.raises(StaleBlockTableError, match="freed behind the cache's back"):
+    with pytest.raises(StaleBlockTableError, match="freed or moved behind the cache's back"):
         cache[0].update_and_fetch(keys, keys)
     with pytest.raises(StaleBlockTableError):
         store.fetch_through_table(1, cache[1]._table, 1)  # type: ignore[arg-type]
     assert mx.array_equal(store.gather(0, thief, BLOCK_SIZE * 4), before)
+
+
+def test_a_block_moved_behind_the_cache_by_make_writable_is_never_written() -> None:
+    # Once only a free made the table look again: a fork whose shared blocks another
+    # caller moved to copies wrote its next position into the block its parent holds.
+    store = _store()
+    parent = PoolBackedPromptCache(store, PooledKVCache(store.pool, n_layers=N_LAYERS))
+    _decode(parent, 2)
+    child = parent.fork()
+    mx.eval(child[0].state[0])  # the child's table is checked live
+    pool, book = store.pool, child.book
+    pool.make_writable(book.key_blocks[-1])
+    pool.make_writable(book.value_blocks[-1])
+    before = parent[0].state[0]
+    mx.eval(before)
+    keys = mx.full((1, HEADS, 1, HEAD_DIM), 7.0)
+    with pytest.raises(StaleBlockTableError, match="make_writable"):
+        child[0].update_and_fetch(keys, keys)
+    _decode(parent, 1, seed=5)  # the parent writes its own next position
+    assert mx.array_equal(parent[0].state[0][:, :, :2], before)
+    assert not mx.any(parent[0].state[0] == 7.0).item()
+    parent.release()
 
 
 def test_a_table_of_another_pool_is_refused() -> None:

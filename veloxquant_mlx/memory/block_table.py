@@ -13,22 +13,24 @@ can have changed since it last checked:
   :class:`~veloxquant_mlx.memory.pooled_kv_cache.PooledKVCache`, which bumps
   ``table_version`` when they do; after blocks were added, only the new
   handles are checked (``pool.all_live`` of those) and their ids appended;
-- a handle stops being live only when ``free()`` or ``free_all()`` frees it,
-  and the pool counts every such call in ``stats.n_frees`` (CONTRACT.md:
-  every call that freed at least one block). When that count moved, some
-  block somewhere was freed, perhaps one of this table's (a foreign
-  ``free_all`` of the request's owner, say), so every handle is checked
-  again, once.
+- a handle stops being live only when ``free()`` or ``free_all()`` releases
+  it or ``make_writable()`` moves it to a copy, and the pool counts every
+  such call, in ``stats.n_frees`` (CONTRACT.md: every call that released at
+  least one handle) and ``stats.n_copy_on_write`` (every call that moved a
+  handle). When their sum moved, some handle somewhere went stale, perhaps
+  one of this table's (a foreign ``free_all`` of the request's owner, or a
+  ``make_writable`` of one of its shared blocks, say), so every handle is
+  checked again, once.
 
 Only the pool's public API is used; the pool needs no version counter.
 Growth and shrink of a store's slabs do not concern the table: it holds
 ids, and a live id is always inside its store's slabs.
 
 Complexity (``k`` = blocks of the request): :meth:`require_live` O(1)
-while neither the book nor the pool's free count moved (two attribute reads
+while neither the book nor the pool's count of such calls moved (two attribute reads
 and one ``pool.stats`` snapshot, one pool lock); after the book added ``a``
 blocks with no free anywhere, O(a) amortised, since the ids array grows by
-concatenation; after any free, O(k) once. :meth:`memo` and :meth:`remember`
+concatenation; after any free or move, O(k) once. :meth:`memo` and :meth:`remember`
 O(1).
 
 Thread safety: like the book, a table belongs to one request and is used
@@ -63,14 +65,15 @@ schedule: Final = cast(Callable[..., None], mx.async_eval)
 
 
 class StaleBlockTableError(ValueError):
-    """A block of the table is no longer a live handle of the pool (freed behind its back)."""
+    """A block of the table is no longer a live handle of the pool (freed or moved behind
+    its back)."""
 
 
 class DeviceBlockTable:
     """The key and value block ids of one book as ``int32`` arrays, checked live.
 
     Invariants, whenever :meth:`require_live` has returned and until the book
-    or the pool's free count moves again:
+    or the pool's count of frees and moves moves again:
 
     - ``key_blocks`` / ``value_blocks`` are the book's tuples, every handle in
       them a live handle of the book's pool;
@@ -85,9 +88,10 @@ class DeviceBlockTable:
             raise TypeError(f"book must be a PooledKVCache, got {type(book).__name__}")
         self._book: Final = book
         self._pool: Final = book.pool
-        # The book's table_version and the pool's n_frees when last checked; -1: never.
+        # The book's table_version and the pool's count of calls that made handles stale
+        # (n_frees + n_copy_on_write) when last checked; -1: never.
         self._checked_version = -1
-        self._checked_frees = -1
+        self._checked_releases = -1
         # The book's extent_version at the last check: require_live_this_step's key.
         self._checked_extent = -1
         # The handles checked live, as the book held them then.
@@ -136,7 +140,7 @@ class DeviceBlockTable:
     @property
     def handles_checked(self) -> int:
         """How many handles this table has asked the pool about, in all: each block
-        once when it joins, every block again after a free anywhere in the pool."""
+        once when it joins, every block again after a free or a move anywhere in the pool."""
         return self._handles_checked
 
     def require_live(self) -> None:
@@ -144,24 +148,25 @@ class DeviceBlockTable:
 
         Raises:
             StaleBlockTableError: A handle of the book is not live in the pool (a
-                block was freed behind the book's back); the table is left empty,
+                block was freed or moved behind the book's back); the table is left empty,
                 so nothing can read or write through it until the book changes.
         """
         book = self._book
         version, extent = book.table_version, book.extent_version
-        n_frees = self._pool.stats.n_frees
+        stats = self._pool.stats  # one snapshot: both counts as of one moment
+        releases = stats.n_frees + stats.n_copy_on_write
         self._checked_extent = extent  # this check covers the book's extent as it is now
-        if version == self._checked_version and n_frees == self._checked_frees:
+        if version == self._checked_version and releases == self._checked_releases:
             return
         keys, values = self._book.key_blocks, self._book.value_blocks
-        if n_frees == self._checked_frees and self._extends_checked(keys, values):
+        if releases == self._checked_releases and self._extends_checked(keys, values):
             self._append_checked(keys, values)
         else:
             self._check_all(keys, values)
-        # Recorded last, with n_frees read *before* the check: a free that raced the
+        # Recorded last, with the count read *before* the check: a free that raced the
         # check moves the count again and forces the next call to look once more.
         self._checked_version = version
-        self._checked_frees = n_frees
+        self._checked_releases = releases
 
     def require_live_this_step(self) -> None:
         """:meth:`require_live`, asking the pool once per decode step, not once per layer.
@@ -205,8 +210,8 @@ class DeviceBlockTable:
     # -- internals ---------------------------------------------------------------------
 
     def _extends_checked(self, keys: tuple[Block, ...], values: tuple[Block, ...]) -> bool:
-        """Whether the book only appended to the checked handles (O(1): with no free
-        in the pool, a book can only have grown; the last checked handle confirms it)."""
+        """Whether the book only appended to the checked handles (O(1): with no free or
+        move in the pool, a book can only have grown; the last checked handle confirms it)."""
         n_checked = len(self._keys)
         if len(keys) < n_checked or len(values) != len(keys):
             return False
@@ -239,12 +244,13 @@ class DeviceBlockTable:
         stale = next((block for block in blocks if not self._pool.is_live(block)), None)
         self._keys = self._values = ()
         self._key_ids = self._value_ids = _NO_IDS
-        self._checked_version = self._checked_frees = self._checked_extent = -1
+        self._checked_version = self._checked_releases = self._checked_extent = -1
         self._forget_memo()
         culprit = "a block" if stale is None else f"block {stale!r}"
         raise StaleBlockTableError(
             f"{culprit} of owner {self._book.owner}'s table is not a live handle of the pool: "
-            "it was freed behind the cache's back (free or free_all of its owner); expected "
+            "it was freed or moved behind the cache's back (free or free_all of its owner, "
+            "or make_writable of the handle); expected "
             "every block of a cache to stay checked out until the cache frees it"
         )
 

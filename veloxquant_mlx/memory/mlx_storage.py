@@ -375,7 +375,7 @@ class MLXBlockStorage:
             TypeError, ValueError: Tokens of another dtype or shape than the store's,
                 positions outside the table's blocks, a layer out of range, or a
                 table of another pool. Nothing changes.
-            StaleBlockTableError: A block of the table was freed behind its back.
+            StaleBlockTableError: A block of the table was freed or moved behind its back.
             RuntimeError: A ``lazy_writes`` store called from another thread.
         """
         dtype = self._dtype
@@ -439,7 +439,7 @@ class MLXBlockStorage:
         Raises:
             ValueError: ``n_tokens`` beyond the table's slots, a layer out of range, or
                 a table of another pool.
-            StaleBlockTableError: A block of the table was freed behind its back.
+            StaleBlockTableError: A block of the table was freed or moved behind its back.
             RuntimeError: A ``lazy_writes`` store called from another thread.
         """
         with self._lock:
@@ -461,7 +461,7 @@ class MLXBlockStorage:
             ValueError: ``n_tokens`` not in ``1 ..`` the table's slots, queries of
                 another shape, a layer out of range, or a table of another pool.
             TypeError: Queries of another dtype than the store's.
-            StaleBlockTableError: A block of the table was freed behind its back.
+            StaleBlockTableError: A block of the table was freed or moved behind its back.
             RuntimeError: A ``lazy_writes`` store called from another thread.
         """
         heads, head_dim = self._slot_shape
