@@ -70,6 +70,7 @@ from veloxquant_mlx.memory.deferred_release import (
     BookHolding,
     deferred_releases_for,
 )
+from veloxquant_mlx.memory.stream_supply import require_supply
 
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
@@ -261,7 +262,8 @@ class PooledKVCache:
         """Append ``n_tokens`` positions to ``layer``, checking out blocks as needed.
 
         All or nothing: if the pool cannot supply the blocks of both streams,
-        nothing changes.
+        nothing changes, in the book or in the pool, whose ``n_exhausted`` counts the
+        refusal once (:mod:`~veloxquant_mlx.memory.stream_supply`).
 
         Returns:
             The first appended position (the layer's offset before the call).
@@ -459,8 +461,16 @@ class PooledKVCache:
         self._extent_version += 1
 
     def _check_out(self, n_tokens: int) -> tuple[list[Block], list[Block]]:
-        """Key and value blocks for ``n_tokens`` more positions; all or nothing."""
+        """Key and value blocks for ``n_tokens`` more positions; all or nothing.
+
+        The pool is asked first whether it can supply both streams
+        (:func:`~veloxquant_mlx.memory.stream_supply.require_supply`), so a refusal
+        grows nothing and counts no checkout; the key blocks are given back only if
+        another thread took the value blocks after that look.
+        """
         pool = self._pool
+        n_blocks = -(-n_tokens // self._block_size)
+        require_supply(pool, {"k": n_blocks, "v": n_blocks}, self._owner, self._format, self._free)
         new_keys = pool.allocate("k", n_tokens, self._owner, self._format)
         try:
             new_values = pool.allocate("v", n_tokens, self._owner, self._format)
@@ -509,15 +519,23 @@ class PooledKVCache:
         """Copy-on-write: the key and value blocks at ``index``, if shared, move to
         private ones.
 
-        Each move is recorded before its data is copied, so the table never holds
-        a handle the pool has made stale, even if the value block is exhausted.
+        The pool is asked first whether it can supply a private block of each
+        stream that moves, so a refusal moves neither. Each move is recorded before
+        its data is copied, so the table never holds a handle the pool has made
+        stale, even if another thread took the value block after that look.
         """
+        pool = self._pool
+        demand = {
+            stream: int(block.owner is not None and pool.is_shared(block.block_id))
+            for stream, block in (("k", self._key_blocks[index]), ("v", self._value_blocks[index]))
+        }
+        require_supply(pool, demand, self._owner, self._format, self._free)
         for stream in ("k", "v"):
             blocks = self._key_blocks if stream == "k" else self._value_blocks
             shared = blocks[index]
             if shared.owner is None:  # freed behind the book's back: the table check says so
                 return
-            own = self._pool.make_writable(shared)
+            own = pool.make_writable(shared)
             if own is shared:
                 continue
             moved = (*blocks[:index], own, *blocks[index + 1 :])

@@ -1,0 +1,143 @@
+"""A KV cache's checkout of both streams is all or nothing, in the pool too.
+
+Before ``stream_supply``, a book took its key blocks, then asked for the value
+blocks, and gave the key blocks back if those were refused. The refused request
+left the pool changed: growth for the keys stayed (a later request that a fresh
+pool admits was refused), and the counters showed a checkout, a free and a peak
+no request held. A copy-on-write of a fork's shared blocks moved the key block
+before the value block was refused.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import pytest
+
+from veloxquant_mlx.memory.block_pool import (
+    Block,
+    BlockPoolAllocator,
+    BlockPoolExhaustedError,
+    PoolConfig,
+)
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.memory.stream_supply import require_supply
+
+BLOCK_SIZE = 4
+
+
+def counters(pool: BlockPoolAllocator) -> tuple[object, ...]:
+    """Every stats field but ``n_exhausted``, and the free lists' lengths."""
+    stats = pool.stats
+    return (
+        stats.n_blocks,
+        stats.n_allocations,
+        stats.n_frees,
+        stats.n_reused,
+        stats.n_grown,
+        stats.n_retired,
+        stats.peak_blocks_in_use,
+        stats.n_copy_on_write,
+        stats.blocks_in_use(),
+        pool.n_free("k"),
+        pool.n_free("v"),
+    )
+
+
+def refused_append(pool: BlockPoolAllocator, book: PooledKVCache, n_tokens: int) -> str:
+    """Append ``n_tokens`` to ``book``; it must be refused, counted once, nothing else changed."""
+    before, exhausted = counters(pool), pool.stats.n_exhausted
+    with pytest.raises(BlockPoolExhaustedError) as refused:
+        book.append(n_tokens)
+    assert counters(pool) == before
+    assert pool.stats.n_exhausted == exhausted + 1
+    assert book.offset == 0
+    pool.check_invariants()
+    return str(refused.value)
+
+
+def test_a_refused_request_leaves_no_growth_behind() -> None:
+    pool = BlockPoolAllocator(
+        PoolConfig(block_size=BLOCK_SIZE, n_blocks=0, grow_on_exhaustion=True, max_blocks=10)
+    )
+    big = PooledKVCache(pool)
+    message = refused_append(pool, big, 6 * BLOCK_SIZE)  # 6 + 6 blocks > max_blocks
+    assert "needs 6 k block(s) and 6 v block(s) at once" in message
+    assert "growing by 12 would take the pool past max_blocks=10 (it has 0)" in message
+    big.release()
+    fits = PooledKVCache(pool)
+    fits.append(5 * BLOCK_SIZE)  # what a fresh pool admits is still admitted
+    assert (pool.n_free("k"), pool.n_free("v"), pool.stats.n_blocks) == (0, 0, 10)
+    fits.release()
+
+
+@pytest.mark.parametrize("separate_kv", [True, False])
+def test_a_request_the_free_lists_cannot_serve_takes_no_block(separate_kv: bool) -> None:
+    pool = BlockPoolAllocator(
+        PoolConfig(block_size=BLOCK_SIZE, n_blocks=10, separate_kv=separate_kv)
+    )
+    holder = PooledKVCache(pool)
+    holder.append(BLOCK_SIZE)  # one block of each stream in use
+    book = PooledKVCache(pool)
+    message = refused_append(pool, book, 5 * BLOCK_SIZE)
+    assert "growth is off" in message
+    assert ("k: 4 free, v: 4 free" if separate_kv else "kv: 8 free") in message
+    holder.release()
+    book.release()
+
+
+def test_only_the_value_stream_short_takes_no_key_block() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=8))
+    values = pool.allocate("v", BLOCK_SIZE, owner=9)  # the keys have 4 free, the values 3
+    book = PooledKVCache(pool)
+    refused_append(pool, book, 4 * BLOCK_SIZE)
+    pool.free(values)
+    book.release()
+
+
+def test_a_refused_copy_on_write_moves_neither_block() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=5, separate_kv=False))
+    parent = PooledKVCache(pool)
+    parent.append(BLOCK_SIZE + 2)  # 2 + 2 blocks, the last ones half full: 1 block free
+    child = parent.fork()
+    keys, values = child.key_blocks, child.value_blocks
+    before, exhausted = counters(pool), pool.stats.n_exhausted
+    wanted = re.escape("needs 1 k block(s) and 1 v block(s)")
+    with pytest.raises(BlockPoolExhaustedError, match=wanted):
+        child.trim(1)  # the shared last blocks would each need a private copy
+    assert counters(pool) == before
+    assert pool.stats.n_exhausted == exhausted + 1
+    assert (child.key_blocks, child.value_blocks, child.offset) == (keys, values, BLOCK_SIZE + 2)
+    assert all(pool.is_live(block) for block in (*keys, *values))
+    child.release()
+    parent.release()
+
+
+class _Understating:
+    """A pool that reports fewer free blocks than it has (another thread freed some)."""
+
+    def __init__(self, pool: BlockPoolAllocator) -> None:
+        self._pool = pool
+
+    def n_free(self, stream: str = "k") -> int:
+        return 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+
+def test_blocks_that_came_free_after_the_look_are_given_back() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=8))
+    given_back: list[list[Block]] = []
+    require_supply(_Understating(pool), {"k": 2, "v": 2}, 7, "fp16", given_back.append)
+    assert [len(blocks) for blocks in given_back] == [4]  # what both streams "lacked"
+    assert [block.owner for block in given_back[0]] == [7] * 4
+    assert pool.stats.n_exhausted == 0
+
+
+def test_a_demand_the_pool_meets_makes_no_call() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=4))  # 2 per stream
+    before = counters(pool)
+    require_supply(pool, {"k": 2, "v": 2}, 7, "fp16", lambda blocks: pytest.fail("no call"))
+    assert counters(pool) == before
