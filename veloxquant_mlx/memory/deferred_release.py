@@ -54,8 +54,10 @@ without help such blocks could stay in use long enough to exhaust the pool.
 So when the pool refuses a book's checkout (new blocks for an append, or
 the private block of a copy-on-write: too few free blocks, growth off or
 at ``max_blocks``) while another book holds a claim on the pool (so
-there may be garbage), the book runs one full collection, drains again and
-tries once more (:meth:`DeferredReleases.check_out_reclaiming`). Only that
+there may be garbage), the book runs one full collection, drains again and,
+if that gave blocks back, tries once more
+(:meth:`DeferredReleases.check_out_reclaiming`; a refusal is counted once in
+``n_exhausted`` unless it is tried again). Only that
 path collects: a checkout the free lists serve never does, a pool that may
 grow grows instead, and threads refused at once share one collection. The
 refusal that a collection then serves still counts in the pool's
@@ -267,14 +269,17 @@ class DeferredReleases:
 
     def check_out_reclaiming(self, check_out: Callable[[], CheckedOut]) -> CheckedOut:
         """Drain, then run ``check_out`` (a book taking blocks); if the pool refuses it
-        while another book holds a claim, collect garbage, drain and run it once more.
+        while another book holds a claim, collect garbage, drain, and if that gave
+        blocks back, run it once more.
 
         A book dropped inside a reference cycle is queued only when the garbage
-        collector finds it (module docstring). Never call it from a finaliser.
+        collector finds it (module docstring). Never call it from a finaliser. A
+        refusal the collection changes nothing for is not tried again, so the pool
+        counts it once in ``n_exhausted``.
 
         Raises:
-            BlockPoolExhaustedError: Refused again after the collection, or refused
-                with no other book to collect.
+            BlockPoolExhaustedError: Refused again after the collection, refused with
+                no other book to collect, or refused with no block given back.
         """
         self.drain()
         try:
@@ -283,8 +288,11 @@ class DeferredReleases:
             # A snapshot without the guard, on purpose: it only decides whether to try.
             if len(self._claims) <= 1:
                 raise
-        self._collect_garbage()
-        self.drain()
+            frees = self._pool.stats.n_frees
+            self._collect_garbage()
+            self.drain()
+            if self._pool.stats.n_frees == frees:
+                raise
         return check_out()
 
     # -- internals -----------------------------------------------------------------------
