@@ -20,7 +20,7 @@ HELP_TEXT = {
     "allocations_total": "Successful allocate calls.",
     "frees_total": "free and free_all calls that freed blocks.",
     "reused_total": "Blocks handed out again after a free.",
-    "exhausted_total": "allocate calls refused for lack of blocks.",
+    "exhausted_total": "allocate and make_writable calls refused for lack of blocks.",
     "grown_total": "Blocks created by growth on exhaustion.",
     "retired_total": "Blocks retired by shrink.",
 }

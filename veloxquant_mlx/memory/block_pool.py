@@ -238,7 +238,8 @@ class AllocationStats:
         n_allocations: Successful ``allocate()`` calls.
         n_frees: ``free()`` and ``free_all()`` calls that freed at least one block.
         n_reused: Blocks handed out whose id had been handed out before.
-        n_exhausted: ``allocate()`` calls that failed for lack of blocks.
+        n_exhausted: ``allocate()`` and ``make_writable()`` calls refused for lack of
+            blocks.
         n_grown: Blocks created by exhaustion-triggered growth.
         n_retired: Blocks removed from the pool by ``shrink()``.
         peak_blocks_in_use: High-water mark of blocks checked out at once.
@@ -422,7 +423,7 @@ class AllocationStats:
             metric(
                 "exhausted",
                 "counter",
-                "allocate calls refused for lack of blocks.",
+                "allocate and make_writable calls refused for lack of blocks.",
                 self.n_exhausted,
             ),
             metric("grown", "counter", "Blocks created by growth on exhaustion.", self.n_grown),
