@@ -126,7 +126,12 @@ def test_the_readme_float16_store_refuses_a_bfloat16_model_before_anything_chang
 
 
 @pytest.mark.parametrize("start", [0, 5000], ids=["quantized_kv_start=0", "default start"])
-def test_kv_bits_is_refused_at_the_prompt_before_any_block_is_taken(start: int) -> None:
+@pytest.mark.parametrize("n_prompt", [11, 2, 1])
+def test_kv_bits_is_refused_at_the_prompt_before_any_block_is_taken(
+    start: int, n_prompt: int
+) -> None:
+    # A prompt of one or two tokens reaches the cache as one-position calls only: once
+    # those took blocks before to_quantized refused.
     model = tiny_model("llama", 6, head_dim=32)
     pool = _pool()
     storage = make_pool_backed_storage(model, pool)
@@ -134,7 +139,13 @@ def test_kv_bits_is_refused_at_the_prompt_before_any_block_is_taken(start: int) 
         refused = pytest.raises(ValueError, match=r"kv_bits=4 cannot quantize .* float32")
         with pool_unchanged(pool, owners=[4]), refused:
             greedy(
-                model, prompt(7), cache, 4, kv_bits=4, kv_group_size=32, quantized_kv_start=start
+                model,
+                prompt(7, n_prompt),
+                cache,
+                4,
+                kv_bits=4,
+                kv_group_size=32,
+                quantized_kv_start=start,
             )
         assert all(type(layer) is PoolBackedKVCache for layer in cache)  # none replaced
         assert cache.book.empty()

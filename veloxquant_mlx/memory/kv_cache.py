@@ -201,6 +201,9 @@ class PoolBackedKVCache(KVCacheConventions):
         self._fused: Final = resolve_attention(storage, attention) == "fused"
         # The pool's dropped books: every update releases them first (O(1) if none).
         self._releases: Final = deferred_releases_for(book.pool)
+        # Whether a call has looked for the generator's kv_bits (a prompt of one or two
+        # tokens reaches the cache as one-position calls only).
+        self._kv_bits_checked = False
 
     # -- mlx-lm protocol: the hot path -------------------------------------------------
 
@@ -237,10 +240,13 @@ class PoolBackedKVCache(KVCacheConventions):
         else:
             n_tokens = self._require_update(keys, values)
         self._releases.drain()  # blocks of caches dropped without release() come back
-        if n_tokens != 1:  # a prompt chunk: refuse kv_bits before any block is taken
+        if n_tokens != 1 or not self._kv_bits_checked:
+            # A prompt chunk, or this cache's first call: refuse kv_bits before any block
+            # is taken.
             bits = kv_bits_of_generation()
             if bits is not None:
                 raise kv_bits_refusal(bits, dtype_name(self._dtype))
+            self._kv_bits_checked = True
         book, layer = self._book, self._layer
         start = book.append(n_tokens, layer=layer)
         try:
