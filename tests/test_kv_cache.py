@@ -8,9 +8,11 @@ operation is compared with. Decoding through real models lives in
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -376,6 +378,24 @@ def test_a_wrong_shape_is_refused_before_anything_changes(pool: BlockPoolAllocat
     cache.book.release()
 
 
+@pytest.mark.parametrize(
+    ("keys", "named"),
+    [(None, "NoneType"), (np.zeros((1, HEADS, 1, HEAD_DIM), np.float32), "ndarray")],
+    ids=["None", "numpy"],
+)
+def test_what_is_no_mlx_array_is_refused_by_its_type(
+    pool: BlockPoolAllocator, keys: object, named: str
+) -> None:
+    # Once None gave an AttributeError, and a NumPy array of the store's very dtype was
+    # refused as "must have the store's dtype float32, got float32 and float32".
+    cache = _one_layer(pool)
+    refused = f"keys and values must be mlx.core.array, got {named} and {named}"
+    with pytest.raises(TypeError, match=re.escape(refused)):
+        cache.update_and_fetch(keys, keys)  # type: ignore[arg-type]
+    assert (cache.offset, pool.stats.blocks_in_use(), pool.stats.n_allocations) == (0, 0, 0)
+    cache.book.release()
+
+
 def test_exhaustion_leaves_the_cache_unchanged() -> None:
     pool = _pool(n_blocks=4)
     cache = _one_layer(pool)
@@ -410,6 +430,12 @@ def _tiny_llama(**overrides: object) -> llama.Model:
     }
     arguments.update(overrides)
     return llama.Model(llama.ModelArgs(**arguments))  # type: ignore[arg-type]
+
+
+def test_make_pool_backed_cache_refuses_what_is_no_store(pool: BlockPoolAllocator) -> None:
+    with pytest.raises(TypeError, match=r"must be a block store .*, got BlockPoolAllocator"):
+        make_pool_backed_cache(_tiny_llama(), pool)  # type: ignore[arg-type]
+    assert (pool.stats.n_allocations, pool.stats.blocks_in_use()) == (0, 0)
 
 
 def test_make_pool_backed_cache_builds_one_cache_per_layer(pool: BlockPoolAllocator) -> None:

@@ -226,16 +226,21 @@ class PoolBackedKVCache(KVCacheConventions):
             RuntimeError: The cache was released.
             BlockPoolExhaustedError: The pool has too few free blocks; nothing changed.
         """
-        shape, dtype = keys.shape, self._dtype
-        if (
-            len(shape) == 4
-            and shape == values.shape
-            and shape[1] == self._heads
-            and shape[3] == self._head_dim
-            and shape[0] == 1
-            and keys.dtype == dtype
-            and values.dtype == dtype
-        ):  # the decode path: one test; _require_update says what is wrong otherwise
+        dtype = self._dtype
+        try:
+            shape = keys.shape
+            fits = (
+                len(shape) == 4
+                and shape == values.shape
+                and shape[1] == self._heads
+                and shape[3] == self._head_dim
+                and shape[0] == 1
+                and keys.dtype == dtype
+                and values.dtype == dtype
+            )  # the decode path: one test; _require_update says what is wrong otherwise
+        except AttributeError:  # not arrays
+            fits = False
+        if fits:
             n_tokens: int = shape[2]
         else:
             n_tokens = self._require_update(keys, values)
@@ -342,6 +347,11 @@ class PoolBackedKVCache(KVCacheConventions):
 
     def _require_update(self, keys: mx.array, values: mx.array) -> int:
         """The number of positions in ``keys`` and ``values``, if the storage can hold them."""
+        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+            raise TypeError(
+                f"keys and values must be mlx.core.array, got {type(keys).__name__} and "
+                f"{type(values).__name__}"
+            )
         shape, dtype = keys.shape, self._dtype
         if (
             len(shape) == 4

@@ -32,7 +32,7 @@ from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache
 from veloxquant_mlx.memory.mlx_lm_protocol import save_kv_caches, split_state
 from veloxquant_mlx.memory.model_kv_layout import attention_layers
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
-from veloxquant_mlx.memory.storage import CopiesBlocks
+from veloxquant_mlx.memory.storage import BlockStorage, CopiesBlocks
 
 __all__ = ["PoolBackedPromptCache", "make_pool_backed_cache"]
 
@@ -208,11 +208,17 @@ def make_pool_backed_cache(
             (:func:`~veloxquant_mlx.memory.attention_hook.install_paged_attention`).
 
     Raises:
+        TypeError: ``storage`` is not a block store.
         ValueError: The model has more layers than the storage, a layer needs
             a cache other than ``KVCache`` (sliding window, state space, ...), or
             ``attention`` is not a mode the storage serves.
         OwnerAlreadyActiveError: ``owner`` is in use.
     """
+    if not isinstance(storage, BlockStorage):
+        raise TypeError(
+            "storage must be a block store of the pool (make_pool_backed_storage(model, "
+            f"pool), MLXBlockStorage...), got {type(storage).__name__}"
+        )
     n_layers = attention_layers(model)
     if n_layers > storage.n_layers:
         raise ValueError(
