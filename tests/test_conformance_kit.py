@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -24,6 +25,7 @@ from reference_port import MyPool
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.testing import exhaustive
+from veloxquant_mlx.testing import report as report_module
 from veloxquant_mlx.testing.conformance import conformance_test_case
 from veloxquant_mlx.testing.findings import Finding
 from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
@@ -189,7 +191,9 @@ def _runs_and_shows_the_pools_value(finding: Finding) -> None:
 @pytest.mark.slow
 def test_one_run_lists_each_planted_deviation_once_readably() -> None:
     # One test, not three: the run is the expensive part, and xdist would repeat a fixture.
-    report = conformance_report(DeviantPort, config_class=DeviantConfig, errors=DEVIANT_ERRORS)
+    report = conformance_report(
+        DeviantPort, config_class=DeviantConfig, errors=DEVIANT_ERRORS, time_budget=300
+    )  # about 30 s here; the budget is a cap, so a loaded machine cannot cut a part short
     print(report.render())  # the figures: total seconds and the longest shrink
     assert sorted(f.rule for f in report.findings) == sorted(DEVIATIONS)
     assert all(len(f.calls) <= 5 for f in report.findings)
@@ -214,7 +218,12 @@ def test_one_run_lists_each_planted_deviation_once_readably() -> None:
 def test_the_deviant_port_passes_with_its_deviations_allowed() -> None:
     allow = {rule: "planted on purpose" for rule in DEVIATIONS}
     report = conformance_report(
-        DeviantPort, config_class=DeviantConfig, errors=DEVIANT_ERRORS, allow=allow, examples=100
+        DeviantPort,
+        config_class=DeviantConfig,
+        errors=DEVIANT_ERRORS,
+        allow=allow,
+        examples=100,
+        time_budget=300,
     )
     assert report.conforms, report.render()
     assert sorted(f.rule for f, _ in report.expected) == sorted(DEVIATIONS)
@@ -287,3 +296,46 @@ def test_the_kit_imports_without_mlx(tmp_path: Path) -> None:
         [sys.executable, "-c", code], env=environment, capture_output=True, text=True, check=False
     )
     assert done.returncode == 0, done.stderr
+
+
+# -- the report never says "conforms" for a part it cut short -------------------------------
+
+
+def _out_of_time_after(n: int) -> Callable[[object], bool]:
+    """``_Collector.out_of_time`` that says no ``n`` times, then yes (a clock that runs out)."""
+    left = [n]
+
+    def out_of_time(collector: object) -> bool:
+        left[0] -= 1
+        return left[0] < 0
+
+    return out_of_time
+
+
+@pytest.mark.parametrize(
+    ("answers_in_time", "gap"),
+    [
+        (0, "random: none of 1000 sequences run: the time budget ran out"),
+        (2, "random: 25 of 1000 sequences run: the time budget ran out"),
+    ],
+    ids=["before-it-starts", "after-one-run"],
+)
+def test_random_sequences_the_time_budget_cut_make_the_report_inconclusive(
+    monkeypatch: pytest.MonkeyPatch, answers_in_time: int, gap: str
+) -> None:
+    # Once a cut random part was left out of the gaps, and the verdict said "conforms".
+    clock = _out_of_time_after(answers_in_time)
+    monkeypatch.setattr(report_module._Collector, "out_of_time", clock)
+    report = conformance_report(BlockPoolAllocator, scopes=[], examples=1000)
+    assert report.gaps == [gap]
+    assert (report.verdict, report.conforms) == ("inconclusive", False)
+    assert f"Not checked:\n  {gap}\n\nNot in scope: calls from several threads" in report.render()
+
+
+def test_an_exhaustive_scope_cut_short_does_not_claim_every_sequence() -> None:
+    scope = exhaustive.SCOPES[0]
+    report = conformance_report(BlockPoolAllocator, scopes=[scope], examples=0, time_budget=0)
+    assert report.verdict == "inconclusive"
+    line = next(part for part in report.checked if part.startswith(f"exhaustive {scope.name}"))
+    assert "stopped early" in line
+    assert "every sequence" not in line

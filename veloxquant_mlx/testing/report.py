@@ -62,6 +62,11 @@ RANDOM_STEPS: Final = 25
 DEFAULT_SHRINK_SECONDS: Final = 20.0
 #: The longest a report shrinks all its findings together (then they are shown as found).
 SHRINK_BUDGET: Final = 30.0
+#: What no report checks, said at the end of every one (a verdict covers the rest).
+NOT_IN_SCOPE: Final = (
+    "calls from several threads at once (C-THREAD-SAFE, C-LINEARIZABLE): every check "
+    "here calls the pool from one thread"
+)
 
 
 @dataclass
@@ -109,6 +114,7 @@ class Report:
             lines += [f"  {f.rule} {f.call} {f.field}: {why}" for f, why in self.expected]
         if self.gaps:
             lines += ["", "Not checked:", *(f"  {gap}" for gap in self.gaps)]
+        lines += ["", f"Not in scope: {NOT_IN_SCOPE}"]
         if verbose:
             lines += ["", "Checked:", *(f"  {part}" for part in self.checked)]
         return "\n".join(lines)
@@ -211,8 +217,9 @@ def _random_settings(examples: int) -> settings:
 
 def _random_errors(
     port: Port, examples: int, collector: _Collector, ended: list[str]
-) -> list[ConformanceError]:
-    """Failures of random sequences whose findings are not known yet (one per key).
+) -> tuple[list[ConformanceError], int]:
+    """Failures of random sequences whose findings are not known yet (one per key), and
+    how many sequences were asked for before the time ran out.
 
     ``ended`` is told why a run of sequences ended early, if one did.
     """
@@ -247,7 +254,7 @@ def _random_errors(
         except Exception as error:  # Hypothesis gave up on this run; what it found stays
             ended.append(f"{type(error).__name__}: {str(error).splitlines()[0]}")
         done += chunk
-    return list(new.values())
+    return list(new.values()), done
 
 
 def shrink(port: Port, error: ConformanceError, seconds: float) -> tuple[Finding, float]:
@@ -334,10 +341,12 @@ def conformance_report(
         _explore(port, scope, depth, collector, report)
         say(f"exhaustive {scope.name}: {len(collector.by_key)} findings so far")
 
-    if not collector.out_of_time() and examples:
+    if examples and collector.out_of_time():
+        report.gaps.append(f"random: none of {examples} sequences run: the time budget ran out")
+    elif examples:
         began = time.monotonic()
         ended: list[str] = []
-        errors = _random_errors(port, examples, collector, ended)
+        errors, done = _random_errors(port, examples, collector, ended)
         searched = time.monotonic() - began
         shrinking_left = SHRINK_BUDGET
         for error in errors:
@@ -346,10 +355,14 @@ def conformance_report(
             report.longest_shrink = max(report.longest_shrink, took)
             collector.add(finding)
         report.checked.append(
-            f"random: up to {examples} sequences of up to {RANDOM_STEPS} calls, {searched:.1f}s; "
-            f"{len(errors)} new findings shrunk"
+            f"random: {done} of {examples} sequences of up to {RANDOM_STEPS} calls, "
+            f"{searched:.1f}s; {len(errors)} new findings shrunk"
         )
-        report.checked += [f"random: a run of {RANDOM_CHUNK} ended early: {why}" for why in ended]
+        if done < examples:
+            report.gaps.append(
+                f"random: {done} of {examples} sequences run: the time budget ran out"
+            )
+        report.gaps += [f"random: a run of sequences ended early: {why}" for why in ended]
         say(f"random: {len(collector.by_key)} findings")
 
     for finding in sorted(collector.by_key.values(), key=lambda f: (f.rule, len(f.calls))):
@@ -398,13 +411,18 @@ def _explore(port: Port, scope: Scope, depth: int, collector: _Collector, report
 
     if exploration.counterexample is not None and exploration.counterexample.error is not None:
         found(exploration.counterexample)
-    if exploration.gap is not None:
-        report.gaps.append(f"exhaustive {scope.name}: {exploration.gap}")
-    report.checked.append(
-        f"exhaustive {scope.name}: every sequence up to {depth} calls not past a finding, "
+    figures = (
         f"{exploration.states} states, {exploration.transitions} transitions, "
         f"{exploration.seconds:.1f}s"
     )
+    if exploration.gap is not None:
+        report.gaps.append(f"exhaustive {scope.name}: {exploration.gap}")
+        report.checked.append(f"exhaustive {scope.name}: stopped early, {figures}")
+    else:
+        report.checked.append(
+            f"exhaustive {scope.name}: every sequence up to {depth} calls not past a "
+            f"finding, {figures}"
+        )
 
 
 def check_conformance(
