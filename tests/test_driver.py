@@ -72,6 +72,19 @@ def _fake(script: str) -> list[str]:
         (f"print({HELLO!r}, flush=True); input()", 10, "exited \\(status 0\\) before the response"),
         (f"print({HELLO!r}, flush=True); input(); print('oops', flush=True)", 10, "not a JSON"),
         (f"import time; print({HELLO!r}, flush=True); time.sleep(30)", 0.5, "no answer within 0.5"),
+        # A byte every 0.1 s and never an end of line: once each byte restarted the clock.
+        (
+            f"import sys, time; print({HELLO!r}, flush=True); input()\n"
+            "for _ in range(300): sys.stdout.write(' '); sys.stdout.flush(); time.sleep(0.1)",
+            1,
+            "no answer within 1 s",
+        ),
+        (
+            f"import sys; print({HELLO!r}, flush=True); input()\n"
+            "sys.stdout.write('x' * (17 << 20)); sys.stdout.flush(); input()",
+            10,
+            "over 16,777,216 bytes with no end of line",
+        ),
         ("print('{}', flush=True)", 10, "its hello is {}"),
         (
             f"print({HELLO.replace('[]', '5')!r}, flush=True)",
@@ -79,7 +92,7 @@ def _fake(script: str) -> list[str]:
             "expected its calls as a list of names",
         ),
     ],
-    ids=["dies", "junk", "late", "no-hello", "calls-not-a-list"],
+    ids=["dies", "junk", "late", "trickles", "endless-line", "no-hello", "calls-not-a-list"],
 )
 def test_a_broken_driver_is_one_clear_failure(script: str, timeout: float, said: str) -> None:
     with pytest.raises(DriverFailure, match=said):

@@ -33,6 +33,7 @@ import selectors
 import shlex
 import subprocess
 import tempfile
+import time
 import weakref
 from collections.abc import Callable, Sequence
 from typing import IO, Any, Final, NoReturn
@@ -88,6 +89,8 @@ ERRORS: Final[dict[str, type[Exception]]] = {
 }
 #: Seconds a driver may take to answer one request.
 DEFAULT_TIMEOUT: Final = 10.0
+#: The longest answer line read (far above any answer the protocol has).
+MAX_LINE_BYTES: Final = 16 * 1024 * 1024
 
 
 class DriverProcess:
@@ -161,15 +164,23 @@ class DriverProcess:
         raise cls(str(error.get("message", "")))
 
     def _read_line(self, what: str) -> dict[str, Any]:
-        """One JSON object line, within the timeout."""
+        """One JSON object line, whole within the timeout (a driver that writes it a byte
+        at a time does not restart the clock) and at most :data:`MAX_LINE_BYTES` long."""
+        deadline = time.monotonic() + self.timeout
         while b"\n" not in self._buffer:
-            if not self._selector.select(self.timeout):
+            left = deadline - time.monotonic()
+            if left <= 0 or not self._selector.select(left):
                 self.fail(f"it gave no answer within {self.timeout:g} s (waiting for {what})")
             assert self._process.stdout is not None, "piped"
             chunk = os.read(self._process.stdout.fileno(), 65536)
             if not chunk:
                 self.fail(f"it exited (status {self._process.wait()}) before {what}")
             self._buffer += chunk
+            if len(self._buffer) > MAX_LINE_BYTES and b"\n" not in self._buffer:
+                self.fail(
+                    f"it wrote over {MAX_LINE_BYTES:,} bytes with no end of line "
+                    f"(waiting for {what})"
+                )
         raw, self._buffer = self._buffer.split(b"\n", 1)
         try:
             record = json.loads(raw)
