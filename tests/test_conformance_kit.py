@@ -23,12 +23,16 @@ import reference_port
 from deviant_port import DEVIANT_ERRORS, DEVIATIONS, DeviantConfig, DeviantPort
 from reference_port import MyPool
 
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.block_pool import (
+    BlockPoolAllocator,
+    BlockPoolExhaustedError,
+    PoolConfig,
+)
 from veloxquant_mlx.testing import exhaustive
 from veloxquant_mlx.testing import report as report_module
 from veloxquant_mlx.testing.conformance import conformance_test_case
 from veloxquant_mlx.testing.findings import Finding
-from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
+from veloxquant_mlx.testing.lockstep import ConformanceError, Discrepancy, Lockstep
 from veloxquant_mlx.testing.port import ALL_CALLS, REFERENCE_CALLS, Port, as_port
 from veloxquant_mlx.testing.profiles import PROFILE_VARIABLE
 from veloxquant_mlx.testing.python_text import as_python
@@ -248,6 +252,27 @@ def test_a_finding_shows_a_shortest_sequence_as_python() -> None:
         "pool.free([b0[1], b0[0]])",
         "pool.stats.n_frees  # pool: 2; spec: 1",
     ]
+
+
+def test_the_python_of_a_finding_seen_after_a_refused_call_runs_to_its_last_line() -> None:
+    # Once the refused last call was left unwrapped: the paste stopped there, raising.
+    port = Port(BlockPoolAllocator, config_class=PoolConfig)
+    seen = Discrepancy("observation", Stats(), "n_allocations", 5, 1)
+    calls = [Allocate("k", 3, 0), Allocate("k", 100, 0)]
+    text = as_python(port, calls, model.SpecConfig(2, 4), 1024, seen)
+    assert text[-2:] == [
+        "with suppress(BlockPoolExhaustedError): pool.allocate('k', 100, 0)",
+        "pool.stats.n_allocations  # pool: 5; spec: 1",
+    ]
+    scope = {
+        "BlockPoolAllocator": BlockPoolAllocator,
+        "PoolConfig": PoolConfig,
+        "BlockPoolExhaustedError": BlockPoolExhaustedError,
+        "suppress": suppress,
+    }
+    *setup, last = text
+    exec("\n".join(setup), scope)
+    assert eval(last.split("  #")[0], scope) == 1
 
 
 # ---- the exhaustive checker on a port ---------------------------------------------------

@@ -164,7 +164,7 @@ def as_python(
             text += (
                 f"  # pool{verb}: {said(discrepancy.actual)}; spec: {said(discrepancy.predicted)}"
             )
-        elif isinstance(predicted, Raised) and not last:
+        elif isinstance(predicted, Raised):  # the paste runs on, to the line that reads
             text = f"with suppress({predicted.kind}): {text}"
         lines.append(text)
     if discrepancy is not None and discrepancy.kind == "observation":
