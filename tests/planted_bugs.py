@@ -140,6 +140,20 @@ class AllocateTakesWholeFloats(BlockPoolAllocator):
         return super().allocate(stream, n_tokens, owner, format)
 
 
+class OwnTypeError(TypeError):
+    """A TypeError of the port's own: C-ERROR-CLASSES wants the built-in class itself."""
+
+
+class AllocateRaisesItsOwnTypeError(BlockPoolAllocator):
+    """Planted bug: allocate() raises a subclass of TypeError for a bad argument's type."""
+
+    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+        try:
+            return super().allocate(stream, n_tokens, owner, format)
+        except TypeError as error:
+            raise OwnTypeError(str(error)) from None
+
+
 class MarkUsedZeroIsIgnored(BlockPoolAllocator):
     """Planted bug: mark_used(block, 0) is taken as "nothing to record" and changes nothing."""
 

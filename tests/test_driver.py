@@ -182,6 +182,20 @@ def test_the_exhaustive_command_finds_a_planted_deviation_through_a_driver(
     assert "(stats.n_frees is 2; the spec predicts 1)" in out
 
 
+@pytest.mark.usefixtures("in_tests")
+def test_an_error_class_of_the_ports_own_is_a_deviation_through_a_driver_too(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Once the driver named a TypeError subclass "TypeError", and the port passed there
+    # while the in-process route (which names its own class) found the deviation.
+    in_process = ["exhaustive", "--depth", "1", "--scope", SEPARATE_4.name, "--factory"]
+    assert cli.main([*in_process, "planted_bugs:AllocateRaisesItsOwnTypeError"]) == 1
+    assert "OwnTypeError" in capsys.readouterr().out
+    driven = [*PLANTED, "planted_bugs:AllocateRaisesItsOwnTypeError"]
+    assert cli.main(["exhaustive", "--driver", shlex.join(driven), *in_process[1:-1]]) == 1
+    assert "COUNTEREXAMPLE" in capsys.readouterr().out
+
+
 def test_the_exhaustive_command_passes_our_pool_through_its_driver(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -31,7 +31,8 @@ from collections.abc import Iterable, Sequence
 from typing import IO, Any, Final
 
 from veloxquant_mlx.commandline.bad_input import BadInputError
-from veloxquant_mlx.testing.port import ERROR_NAMES, Port
+from veloxquant_mlx.testing.port import Port
+from veloxquant_mlx.testing.sides import error_outcome
 
 __all__ = ["PROTOCOL", "PROTOCOL_VERSION", "Driver", "serve_lines"]
 
@@ -39,8 +40,6 @@ PROTOCOL: Final = "veloxquant-mlx-driver"
 PROTOCOL_VERSION: Final = 1
 #: Values sent as they are (JSON's own); anything else is an object, sent as a ref.
 _PLAIN: Final = (bool, int, float, str, type(None))
-#: Error classes a response may name: the contract's, then the built-ins the contract uses.
-_ERROR_CLASSES: Final = (*ERROR_NAMES, "TypeError", "ValueError", "AssertionError")
 
 
 class Driver:
@@ -56,6 +55,9 @@ class Driver:
         self.owner_of: dict[int, int] = {}  # ref -> the ref of the pool it came from
         self.ref_of: dict[int, int] = {}  # id(object) -> its ref: one object, one ref
         self._next_ref = 1
+        # The port's error classes -> the contract's names, if it gave them (else each
+        # error is named by its own class, as the in-process kit names it).
+        self._error_names = None if port.errors is None else port.error_names(None)
 
     def hello(self) -> dict[str, object]:
         """The first line: protocol, version and the calls this port offers."""
@@ -120,21 +122,15 @@ class Driver:
         raise ValueError(f"unknown op {op!r}; expected pool, block, drop, get or call")
 
     def respond(self, request: dict[str, Any]) -> dict[str, object]:
-        """The response to one request; a port's error is named by its contract class."""
+        """The response to one request; a port's error is named as the in-process kit
+        names it: its class's name, or the contract name the port's ``errors`` map gives."""
         answer: dict[str, object] = {"id": request.get("id")}
         try:
             answer["result"] = self.serve(request)
         except Exception as error:  # every error is an answer; the kit compares its class
-            answer["error"] = {"class": _contract_name(error), "message": str(error)}
+            kind = error_outcome(error, self._error_names).kind
+            answer["error"] = {"class": kind, "message": str(error)}
         return answer
-
-
-def _contract_name(error: BaseException) -> str:
-    """The first class in ``error``'s MRO that the protocol names (else its own name)."""
-    for cls in type(error).__mro__:
-        if cls.__name__ in _ERROR_CLASSES:
-            return cls.__name__
-    return type(error).__name__
 
 
 def serve_lines(port: Port, lines: Iterable[bytes], out: IO[str]) -> None:
