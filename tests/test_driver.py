@@ -196,6 +196,28 @@ def test_an_error_class_of_the_ports_own_is_a_deviation_through_a_driver_too(
     assert "COUNTEREXAMPLE" in capsys.readouterr().out
 
 
+@pytest.mark.usefixtures("in_tests")
+def test_a_counterexample_found_on_a_port_replays_on_that_port(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Once a counterexample replayed "ok" everywhere: replay could not run a port.
+    planted = "planted_bugs:FreeCountsBlocks"
+    scope = ["--depth", "2", "--scope", SEPARATE_4.name]
+    assert cli.main(["exhaustive", "--factory", planted, *scope, "--out", str(tmp_path)]) == 1
+    trace = str(next(tmp_path.glob("counterexample-*.jsonl")))
+    capsys.readouterr()
+    assert cli.main(["replay", trace, "--factory", planted]) == 1
+    assert "(stats.n_frees is 2; the spec predicts 1)" in capsys.readouterr().err
+    driven = shlex.join([*PLANTED, planted])
+    assert cli.main(["replay", trace, "--driver", driven]) == 1
+    assert "(stats.n_frees is 2; the spec predicts 1)" in capsys.readouterr().err
+    assert cli.main(["replay", trace, "--on", "pool"]) == 0  # our pool agrees with the spec
+    assert cli.main(["replay", trace, "--factory", planted, "--on", "mlx"]) == 2
+    assert "--factory replays on that port beside the spec" in capsys.readouterr().err
+    assert cli.main(["replay", trace, "--factory", "json:loads"]) == 2  # builds no pool
+    assert "the port 'loads' raised" in capsys.readouterr().err
+
+
 def test_the_exhaustive_command_passes_our_pool_through_its_driver(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

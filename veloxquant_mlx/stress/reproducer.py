@@ -13,7 +13,8 @@ of timed lines is a concurrent window, linearized on the spec from the
 state reached so far (no valid order: a violation, explained; the search
 budget run out: inconclusive), then applied in that order. ``on`` says
 where: ``spec`` (the executable spec alone), ``pool`` (the allocator beside
-the spec; store calls are skipped) or a store backend (``numpy``, ``mlx``,
+the spec, or a port given instead, whose every observation is compared
+too; store calls are skipped) or a store backend (``numpy``, ``mlx``,
 ``mlx-lazy``: the aliasing replay, which also checks the store's data). A
 partial trace that replays clean is inconclusive, never OK.
 
@@ -52,6 +53,7 @@ from veloxquant_mlx.testing.aliasing import (
     spec_config,
 )
 from veloxquant_mlx.testing.lockstep import Check, ConformanceError, Lockstep
+from veloxquant_mlx.testing.port import Port
 from veloxquant_mlx.testing.replay_command import TARGETS
 from veloxquant_mlx.testing.sides import describe
 from veloxquant_mlx.testing.traces import Trace, TraceLine, encode_header, encode_line
@@ -111,32 +113,48 @@ class _Target:
             engine.apply(line.op, line.call, expect=line.outcome)
 
 
-def _target(trace: Trace, on: str) -> _Target:
+def _target(trace: Trace, on: str, port: Port | None) -> _Target:
     if on == "spec":
         return _Target(None)
+    config = spec_config(trace.pool)
+    if port is not None:  # a port's finding may be a value read after a call: read them all
+        return _Target(Lockstep(port, config, trace.history_len, check=Check.STATE))
     if on == "pool":
 
         def make(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
             return BlockPoolAllocator(config, history_len=history_len)
 
-        config = spec_config(trace.pool)
         return _Target(Lockstep(make, config, trace.history_len, check=Check.OUTCOMES))
     backend = mlx_backend(lazy_writes=True) if on == "mlx-lazy" else builtin_backend(on)
     return _Target(AliasingReplay(trace.pool, trace.store, backend, history_len=trace.history_len))
 
 
 def replay_trace(
-    trace: Trace, on: str = "spec", *, budget: int | None = DEFAULT_BUDGET
+    trace: Trace,
+    on: str = "spec",
+    *,
+    budget: int | None = DEFAULT_BUDGET,
+    port: Port | None = None,
 ) -> tuple[Verdict, str]:
     """Replay ``trace`` on the spec and ``on`` (module docstring): its verdict, and why.
 
+    Args:
+        trace: What to replay.
+        on: Where, besides the spec (:data:`TARGETS`).
+        budget: Configurations one window's linearization may expand.
+        port: With ``on="pool"``, the pool to replay on instead of ours.
+
     Raises:
-        ValueError: ``on`` is not one of :data:`TARGETS`.
+        ValueError: ``on`` is not one of :data:`TARGETS`, or a port with another ``on``.
     """
     if on not in TARGETS:
         raise ValueError(f"a replay target must be one of {TARGETS}, got {on!r}")
+    if port is not None and on != "pool":
+        raise ValueError(f"a port is replayed on with on='pool', got {on!r}")
     checkpoint = initial_checkpoint(spec_config(trace.pool), trace.history_len)
-    target = _target(trace, on)
+    target = _target(trace, on, port)
+    if port is not None:
+        on = f"port {port.name}"
     layers = trace.store.n_layers
     index = 0
     try:

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shlex
 import sys
 import time
 from collections.abc import Sequence
@@ -51,7 +50,7 @@ from veloxquant_mlx.commandline.files import atomic_write_text, out_dir_argument
 from veloxquant_mlx.commandline.sizes import PROCESS_BYTES
 from veloxquant_mlx.commandline.values import finite_float, int_at_least
 from veloxquant_mlx.commandline.verdicts import combined
-from veloxquant_mlx.testing.driven import DriverFailure, driven_port
+from veloxquant_mlx.testing.driven import DriverFailure
 from veloxquant_mlx.testing.exhaustive import (
     PROFILE_DEPTHS,
     SCOPES,
@@ -60,7 +59,8 @@ from veloxquant_mlx.testing.exhaustive import (
     explore,
     port_scope,
 )
-from veloxquant_mlx.testing.port import Port, port_argument
+from veloxquant_mlx.testing.port import Port
+from veloxquant_mlx.testing.port_options import add_port_options, port_from_options
 from veloxquant_mlx.testing.traces import dumps
 
 __all__ = [
@@ -123,21 +123,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="stop (inconclusive) after this long, all scopes together (default: the profile's)",
     )
-    port = parser.add_mutually_exclusive_group()
-    port.add_argument(
-        "--factory",
-        type=port_argument,
-        metavar="MODULE:CALLABLE",
-        help="check this pool instead of ours: a factory taking a config "
-        "(docs/CONFORMANCE_KIT.md); MODULE is imported from the current directory",
-    )
-    port.add_argument(
-        "--driver",
-        type=_command_line,
-        metavar="COMMAND",
-        help="check the pool this command serves over the driver protocol "
-        "(docs/DRIVER_PROTOCOL.md; a port in any language), e.g. 'veloxquant-mlx driver'",
-    )
+    add_port_options(parser, "check")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument(
         "--out", type=out_dir_argument, metavar="DIR", help="write counterexamples here as traces"
@@ -145,16 +131,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--force", action="store_true", help="replace an earlier run's counterexamples in --out"
     )
-
-
-def _command_line(text: str) -> list[str]:
-    try:
-        words = shlex.split(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"cannot split {text!r} into words: {error}") from None
-    if not words:
-        raise argparse.ArgumentTypeError(f"expected a command line, got {text!r}")
-    return words
 
 
 def validate(args: argparse.Namespace) -> str | None:
@@ -186,7 +162,7 @@ def _is_counterexample(name: str) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     """Explore the chosen scopes; the exit status (module docstring)."""
-    port = _port(args)  # first: a driver that cannot start leaves nothing written
+    port = port_from_options(args)  # first: a driver that cannot start leaves nothing written
     if args.out is not None:
         prepare_out_dir(args.out, force=args.force, is_run_file=_is_counterexample)
     depth: int = PROFILE_DEPTHS[args.profile] if args.depth is None else args.depth
@@ -208,21 +184,6 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([result.to_json() for result in results], indent=2))
     return combined(result.verdict for result in results).exit_status
-
-
-def _port(args: argparse.Namespace) -> Port | None:
-    """The port ``--factory`` or ``--driver`` names (the driver started); ``None``: ours.
-
-    Raises:
-        BadInputError: The driver did not start, or did not say the protocol's hello.
-    """
-    if args.driver is None:
-        port: Port | None = args.factory
-        return port
-    try:
-        return driven_port(args.driver, name=shlex.join(args.driver))
-    except DriverFailure as failure:
-        raise BadInputError(str(failure)) from None
 
 
 def _explore_scopes(

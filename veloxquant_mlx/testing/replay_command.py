@@ -5,7 +5,11 @@ conformance or exhaustive counterexample, a stress run's ``linearized.jsonl``
 or reproducer, an aliasing-replay input, a bug report; version 1 traces too.
 ``--on`` says where: the executable spec alone, the allocator beside it, or
 the allocator, the spec and a store (the aliasing replay, which also checks
-the store's data; the default, on MLX). Concurrent windows (timed lines) are
+the store's data; the default, on MLX). ``--factory`` or ``--driver`` names a
+port to replay on beside the spec instead of our allocator (the
+``pool`` replay, with every observation compared after each call, as the
+conformance kit compares them): an exhaustive counterexample found on a port
+replays there. Concurrent windows (timed lines) are
 linearized on the spec first (``--budget`` bounds that search); see
 :func:`veloxquant_mlx.stress.reproducer.replay_trace`.
 
@@ -40,6 +44,9 @@ from veloxquant_mlx.commandline.bad_input import BadInputError, require_fits_in_
 from veloxquant_mlx.commandline.sizes import pool_bytes, slab_bytes
 from veloxquant_mlx.commandline.values import int_at_least
 from veloxquant_mlx.commandline.verdicts import Verdict, combined
+from veloxquant_mlx.testing.driven import DriverFailure
+from veloxquant_mlx.testing.port import Port
+from veloxquant_mlx.testing.port_options import add_port_options, port_from_options
 from veloxquant_mlx.testing.storage_backends import StorageBackend, builtin_backend, mlx_backend
 from veloxquant_mlx.testing.store_operations import Write
 from veloxquant_mlx.testing.traces import Trace, TraceFormatError, load
@@ -69,6 +76,8 @@ linearized on the spec first.
 --on spec replays on the executable spec alone; --on pool runs the allocator
 beside it (store calls are left out); --on numpy|mlx|mlx-lazy also replays
 on a store and checks its data after every line (the aliasing replay).
+--factory or --driver replays on that port beside the spec instead (as --on
+pool, comparing stats, history and handles after every call too).
 
 Exit status: 0 ok, 1 a replay failed, 2 bad input, 3 inconclusive (a partial
 trace, or a window the search budget could not decide), 130 interrupted.
@@ -86,8 +95,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--backend",
         dest="on",
         choices=TARGETS,
-        default="mlx",
-        help="spec alone, the pool beside it, or pool, spec and a store (default: %(default)s)",
+        help="spec alone, the pool beside it, or pool, spec and a store (default: mlx; "
+        "pool with --factory or --driver)",
     )
     parser.add_argument(
         "--budget",
@@ -96,16 +105,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="configurations one window's linearization may expand (default: %(default)s)",
     )
+    add_port_options(parser, "replay on")
 
 
 def validate(args: argparse.Namespace) -> str | None:
-    """Nothing spans several options."""
+    """A port is replayed on beside the spec: ``--on pool``, or no ``--on``."""
+    if (args.factory is not None or args.driver is not None) and args.on not in (None, "pool"):
+        given = "--factory" if args.factory is not None else "--driver"
+        return f"{given} replays on that port beside the spec (--on pool), got --on {args.on}"
     return None
 
 
 def run(args: argparse.Namespace) -> int:
     """Replay the traces ``args`` names; the exit status (module docstring)."""
-    return replay_paths(args.traces, args.on, budget=args.budget)
+    port = port_from_options(args)
+    on = args.on or ("mlx" if port is None else "pool")
+    return replay_paths(args.traces, on, budget=args.budget, port=port)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -121,20 +136,47 @@ def _backend(on: str) -> StorageBackend[Any] | None:
     return mlx_backend(lazy_writes=True) if on == "mlx-lazy" else builtin_backend(on)
 
 
-def replay_paths(paths: Sequence[Path], on: str, *, budget: int | None = 200_000) -> int:
-    """Read every trace (refusing bad input up front), replay each; the exit status."""
+def replay_paths(
+    paths: Sequence[Path], on: str, *, budget: int | None = 200_000, port: Port | None = None
+) -> int:
+    """Read every trace (refusing bad input up front), replay each; the exit status.
+
+    Raises:
+        BadInputError: A trace is not one (module docstring); ``port`` cannot build a
+            trace's pool, or its driver broke the protocol.
+    """
     from veloxquant_mlx.stress.reproducer import replay_trace  # noqa: PLC0415
 
     backend = _backend(on)
     traces = [(path, load_checked(path, backend)) for path in paths]  # all refused up front
+    if port is not None:
+        for path, trace in traces:
+            _require_builds(port, path, trace)
     verdicts = []
     for path, trace in traces:
-        verdict, line = replay_trace(trace, on, budget=budget)
+        try:
+            verdict, line = replay_trace(trace, on, budget=budget, port=port)
+        except DriverFailure as failure:
+            raise BadInputError(f"{failure} (replaying {path})") from None
         print(f"{path}: {line}", file=sys.stderr if verdict is Verdict.VIOLATION else sys.stdout)
         verdicts.append(verdict)
         if verdict is Verdict.VIOLATION:
             break  # the first failure is the one to look at
     return combined(verdicts).exit_status
+
+
+def _require_builds(port: Port, path: Path, trace: Trace) -> None:
+    """Build ``port``'s pool for ``trace`` once, before any replay: a factory that raises is
+    the port's fault, said in one line, not a replay that failed."""
+    try:
+        port.build(trace.pool, trace.history_len)
+    except DriverFailure as failure:
+        raise BadInputError(f"{failure} (building the pool of {path})") from None
+    except Exception as error:  # the factory's own code: anything it raises is refused
+        raise BadInputError(
+            f"{path}: the port {port.name!r} raised {type(error).__name__}: {error} while "
+            f"building a pool of {trace.pool}; a factory must build a pool of that config"
+        ) from None
 
 
 def _most_ids(trace: Trace) -> int:

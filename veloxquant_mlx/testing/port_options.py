@@ -1,0 +1,73 @@
+"""The command-line options that name a port: ``--factory MODULE:CALLABLE`` or ``--driver COMMAND``.
+
+``veloxquant-mlx exhaustive`` checks the port they name instead of our
+allocator, and ``veloxquant-mlx replay`` replays a trace on it: the same two
+options, declared and read here once. ``--factory`` imports a Python factory
+(docs/CONFORMANCE_KIT.md; the module from the current directory);
+``--driver`` starts a driver of any language (docs/DRIVER_PROTOCOL.md), its
+command split as a shell would, not run by one.
+
+Complexity: O(1) beyond importing the module or starting the driver. Thread
+safety: one command per process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+from veloxquant_mlx.commandline.bad_input import BadInputError
+from veloxquant_mlx.testing.driven import DriverFailure, driven_port
+from veloxquant_mlx.testing.port import Port, port_argument
+
+__all__ = ["add_port_options", "command_line", "port_from_options"]
+
+
+def add_port_options(parser: argparse.ArgumentParser, verb: str) -> None:
+    """Declare ``--factory`` and ``--driver`` (one or the other); ``verb`` says what is done
+    with the port (``"check"``, ``"replay on"``)."""
+    port = parser.add_mutually_exclusive_group()
+    port.add_argument(
+        "--factory",
+        type=port_argument,
+        metavar="MODULE:CALLABLE",
+        help=f"{verb} this pool instead of ours: a factory taking a config "
+        "(docs/CONFORMANCE_KIT.md); MODULE is imported from the current directory",
+    )
+    port.add_argument(
+        "--driver",
+        type=command_line,
+        metavar="COMMAND",
+        help=f"{verb} the pool this command serves over the driver protocol "
+        "(docs/DRIVER_PROTOCOL.md; a port in any language), e.g. 'veloxquant-mlx driver'",
+    )
+
+
+def command_line(text: str) -> list[str]:
+    """``text`` split into words as a shell would (an argparse ``type``).
+
+    Raises:
+        argparse.ArgumentTypeError: The text cannot be split, or holds no word.
+    """
+    try:
+        words = shlex.split(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"cannot split {text!r} into words: {error}") from None
+    if not words:
+        raise argparse.ArgumentTypeError(f"expected a command line, got {text!r}")
+    return words
+
+
+def port_from_options(args: argparse.Namespace) -> Port | None:
+    """The port ``--factory`` or ``--driver`` names (the driver started); ``None``: ours.
+
+    Raises:
+        BadInputError: The driver did not start, or did not say the protocol's hello.
+    """
+    if args.driver is None:
+        port: Port | None = args.factory
+        return port
+    try:
+        return driven_port(args.driver, name=shlex.join(args.driver))
+    except DriverFailure as failure:
+        raise BadInputError(str(failure)) from None
