@@ -291,6 +291,25 @@ def test_the_exhaustive_command_checks_a_factory_named_on_its_command_line(
     assert passed == 0
 
 
+def test_the_exhaustive_command_takes_a_port_object_naming_the_ports_own_classes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Once a Port was refused ("is not callable"): a port whose classes the factory's
+    # module does not hold could not say which they are on the command line.
+    (tmp_path / "my_port.py").write_text(
+        "from reference_port import Block, MyPool, PoolConfig\n"
+        "from veloxquant_mlx.testing.port import Port\n"
+        "PORT = Port(MyPool, config_class=PoolConfig, block_class=Block)\n"
+        "NUMBER = 3\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    scope = ["--depth", "1", "--scope", "separate-4"]
+    assert exhaustive.main(["--factory", "my_port:PORT", *scope]) == 0
+    assert "separate-4: depth 1, " in capsys.readouterr().out
+    assert exhaustive.main(["--factory", "my_port:NUMBER", *scope]) == 2
+    assert "'my_port:NUMBER' is neither a Port nor callable" in capsys.readouterr().err
+
+
 # ---- a light install -------------------------------------------------------------------
 
 

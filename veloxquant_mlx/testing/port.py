@@ -217,9 +217,12 @@ class Port:
 def factory_from_text(text: str) -> Port:
     """The port named ``module:callable`` (the module is imported; ``.`` is on the path).
 
+    The name may also be a :class:`Port` the module builds, for a port with its own
+    ``Block`` or config class, or error classes elsewhere (the factory contract).
+
     Raises:
         ValueError: The text is not of that form, its module cannot be imported (or
-            raises while it is), or it names nothing callable.
+            raises while it is), or it names neither a ``Port`` nor anything callable.
     """
     module_name, colon, attribute = text.partition(":")
     if not (colon and module_name and attribute):
@@ -236,8 +239,10 @@ def factory_from_text(text: str) -> Port:
         if not hasattr(target, part):
             raise ValueError(f"{module_name!r} has no {attribute!r}")
         target = getattr(target, part)
+    if isinstance(target, Port):
+        return target
     if not callable(target):
-        raise ValueError(f"{text!r} is not callable")
+        raise ValueError(f"{text!r} is neither a Port nor callable")
     return as_port(target)
 
 

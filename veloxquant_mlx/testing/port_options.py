@@ -31,8 +31,9 @@ def add_port_options(parser: argparse.ArgumentParser, verb: str) -> None:
         "--factory",
         type=port_argument,
         metavar="MODULE:CALLABLE",
-        help=f"{verb} this pool instead of ours: a factory taking a config "
-        "(docs/CONFORMANCE_KIT.md); MODULE is imported from the current directory",
+        help=f"{verb} this pool instead of ours: a factory taking a config, or a Port "
+        "naming the port's own classes (docs/CONFORMANCE_KIT.md); MODULE is imported from "
+        "the current directory",
     )
     port.add_argument(
         "--driver",
