@@ -31,7 +31,7 @@ from veloxquant_mlx.memory.block_pool import (
 from veloxquant_mlx.testing import exhaustive
 from veloxquant_mlx.testing import report as report_module
 from veloxquant_mlx.testing.conformance import conformance_test_case
-from veloxquant_mlx.testing.findings import Finding
+from veloxquant_mlx.testing.findings import Finding, rule_of
 from veloxquant_mlx.testing.lockstep import ConformanceError, Discrepancy, Lockstep
 from veloxquant_mlx.testing.port import ALL_CALLS, REFERENCE_CALLS, Port, as_port
 from veloxquant_mlx.testing.profiles import PROFILE_VARIABLE
@@ -40,7 +40,7 @@ from veloxquant_mlx.testing.report import conformance_report
 from veloxquant_mlx.testing.surface import check_config_validation, check_names
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.operations import Allocate, Stats
-from veloxquant_mlx_spec.table import Raised, h
+from veloxquant_mlx_spec.table import Raised, Returned, h
 
 # The README's recipe, unchanged, on a port of the reference API.
 TestMyPoolConforms = pytest.mark.slow(conformance_test_case(MyPool))
@@ -273,6 +273,20 @@ def test_the_python_of_a_finding_seen_after_a_refused_call_runs_to_its_last_line
     *setup, last = text
     exec("\n".join(setup), scope)
     assert eval(last.split("  #")[0], scope) == 1
+
+
+@pytest.mark.parametrize(
+    ("grows", "rule"), [(False, "C-ALL-OR-NOTHING"), (True, "C-GROW-EXACT")], ids=["off", "on"]
+)
+def test_an_allocation_refused_that_could_be_met_is_filed_under_the_rule_it_breaks(
+    grows: bool, rule: str
+) -> None:
+    # Once it was C-GROW-EXACT even in a pool that never grows.
+    refused = Discrepancy(
+        "outcome", Allocate("k", 4, 0), "", Raised("BlockPoolExhaustedError"), Returned((0, 1))
+    )
+    config = model.SpecConfig(2, 4, grow_on_exhaustion=grows)
+    assert rule_of(refused, refused.where, config)[0] == rule
 
 
 # ---- the exhaustive checker on a port ---------------------------------------------------

@@ -240,7 +240,8 @@ def _outcome_rule(discrepancy: Discrepancy, config: model.SpecConfig) -> tuple[s
         return (_argument_rule(op, config), name, "bad input not refused")
     if isinstance(got, Returned) and isinstance(want, Returned):
         return (_returned_rule(op, got.value, want.value), name, "returned")
-    return (_refusal_rule(op, got, want), name, "raised" if isinstance(got, Raised) else "returned")
+    rule = _refusal_rule(op, got, want, config)
+    return (rule, name, "raised" if isinstance(got, Raised) else "returned")
 
 
 def _argument_rule(op: object, config: model.SpecConfig) -> str:
@@ -275,7 +276,7 @@ def _returned_rule(op: object, got: object, want: object) -> str:
     return declaration_of(op).rules[0]
 
 
-def _refusal_rule(op: object, got: object, want: object) -> str:
+def _refusal_rule(op: object, got: object, want: object, config: model.SpecConfig) -> str:
     """A call one side refused (raised) and the other did not."""
     if isinstance(op, Free):
         return "C-FREE-EMPTY" if op.blocks == () else "C-FREE-ATOMIC"
@@ -283,6 +284,7 @@ def _refusal_rule(op: object, got: object, want: object) -> str:
         return "C-REGISTER-ACTIVE-RAISES" if isinstance(want, Raised) else "C-OWNER-ACTIVE"
     if isinstance(op, MarkUsed):
         return "C-MARK-USED-FOREIGN" if isinstance(want, Raised) else "C-MARK-USED-FREE"
-    if isinstance(op, Allocate):
-        return "C-GROW-EXACT" if isinstance(got, Raised) else "C-ALL-OR-NOTHING"
+    if isinstance(op, Allocate):  # refusing what growth could meet breaks the growth rule
+        grows = config.grow_on_exhaustion and isinstance(got, Raised)
+        return "C-GROW-EXACT" if grows else "C-ALL-OR-NOTHING"
     return declaration_of(op).rules[0]
