@@ -40,7 +40,7 @@ from veloxquant_mlx.testing.report import conformance_report
 from veloxquant_mlx.testing.surface import check_config_validation, check_names
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.operations import Allocate, Stats
-from veloxquant_mlx_spec.table import Raised, Returned, h
+from veloxquant_mlx_spec.table import UNKNOWN_CALL, Handle, Raised, Returned, h
 
 # The README's recipe, unchanged, on a port of the reference API.
 TestMyPoolConforms = pytest.mark.slow(conformance_test_case(MyPool))
@@ -287,6 +287,12 @@ def test_an_allocation_refused_that_could_be_met_is_filed_under_the_rule_it_brea
     )
     config = model.SpecConfig(2, 4, grow_on_exhaustion=grows)
     assert rule_of(refused, refused.where, config)[0] == rule
+
+
+def test_a_handle_no_call_returned_is_said_so_in_findings() -> None:
+    # Once shown as "h(-1, 3)", a name no trace or report explains.
+    assert repr(Handle(UNKNOWN_CALL, 3)) == "<a handle of block 3 that no call returned>"
+    assert repr(h(2, 1)) == "h(2, 1)"
 
 
 # ---- the exhaustive checker on a port ---------------------------------------------------

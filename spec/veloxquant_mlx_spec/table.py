@@ -95,6 +95,8 @@ class Handle(NamedTuple):
     position: int
 
     def __repr__(self) -> str:
+        if self.call == UNKNOWN_CALL:  # named by its block id: no call returned it
+            return f"<a handle of block {self.position} that no call returned>"
         return f"h({self.call}, {self.position})"
 
 
