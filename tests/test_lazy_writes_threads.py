@@ -94,6 +94,24 @@ def test_a_pool_backed_cache_on_a_second_thread_is_refused_and_keeps_its_positio
     cache.book.release()
 
 
+def test_a_new_request_on_a_second_thread_is_refused_before_it_takes_a_block() -> None:
+    # Once its book took a key and a value block first, then gave them back when the store
+    # refused the thread: the pool's counters showed a checkout and a free.
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
+    store = MLXBlockStorage(pool, 1, 1, 2, mx.float32, lazy_writes=True)
+    [cache] = PoolBackedPromptCache(store, PooledKVCache(pool))
+    one = mx.ones((1, 1, 1, 2))
+    cache.update_and_fetch(one, one)  # the store is the main thread's
+    [other] = PoolBackedPromptCache(store, PooledKVCache(pool))
+    with pool_unchanged(pool, owners=[cache.book.owner, other.book.owner]):
+        error = in_thread("intruder", lambda: other.update_and_fetch(one, one))
+    assert isinstance(error, RuntimeError)
+    assert "'intruder'" in str(error)
+    assert (other.offset, other.book.key_blocks) == (0, ())
+    cache.book.release()
+    other.book.release()
+
+
 def test_a_store_without_lazy_writes_serves_every_thread() -> None:
     pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
     store = MLXBlockStorage(pool, 1, 1, 2, mx.float32)

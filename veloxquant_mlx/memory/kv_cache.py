@@ -109,7 +109,7 @@ from veloxquant_mlx.memory.mlx_lm_protocol import (
     register_for_loading,
     split_state,
 )
-from veloxquant_mlx.memory.mlx_storage import dtype_name
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.memory.protocol_io import gather_positions, write_positions
 
@@ -201,6 +201,12 @@ class PoolBackedKVCache(KVCacheConventions):
         self._fused: Final = resolve_attention(storage, attention) == "fused"
         # The pool's dropped books: every update releases them first (O(1) if none).
         self._releases: Final = deferred_releases_for(book.pool)
+        # A lazy_writes store refuses other threads: asked before the book takes blocks.
+        self._thread_check: Final = (
+            storage.require_this_thread
+            if isinstance(storage, MLXBlockStorage) and storage.lazy_writes
+            else None
+        )
         # Whether a call has looked for the generator's kv_bits (a prompt of one or two
         # tokens reaches the cache as one-position calls only).
         self._kv_bits_checked = False
@@ -244,6 +250,8 @@ class PoolBackedKVCache(KVCacheConventions):
             n_tokens: int = shape[2]
         else:
             n_tokens = self._require_update(keys, values)
+        if self._thread_check is not None:
+            self._thread_check()
         self._releases.drain()  # blocks of caches dropped without release() come back
         if n_tokens != 1 or not self._kv_bits_checked:
             # A prompt chunk, or this cache's first call: refuse kv_bits before any block

@@ -240,6 +240,23 @@ class MLXBlockStorage:
         """Element type of every slab; written tokens must have it (nothing is cast)."""
         return self._dtype
 
+    @property
+    def lazy_writes(self) -> bool:
+        """Whether writes stay lazy, so that one thread alone may use the data."""
+        return self._lazy_writes
+
+    def require_this_thread(self) -> None:
+        """What every data call checks first: with ``lazy_writes``, bind the store to this
+        thread if no thread has used its data yet, else refuse any other thread. A caller
+        that changes the pool before its data call (a cache taking blocks) asks first.
+
+        Raises:
+            RuntimeError: A ``lazy_writes`` store that belongs to another thread.
+        """
+        if self._lazy_writes:
+            with self._lock:
+                self._use_data_locked()
+
     # -- protocol: data ----------------------------------------------------------------
 
     def write(self, layer: int, block: Block, start: int, tokens: mx.array) -> None:
