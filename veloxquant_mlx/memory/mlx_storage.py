@@ -253,7 +253,8 @@ class MLXBlockStorage:
         Raises:
             RuntimeError: A ``lazy_writes`` store that belongs to another thread.
         """
-        if self._lazy_writes:
+        # Once bound, the owner never changes: its own calls need no lock.
+        if self._lazy_writes and self._owning_thread is not threading.current_thread():
             with self._lock:
                 self._use_data_locked()
 

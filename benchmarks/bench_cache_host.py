@@ -1,0 +1,127 @@
+"""Host time of a decode step's cache calls, this checkout against another revision.
+
+A decode step of a pool-backed cache is one ``update_and_fetch`` per layer;
+on a GPU their host work decides the step (issue 9). This benchmark times
+only those calls, as the calling thread's CPU time (``time.thread_time``:
+MLX's own threads and waits are left out), on a ``lazy_writes`` store of 8
+layers, one request, at each context; the step's evaluation and the freeing
+of its outputs happen outside the timing.
+
+    python benchmarks/bench_cache_host.py --against e5d3e36      # about two minutes
+    python benchmarks/bench_cache_host.py --against main --rounds 9 --contexts 256,4096
+
+``--against REV`` checks REV out into a temporary git worktree
+(``_against.checked_out``); each round runs one worker process per tree,
+which goes first flipping every round, so the machine's other load falls on
+both alike. A worker measures the tree it is given (its source first on the
+path). The report gives, per context, the median over rounds of each tree's
+median step, and this / REV. Nothing passes or fails.
+
+Thread safety: single-threaded. Complexity: rounds x contexts x 2 worker
+processes, each a prompt of the context and ``--steps`` decode steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import _against
+
+LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def measure(root: Path, context: int, steps: int) -> float:
+    """Median host microseconds of one decode step of the tree at ``root`` (a worker)."""
+    sys.path[:0] = [str(root), str(root / "spec")]
+    import mlx.core as mx  # after the tree is put first on the path
+
+    from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+    from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache
+    from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+    from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+
+    n_blocks = 2 * ((context + steps) // BLOCK_SIZE + 2)
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks))
+    store = MLXBlockStorage(pool, LAYERS, HEADS, HEAD_DIM, mx.float16, lazy_writes=True)
+    cache = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=LAYERS))
+    prompt = mx.zeros((1, HEADS, context, HEAD_DIM), mx.float16)
+    mx.eval([layer.update_and_fetch(prompt, prompt) for layer in cache])
+    token = mx.ones((1, HEADS, 1, HEAD_DIM), mx.float16)
+    mx.eval(token)
+    seconds = []
+    for _ in range(steps):
+        start = time.thread_time()
+        out = [layer.update_and_fetch(token, token) for layer in cache]
+        seconds.append(time.thread_time() - start)
+        mx.eval(out)
+        del out  # freed here, not inside the next step's timing
+    return statistics.median(seconds[steps // 10 :]) * 1e6
+
+
+def compare(base: Path, contexts: list[int], rounds: int, steps: int) -> dict[str, object]:
+    """Both trees' medians per context, alternating worker processes."""
+    trees = {"base": base, "this": REPO_ROOT}
+    rows = []
+    for context in contexts:
+        samples: dict[str, list[float]] = {name: [] for name in trees}
+        for round_ in range(rounds):
+            order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
+            for name in order:
+                samples[name].append(_worker(trees[name], context, steps))
+        base_us, this_us = (statistics.median(samples[name]) for name in trees)
+        rows.append(
+            {
+                "context": context,
+                "base_us_per_step": round(base_us, 1),
+                "this_us_per_step": round(this_us, 1),
+                "this_over_base": round(this_us / base_us, 3),
+                "samples": {name: [round(x, 1) for x in xs] for name, xs in samples.items()},
+            }
+        )
+        print(
+            f"context {context}: base {base_us:.1f} us, this {this_us:.1f} us per step, "
+            f"this/base {this_us / base_us:.3f}",
+            file=sys.stderr,
+            flush=True,
+        )
+    return {"layers": LAYERS, "rounds": rounds, "steps": steps, "rows": rows}
+
+
+def _worker(root: Path, context: int, steps: int) -> float:
+    command = [sys.executable, __file__, "--worker", str(root), str(context), str(steps)]
+    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--against", metavar="REV", help="the revision to compare with")
+    parser.add_argument("--rounds", type=int, default=7, help="worker pairs per context")
+    parser.add_argument("--steps", type=int, default=300, help="decode steps per worker")
+    parser.add_argument("--contexts", default="256,4096", help="comma-separated contexts")
+    parser.add_argument(
+        "--worker", nargs=3, metavar=("ROOT", "CONTEXT", "STEPS"), help=argparse.SUPPRESS
+    )
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        root, context, steps = args.worker
+        print(measure(Path(root), int(context), int(steps)))
+        return 0
+    if args.against is None:
+        parser.error("--against REV is required")
+    contexts = [int(text) for text in args.contexts.split(",")]
+    with _against.checked_out(args.against) as base:
+        report = compare(base, contexts, args.rounds, args.steps)
+    print(json.dumps({"against": args.against, **report}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
