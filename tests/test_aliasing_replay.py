@@ -173,11 +173,31 @@ def test_a_handle_no_earlier_call_handed_out_is_refused_when_the_trace_loads(
     assert "no call of the trace handed it out" in str(raised.value)
 
 
-def test_a_timed_line_may_name_a_handle_of_a_call_listed_after_it() -> None:
+def _timed(op: object, call: int | None, thread: int, at: int) -> TraceLine:
+    outcome = Returned((0,)) if isinstance(op, Allocate) else Returned(None)
+    return TraceLine(op, call, outcome, thread=thread, invoke_ns=at, return_ns=at + 1)
+
+
+def test_a_timed_line_may_name_a_handle_of_a_call_listed_after_it_in_its_window() -> None:
     # A concurrent window's lines come in no particular order: the search linearizes them.
-    use = TraceLine(Free((h(1, 0),)), None, Returned(None), thread=0, invoke_ns=5, return_ns=6)
-    issue = TraceLine(Allocate("kv", 2, 1), 1, Returned((0,)), thread=1, invoke_ns=1, return_ns=2)
-    window = trace(use, issue)
+    window = trace(_timed(Free((h(1, 0),)), None, 0, 5), _timed(Allocate("kv", 2, 1), 1, 1, 1))
+    assert loads(dumps(window)) == window
+
+
+@pytest.mark.parametrize("later", ["untimed", "next-window"])
+def test_a_timed_line_naming_a_handle_of_a_call_after_its_window_is_refused(later: str) -> None:
+    # Once such a trace loaded, and the spec replay said ok where the pool replay FAILED.
+    issue = TraceLine(Allocate("kv", 2, 1), 1, Returned((0,)))
+    if later == "next-window":
+        issue = _timed(Allocate("kv", 2, 1), 1, 1, 9)
+    window = trace(_timed(Free((h(1, 0),)), None, 0, 5), TraceLine(FreeAll(7)), issue)
+    with pytest.raises(TraceFormatError, match=re.escape("line 2: names handle h(1, 0)")):
+        loads(dumps(window))
+
+
+def test_a_partial_trace_may_name_handles_of_calls_it_does_not_hold() -> None:
+    # A stress reproducer written without the calls before its window is marked partial.
+    window = Trace(SHARED, SPEC, (_timed(Free((h(0, 0),)), None, 0, 5),), partial=True)
     assert loads(dumps(window)) == window
 
 

@@ -291,7 +291,7 @@ def test_an_allocation_refused_that_could_be_met_is_filed_under_the_rule_it_brea
 
 def test_a_handle_no_call_returned_is_said_so_in_findings() -> None:
     # Once shown as "h(-1, 3)", a name no trace or report explains.
-    assert repr(Handle(UNKNOWN_CALL, 3)) == "<a handle of block 3 that no call returned>"
+    assert repr(Handle(UNKNOWN_CALL, 3)) == "<a handle no call returned, #3>"
     assert repr(h(2, 1)) == "h(2, 1)"
 
 

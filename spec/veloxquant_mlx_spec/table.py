@@ -95,8 +95,8 @@ class Handle(NamedTuple):
     position: int
 
     def __repr__(self) -> str:
-        if self.call == UNKNOWN_CALL:  # named by its block id: no call returned it
-            return f"<a handle of block {self.position} that no call returned>"
+        if self.call == UNKNOWN_CALL:  # no call returned it: position is only a tag
+            return f"<a handle no call returned, #{self.position}>"
         return f"h({self.call}, {self.position})"
 
 

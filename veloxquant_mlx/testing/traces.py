@@ -536,15 +536,17 @@ def loads(text: str) -> Trace:
                     "expected labels distinct in the file"
                 )
         lines.append(decoded)
-    _require_issued_names([number for number, _ in numbered[1:]], lines)
+    if not trace.partial:  # a partial trace may name handles of calls it does not hold
+        _require_issued_names([number for number, _ in numbered[1:]], lines)
     return trace.with_lines(lines)
 
 
 def _require_issued_names(numbers: Sequence[int], lines: Sequence[TraceLine]) -> None:
     """Refuse a line that names a handle no line of the trace can have handed out.
 
-    The label must be a line's whose call hands out handles and did not raise;
-    an untimed line's, an earlier line's (untimed lines apply in file order; a
+    The label must be a line's whose call hands out handles and did not raise,
+    and that comes before: before the line itself if it is untimed (untimed
+    lines apply in file order), before or inside its window if it is timed (a
     concurrent window's timed lines come in no particular order).
     """
     issuers = {
@@ -554,16 +556,29 @@ def _require_issued_names(numbers: Sequence[int], lines: Sequence[TraceLine]) ->
         and declaration_of(line.op).may_issue_handles
         and not isinstance(line.outcome, Raised)
     }
-    for index, line in enumerate(lines):
+    for index, (line, end) in enumerate(zip(lines, _window_ends(lines), strict=True)):
         for name in handle_names(line.op):
             issuer = issuers.get(name.call)
-            if issuer is None or (not line.timed and issuer >= index):
-                where = "a line" if line.timed else "an earlier line"
+            if issuer is None or issuer >= end:
+                where = "its window or an earlier line" if line.timed else "an earlier line"
                 raise TraceFormatError(
                     f"line {numbers[index]}: names handle {name!r} (call {name.call}, "
-                    f"block {name.position}), but no call of the trace handed it out; "
+                    f"block {name.position}), but no call of the trace handed it out before; "
                     f"expected the label of {where} whose call hands out handles"
                 )
+
+
+def _window_ends(lines: Sequence[TraceLine]) -> list[int]:
+    """Per line, the index its issuers must come before: its own for an untimed line, the
+    end of its window (the maximal run of timed lines holding it) for a timed one."""
+    ends = list(range(len(lines)))
+    end = len(lines)
+    for index in reversed(range(len(lines))):
+        if not lines[index].timed:
+            end = index
+        else:
+            ends[index] = end
+    return ends
 
 
 def _one_document(text: str) -> TraceFormatError | None:
