@@ -112,6 +112,31 @@ def test_a_new_request_on_a_second_thread_is_refused_before_it_takes_a_block() -
     other.book.release()
 
 
+@pytest.mark.parametrize("change", ["trim", "state"])
+def test_a_forks_trim_or_state_on_a_second_thread_is_refused_before_it_moves_a_block(
+    change: str,
+) -> None:
+    # Once a trim there moved the fork's shared blocks to copies, then the store refused
+    # to copy the data: the fork read zeros where its positions had been.
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=16))
+    store = MLXBlockStorage(pool, 1, 1, 2, mx.float32, lazy_writes=True)
+    parent = PoolBackedPromptCache(store, PooledKVCache(pool))
+    held = mx.arange(12, dtype=mx.float32).reshape(1, 1, 6, 2) + 1
+    parent[0].update_and_fetch(held, held)
+    child = parent.fork()
+    calls: dict[str, Callable[[], object]] = {
+        "trim": lambda: child[0].trim(1),
+        "state": lambda: setattr(child[0], "state", (held[:, :, :2], held[:, :, :2], 2)),
+    }
+    with pool_unchanged(pool, owners=[parent.book.owner, child.book.owner]):
+        error = in_thread("intruder", calls[change])
+    assert isinstance(error, RuntimeError)
+    assert child[0].offset == 6
+    assert mx.array_equal(child[0].state[0], held)
+    child.book.release()
+    parent.book.release()
+
+
 def test_a_store_without_lazy_writes_serves_every_thread() -> None:
     pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=8))
     store = MLXBlockStorage(pool, 1, 1, 2, mx.float32)

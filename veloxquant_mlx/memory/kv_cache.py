@@ -319,7 +319,10 @@ class PoolBackedKVCache(KVCacheConventions):
             TypeError, ValueError: Not such a tuple, or arrays of another shape or dtype
                 than the storage's; nothing changes.
             BlockPoolExhaustedError: Too few free blocks; the layer is left empty.
+            RuntimeError: A ``lazy_writes`` store called from another thread; nothing
+                changes.
         """
+        self._require_store_thread()
         keys, values, offset = split_state(state)
         if offset:
             keys, values = keys[..., :offset, :], values[..., :offset, :]
@@ -337,8 +340,18 @@ class PoolBackedKVCache(KVCacheConventions):
 
         Returns:
             Positions dropped: ``min(n, offset)``.
+
+        Raises:
+            RuntimeError: A ``lazy_writes`` store called from another thread (a trim
+                of a fork may copy blocks in the store); nothing changes.
         """
+        self._require_store_thread()
         return self._book.trim(n, layer=self._layer)
+
+    def _require_store_thread(self) -> None:
+        """Refuse another thread than a ``lazy_writes`` store's, before the book changes."""
+        if self._thread_check is not None:
+            self._thread_check()
 
     @property
     def nbytes(self) -> int:
