@@ -171,6 +171,34 @@ def test_a_refused_append_collects_a_book_dropped_in_a_cycle_and_succeeds(
     book.release()
 
 
+def test_a_refusal_is_tried_again_when_another_threads_collection_gave_blocks_back(
+    pool: BlockPoolAllocator,
+) -> None:
+    # Threads refused at once share one collection: once the free count was read after
+    # the refusal, so blocks another thread's collection gave back in between did not
+    # count, and the second thread was refused with the blocks free.
+    book = PooledKVCache(pool, owner=2)
+    releases = deferred_releases_for(pool)
+    attempts: list[int] = []
+
+    def check_out() -> list[Block]:
+        attempts.append(1)
+        if len(attempts) > 1:
+            return pool.allocate("k", BLOCK_SIZE, owner=2)
+        try:
+            return pool.allocate("k", BLOCK_SIZE, owner=2)  # refused: nothing is free
+        finally:  # meanwhile, another thread's shared collection and drain
+            releases._collect_garbage()
+            releases.drain()
+
+    with _collections_counted():
+        _book_dropped_in_a_cycle(pool, owner=4, n_tokens=8 * BLOCK_SIZE)  # the whole pool
+        taken = releases.check_out_reclaiming(check_out)
+    assert (len(attempts), len(taken)) == (2, 1)
+    pool.free(taken)
+    book.release()
+
+
 def test_an_append_the_free_lists_serve_collects_nothing(pool: BlockPoolAllocator) -> None:
     book = PooledKVCache(pool, owner=2)
     with _collections_counted() as runs:

@@ -269,26 +269,30 @@ class DeferredReleases:
 
     def check_out_reclaiming(self, check_out: Callable[[], CheckedOut]) -> CheckedOut:
         """Drain, then run ``check_out`` (a book taking blocks); if the pool refuses it
-        while another book holds a claim, collect garbage, drain, and if that gave
-        blocks back, run it once more.
+        while another book held a claim, collect garbage, drain, and if any block came
+        back since the checkout began (this collection's, or another thread's), run it
+        once more.
 
         A book dropped inside a reference cycle is queued only when the garbage
         collector finds it (module docstring). Never call it from a finaliser. A
-        refusal the collection changes nothing for is not tried again, so the pool
-        counts it once in ``n_exhausted``.
+        refusal no block came back for is not tried again, so the pool counts it once
+        in ``n_exhausted``. Costs one ``stats`` snapshot per checkout while another
+        book holds a claim.
 
         Raises:
             BlockPoolExhaustedError: Refused again after the collection, refused with
                 no other book to collect, or refused with no block given back.
         """
         self.drain()
+        # Snapshots without the guard, on purpose: they only decide whether to try again.
+        # The free count is read before the checkout, so that blocks another thread's
+        # collection gave back after this refusal still count as given back.
+        frees = self._pool.stats.n_frees if len(self._claims) > 1 else None
         try:
             return check_out()
         except BlockPoolExhaustedError:
-            # A snapshot without the guard, on purpose: it only decides whether to try.
-            if len(self._claims) <= 1:
+            if frees is None:  # no other book held a claim: nothing to collect
                 raise
-            frees = self._pool.stats.n_frees
             self._collect_garbage()
             self.drain()
             if self._pool.stats.n_frees == frees:
