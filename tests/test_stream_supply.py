@@ -21,7 +21,7 @@ from veloxquant_mlx.memory.block_pool import (
     BlockPoolExhaustedError,
     PoolConfig,
 )
-from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache, StaleBlockTableError
 from veloxquant_mlx.memory.stream_supply import require_supply
 
 BLOCK_SIZE = 4
@@ -141,3 +141,19 @@ def test_a_demand_the_pool_meets_makes_no_call() -> None:
     before = counters(pool)
     require_supply(pool, {"k": 2, "v": 2}, 7, "fp16", lambda blocks: pytest.fail("no call"))
     assert counters(pool) == before
+
+
+def test_a_copy_on_write_of_a_block_freed_behind_the_book_names_that_block() -> None:
+    # The freed handle is the fault: asking the pool for the other block's copy first
+    # reported a full pool, and before that a mark_used of a shared block failed.
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=4, separate_kv=False))
+    parent = PooledKVCache(pool)
+    parent.append(BLOCK_SIZE + 2)  # 2 + 2 blocks: the pool is full
+    child = parent.fork()
+    pool.free([child.key_blocks[-1]])  # behind the child's back
+    before, exhausted = counters(pool), pool.stats.n_exhausted
+    with pytest.raises(StaleBlockTableError, match="freed or moved behind the book's back"):
+        child.trim(1)  # its last blocks would need private copies
+    assert (counters(pool), pool.stats.n_exhausted, child.offset) == (before, exhausted, 6)
+    child.release()
+    parent.release()

@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Final, TypeVar, cast
 import mlx.core as mx
 
 from veloxquant_mlx.memory.block_pool import Block
-from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache, StaleBlockTableError
 
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
@@ -62,11 +62,6 @@ MemoT = TypeVar("MemoT")
 #: never look at it at once: MLX 0.32 races there (mlx_storage.publish). A table's
 #: arrays belong to one request, used by one thread at a time.
 schedule: Final = cast(Callable[..., None], mx.async_eval)
-
-
-class StaleBlockTableError(ValueError):
-    """A block of the table is no longer a live handle of the pool (freed or moved behind
-    its back)."""
 
 
 class DeviceBlockTable:

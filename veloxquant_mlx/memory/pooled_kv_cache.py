@@ -75,7 +75,12 @@ from veloxquant_mlx.memory.stream_supply import require_supply
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
 
-__all__ = ["PooledKVCache"]
+__all__ = ["PooledKVCache", "StaleBlockTableError"]
+
+class StaleBlockTableError(ValueError):
+    """A block of a book (or of its device table) is no longer a live handle of the pool:
+    freed or moved behind its back."""
+
 
 #: Owner ids handed out when the caller names none: far above typical request ids.
 _AUTO_OWNERS: Final = itertools.count(1 << 48)
@@ -309,6 +314,8 @@ class PooledKVCache:
             BlockPoolExhaustedError: The new last blocks are shared with a fork, so
                 their fill can change only in private copies, and the pool has no
                 block for one (after a collection, as ``append``); nothing changes.
+            StaleBlockTableError: Such a block was freed behind the book's back;
+                nothing changes.
         """
         require_int("n", n, minimum=0)
         if self._released:
@@ -525,16 +532,20 @@ class PooledKVCache:
         stale, even if another thread took the value block after that look.
         """
         pool = self._pool
-        demand = {
-            stream: int(block.owner is not None and pool.is_shared(block.block_id))
-            for stream, block in (("k", self._key_blocks[index]), ("v", self._value_blocks[index]))
-        }
+        pair = (("k", self._key_blocks[index]), ("v", self._value_blocks[index]))
+        stale = next((block for _, block in pair if block.owner is None), None)
+        if stale is not None:  # the fault to name, before any exhaustion a copy would meet
+            raise StaleBlockTableError(
+                f"block {stale!r} of owner {self._owner}'s book is not a live handle of the "
+                "pool: it was freed or moved behind the book's back (free or free_all of "
+                "its owner, or make_writable of the handle); expected every block of a "
+                "cache to stay checked out until the cache frees it"
+            )
+        demand = {stream: int(pool.is_shared(block.block_id)) for stream, block in pair}
         require_supply(pool, demand, self._owner, self._format, self._free)
         for stream in ("k", "v"):
             blocks = self._key_blocks if stream == "k" else self._value_blocks
             shared = blocks[index]
-            if shared.owner is None:  # freed behind the book's back: the table check says so
-                return
             own = pool.make_writable(shared)
             if own is shared:
                 continue

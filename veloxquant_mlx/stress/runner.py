@@ -328,7 +328,8 @@ class _Run:
             try:
                 self.pool.check_invariants()
             except Exception as error:
-                self._violation("invariant", f"check_invariants() during the run: {error!r}")
+                when = "after the calls ended" if ended else "during the run"
+                self._violation("invariant", f"check_invariants() {when}: {error!r}")
                 return
             self.invariant_checks += 1
 
