@@ -167,6 +167,9 @@ class DeferredReleases:
         self._claims: Final[dict[int, ClaimToken]] = {}
         # Dropped books a drain took off the queue and has not finished releasing.
         self._in_flight: Final[list[BookHolding]] = []
+        # Dropped books drains have finished with, ever (under the guard): whether any
+        # came back while a checkout was refused, without asking the pool.
+        self._n_drained = 0
         # Held around gc.collect() alone (module docstring: books dropped in a cycle).
         self._collect_lock: Final = threading.Lock()
 
@@ -265,19 +268,19 @@ class DeferredReleases:
             finally:
                 with self._guard:
                     self._in_flight.remove(book)
+                    self._n_drained += 1
         return released
 
     def check_out_reclaiming(self, check_out: Callable[[], CheckedOut]) -> CheckedOut:
         """Drain, then run ``check_out`` (a book taking blocks); if the pool refuses it
-        while another book held a claim, collect garbage, drain, and if any block came
-        back since the checkout began (this collection's, or another thread's), run it
-        once more.
+        while another book held a claim, collect garbage, drain, and if any dropped
+        book came back since the checkout began (by this collection, or another
+        thread's drain), run it once more.
 
         A book dropped inside a reference cycle is queued only when the garbage
         collector finds it (module docstring). Never call it from a finaliser. A
-        refusal no block came back for is not tried again, so the pool counts it once
-        in ``n_exhausted``. Costs one ``stats`` snapshot per checkout while another
-        book holds a claim.
+        refusal no dropped book came back for is not tried again, so the pool counts
+        it once in ``n_exhausted``. No pool call is added to a checkout.
 
         Raises:
             BlockPoolExhaustedError: Refused again after the collection, refused with
@@ -285,17 +288,17 @@ class DeferredReleases:
         """
         self.drain()
         # Snapshots without the guard, on purpose: they only decide whether to try again.
-        # The free count is read before the checkout, so that blocks another thread's
+        # The count is read before the checkout, so that books another thread's
         # collection gave back after this refusal still count as given back.
-        frees = self._pool.stats.n_frees if len(self._claims) > 1 else None
+        drained = self._n_drained if len(self._claims) > 1 else None
         try:
             return check_out()
         except BlockPoolExhaustedError:
-            if frees is None:  # no other book held a claim: nothing to collect
+            if drained is None:  # no other book held a claim: nothing to collect
                 raise
             self._collect_garbage()
             self.drain()
-            if self._pool.stats.n_frees == frees:
+            if self._n_drained == drained:
                 raise
         return check_out()
 
