@@ -77,6 +77,7 @@ if TYPE_CHECKING:
 
 __all__ = ["PooledKVCache", "StaleBlockTableError"]
 
+
 class StaleBlockTableError(ValueError):
     """A block of a book (or of its device table) is no longer a live handle of the pool:
     freed or moved behind its back."""
