@@ -47,7 +47,11 @@ from typing import TYPE_CHECKING, Final, TypeVar, cast
 import mlx.core as mx
 
 from veloxquant_mlx.memory.block_pool import Block
-from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache, StaleBlockTableError
+from veloxquant_mlx.memory.pooled_kv_cache import (
+    PooledKVCache,
+    StaleBlockTableError,
+    stale_block_error,
+)
 
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
@@ -242,12 +246,7 @@ class DeviceBlockTable:
         self._checked_version = self._checked_releases = self._checked_extent = -1
         self._forget_memo()
         culprit = "a block" if stale is None else f"block {stale!r}"
-        raise StaleBlockTableError(
-            f"{culprit} of owner {self._book.owner}'s table is not a live handle of the pool: "
-            "it was freed or moved behind the cache's back (free or free_all of its owner, "
-            "or make_writable of the handle); expected "
-            "every block of a cache to stay checked out until the cache frees it"
-        )
+        raise stale_block_error(culprit, self._book.owner, "table", "cache")
 
     def _schedule_ids(self) -> None:
         # Scheduled, not left lazy: MLX streams are per thread, and a store without

@@ -109,7 +109,7 @@ from veloxquant_mlx.memory.mlx_lm_protocol import (
     register_for_loading,
     split_state,
 )
-from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name, require_arrays
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.memory.protocol_io import gather_positions, write_positions
 
@@ -368,11 +368,7 @@ class PoolBackedKVCache(KVCacheConventions):
 
     def _require_update(self, keys: mx.array, values: mx.array) -> int:
         """The number of positions in ``keys`` and ``values``, if the storage can hold them."""
-        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
-            raise TypeError(
-                f"keys and values must be mlx.core.array, got {type(keys).__name__} and "
-                f"{type(values).__name__}"
-            )
+        require_arrays(keys, values)
         shape, dtype = keys.shape, self._dtype
         if (
             len(shape) == 4

@@ -124,7 +124,7 @@ from veloxquant_mlx.memory.slot_rows import SlotRows, StepRows
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
 
-__all__ = ["MLXBlockStorage", "dtype_name", "publish"]
+__all__ = ["MLXBlockStorage", "dtype_name", "publish", "require_arrays"]
 
 
 class MLXBlockStorage:
@@ -606,11 +606,7 @@ class MLXBlockStorage:
 
     def _require_head_tokens(self, keys: mx.array, values: mx.array) -> int:
         """``n`` if keys and values are ``(1, n_kv_heads, n, head_dim)`` of the store's dtype."""
-        if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
-            raise TypeError(
-                f"keys and values must be mlx.core.array, got {type(keys).__name__} and "
-                f"{type(values).__name__}"
-            )
+        require_arrays(keys, values)
         dtype = self._dtype
         if keys.dtype != dtype or values.dtype != dtype:
             require_token_dtype(keys.dtype, dtype, dtype_name)
@@ -692,6 +688,19 @@ def publish(*arrays: mx.array) -> None:
 
 def _block_id(block: Block) -> int:
     return block.block_id
+
+
+def require_arrays(keys: object, values: object) -> None:
+    """Keys and values written to a store must be ``mx.array``s (named, if not).
+
+    Raises:
+        TypeError: Either is not an ``mx.array``.
+    """
+    if not isinstance(keys, mx.array) or not isinstance(values, mx.array):
+        raise TypeError(
+            f"keys and values must be mlx.core.array, got {type(keys).__name__} and "
+            f"{type(values).__name__}"
+        )
 
 
 def dtype_name(dtype: mx.Dtype) -> str:

@@ -75,12 +75,23 @@ from veloxquant_mlx.memory.stream_supply import require_supply
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
 
-__all__ = ["PooledKVCache", "StaleBlockTableError"]
+__all__ = ["PooledKVCache", "StaleBlockTableError", "stale_block_error"]
 
 
 class StaleBlockTableError(ValueError):
     """A block of a book (or of its device table) is no longer a live handle of the pool:
     freed or moved behind its back."""
+
+
+def stale_block_error(culprit: str, owner: int, holder: str, behind: str) -> StaleBlockTableError:
+    """The error for ``culprit`` (a block, or "a block") of ``owner``'s ``holder`` (its
+    "book" or "table") gone stale behind ``behind``'s back (the "book", the "cache")."""
+    return StaleBlockTableError(
+        f"{culprit} of owner {owner}'s {holder} is not a live handle of the pool: it was "
+        f"freed or moved behind the {behind}'s back (free or free_all of its owner, or "
+        "make_writable of the handle); expected every block of a cache to stay checked "
+        "out until the cache frees it"
+    )
 
 
 #: Owner ids handed out when the caller names none: far above typical request ids.
@@ -536,12 +547,7 @@ class PooledKVCache:
         pair = (("k", self._key_blocks[index]), ("v", self._value_blocks[index]))
         stale = next((block for _, block in pair if block.owner is None), None)
         if stale is not None:  # the fault to name, before any exhaustion a copy would meet
-            raise StaleBlockTableError(
-                f"block {stale!r} of owner {self._owner}'s book is not a live handle of the "
-                "pool: it was freed or moved behind the book's back (free or free_all of "
-                "its owner, or make_writable of the handle); expected every block of a "
-                "cache to stay checked out until the cache frees it"
-            )
+            raise stale_block_error(f"block {stale!r}", self._owner, "book", "book")
         demand = {stream: int(pool.is_shared(block.block_id)) for stream, block in pair}
         require_supply(pool, demand, self._owner, self._format, self._free)
         for stream in ("k", "v"):
