@@ -60,7 +60,11 @@ from veloxquant_mlx.testing.exhaustive import (
     port_scope,
 )
 from veloxquant_mlx.testing.port import Port
-from veloxquant_mlx.testing.port_options import add_port_options, port_from_options
+from veloxquant_mlx.testing.port_options import (
+    add_port_options,
+    port_from_options,
+    port_refusal,
+)
 from veloxquant_mlx.testing.traces import dumps
 
 __all__ = [
@@ -217,11 +221,8 @@ def _explore_scopes(
                 raise  # our own pool: a bug of ours, shown whole
             # A pool call's error is an outcome the checker compares; this escaped one
             # came from building a pool (the factory, or the driver's answer to "pool").
-            raise BadInputError(
-                f"the port {port.name!r} raised {type(error).__name__}: {error} while a pool "
-                f"was built or set up (exploring {scope.name}); a factory must build a pool "
-                f"of {scope.config}"
-            ) from None
+            when = f"while a pool was built or set up (exploring {scope.name})"
+            raise port_refusal(port, error, when, scope.config) from None
         results.append(result)
         _save(result, scope.name, args.out)
         if not args.json:

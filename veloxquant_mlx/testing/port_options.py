@@ -20,7 +20,7 @@ from veloxquant_mlx.commandline.bad_input import BadInputError
 from veloxquant_mlx.testing.driven import DriverFailure, driven_port
 from veloxquant_mlx.testing.port import Port, port_argument
 
-__all__ = ["add_port_options", "command_line", "port_from_options"]
+__all__ = ["add_port_options", "command_line", "port_from_options", "port_refusal"]
 
 
 def add_port_options(parser: argparse.ArgumentParser, verb: str) -> None:
@@ -72,3 +72,12 @@ def port_from_options(args: argparse.Namespace) -> Port | None:
         return driven_port(args.driver, name=shlex.join(args.driver))
     except DriverFailure as failure:
         raise BadInputError(str(failure)) from None
+
+
+def port_refusal(port: Port, error: Exception, when: str, config: object) -> BadInputError:
+    """What a command says when ``port`` raised outside any pool call (its factory, while
+    ``when``): bad input, naming the port, the error and the config it must build."""
+    return BadInputError(
+        f"the port {port.name!r} raised {type(error).__name__}: {error} {when}; a factory "
+        f"must build a pool of {config}"
+    )

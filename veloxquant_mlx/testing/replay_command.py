@@ -46,7 +46,11 @@ from veloxquant_mlx.commandline.values import int_at_least
 from veloxquant_mlx.commandline.verdicts import Verdict, combined
 from veloxquant_mlx.testing.driven import DriverFailure
 from veloxquant_mlx.testing.port import Port
-from veloxquant_mlx.testing.port_options import add_port_options, port_from_options
+from veloxquant_mlx.testing.port_options import (
+    add_port_options,
+    port_from_options,
+    port_refusal,
+)
 from veloxquant_mlx.testing.storage_backends import StorageBackend, builtin_backend, mlx_backend
 from veloxquant_mlx.testing.store_operations import Write
 from veloxquant_mlx.testing.traces import Trace, TraceFormatError, load
@@ -173,10 +177,7 @@ def _require_builds(port: Port, path: Path, trace: Trace) -> None:
     except DriverFailure as failure:
         raise BadInputError(f"{failure} (building the pool of {path})") from None
     except Exception as error:  # the factory's own code: anything it raises is refused
-        raise BadInputError(
-            f"{path}: the port {port.name!r} raised {type(error).__name__}: {error} while "
-            f"building a pool of {trace.pool}; a factory must build a pool of that config"
-        ) from None
+        raise port_refusal(port, error, f"while building the pool of {path}", trace.pool) from None
 
 
 def _most_ids(trace: Trace) -> int:
