@@ -14,6 +14,7 @@ import re
 from typing import Any
 
 import pytest
+from conftest import assert_only_exhaustion_recorded, observe, pool_unchanged
 
 from veloxquant_mlx.memory.block_pool import (
     Block,
@@ -27,31 +28,12 @@ from veloxquant_mlx.memory.stream_supply import require_supply
 BLOCK_SIZE = 4
 
 
-def counters(pool: BlockPoolAllocator) -> tuple[object, ...]:
-    """Every stats field but ``n_exhausted``, and the free lists' lengths."""
-    stats = pool.stats
-    return (
-        stats.n_blocks,
-        stats.n_allocations,
-        stats.n_frees,
-        stats.n_reused,
-        stats.n_grown,
-        stats.n_retired,
-        stats.peak_blocks_in_use,
-        stats.n_copy_on_write,
-        stats.blocks_in_use(),
-        pool.n_free("k"),
-        pool.n_free("v"),
-    )
-
-
 def refused_append(pool: BlockPoolAllocator, book: PooledKVCache, n_tokens: int) -> str:
     """Append ``n_tokens`` to ``book``; it must be refused, counted once, nothing else changed."""
-    before, exhausted = counters(pool), pool.stats.n_exhausted
+    before = observe(pool)
     with pytest.raises(BlockPoolExhaustedError) as refused:
         book.append(n_tokens)
-    assert counters(pool) == before
-    assert pool.stats.n_exhausted == exhausted + 1
+    assert_only_exhaustion_recorded(before, observe(pool))
     assert book.offset == 0
     pool.check_invariants()
     return str(refused.value)
@@ -102,12 +84,13 @@ def test_a_refused_copy_on_write_moves_neither_block() -> None:
     parent.append(BLOCK_SIZE + 2)  # 2 + 2 blocks, the last ones half full: 1 block free
     child = parent.fork()
     keys, values = child.key_blocks, child.value_blocks
-    before, exhausted = counters(pool), pool.stats.n_exhausted
+    owners = [parent.owner, child.owner]
+    before, moved = observe(pool, owners), pool.stats.n_copy_on_write
     wanted = re.escape("needs 1 k block(s) and 1 v block(s)")
     with pytest.raises(BlockPoolExhaustedError, match=wanted):
         child.trim(1)  # the shared last blocks would each need a private copy
-    assert counters(pool) == before
-    assert pool.stats.n_exhausted == exhausted + 1
+    assert_only_exhaustion_recorded(before, observe(pool, owners))
+    assert pool.stats.n_copy_on_write == moved
     assert (child.key_blocks, child.value_blocks, child.offset) == (keys, values, BLOCK_SIZE + 2)
     assert all(pool.is_live(block) for block in (*keys, *values))
     child.release()
@@ -138,9 +121,8 @@ def test_blocks_that_came_free_after_the_look_are_given_back() -> None:
 
 def test_a_demand_the_pool_meets_makes_no_call() -> None:
     pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=4))  # 2 per stream
-    before = counters(pool)
-    require_supply(pool, {"k": 2, "v": 2}, 7, "fp16", lambda blocks: pytest.fail("no call"))
-    assert counters(pool) == before
+    with pool_unchanged(pool):
+        require_supply(pool, {"k": 2, "v": 2}, 7, "fp16", lambda blocks: pytest.fail("no call"))
 
 
 def test_a_copy_on_write_of_a_block_freed_behind_the_book_names_that_block() -> None:
@@ -151,9 +133,12 @@ def test_a_copy_on_write_of_a_block_freed_behind_the_book_names_that_block() -> 
     parent.append(BLOCK_SIZE + 2)  # 2 + 2 blocks: the pool is full
     child = parent.fork()
     pool.free([child.key_blocks[-1]])  # behind the child's back
-    before, exhausted = counters(pool), pool.stats.n_exhausted
-    with pytest.raises(StaleBlockTableError, match="freed or moved behind the book's back"):
+    moved = pool.stats.n_copy_on_write
+    with (
+        pool_unchanged(pool, owners=[parent.owner, child.owner]),
+        pytest.raises(StaleBlockTableError, match="freed or moved behind the book's back"),
+    ):
         child.trim(1)  # its last blocks would need private copies
-    assert (counters(pool), pool.stats.n_exhausted, child.offset) == (before, exhausted, 6)
+    assert (pool.stats.n_copy_on_write, child.offset) == (moved, 6)
     child.release()
     parent.release()
