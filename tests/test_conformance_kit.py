@@ -13,7 +13,7 @@ import os
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import suppress
 from pathlib import Path
 from typing import Any
@@ -180,16 +180,22 @@ def _python_of(finding: Finding) -> list[str]:
     return as_python(port, finding.calls, config, finding.history_len, finding.discrepancy)
 
 
+def _run_to_the_read(lines: list[str], scope: Mapping[str, object]) -> object:
+    """Run a finding's Python in ``scope`` (``suppress`` added); the value its last line
+    reads."""
+    *setup, last = lines
+    names = {**scope, "suppress": suppress}
+    exec("\n".join(setup), names)
+    return eval(last.split("  #")[0], names)
+
+
 def _runs_and_shows_the_pools_value(finding: Finding) -> None:
-    *setup, last = _python_of(finding)
-    scope: dict[str, object] = {
+    scope = {
         "DeviantPort": DeviantPort,
         "DeviantConfig": DeviantConfig,
         "Block": reference_port.Block,
-        "suppress": suppress,
     }
-    exec("\n".join(setup), scope)
-    assert eval(last.split("  #")[0], scope) == finding.actual
+    assert _run_to_the_read(_python_of(finding), scope) == finding.actual
 
 
 @pytest.mark.slow
@@ -264,15 +270,12 @@ def test_the_python_of_a_finding_seen_after_a_refused_call_runs_to_its_last_line
         "with suppress(BlockPoolExhaustedError): pool.allocate('k', 100, 0)",
         "pool.stats.n_allocations  # pool: 5; spec: 1",
     ]
-    scope = {
+    scope: dict[str, object] = {
         "BlockPoolAllocator": BlockPoolAllocator,
         "PoolConfig": PoolConfig,
         "BlockPoolExhaustedError": BlockPoolExhaustedError,
-        "suppress": suppress,
     }
-    *setup, last = text
-    exec("\n".join(setup), scope)
-    assert eval(last.split("  #")[0], scope) == 1
+    assert _run_to_the_read(text, scope) == 1
 
 
 @pytest.mark.parametrize(

@@ -174,9 +174,9 @@ def test_a_refused_append_collects_a_book_dropped_in_a_cycle_and_succeeds(
 def test_a_refusal_is_tried_again_when_another_threads_collection_gave_blocks_back(
     pool: BlockPoolAllocator,
 ) -> None:
-    # Threads refused at once share one collection: once the free count was read after
-    # the refusal, so blocks another thread's collection gave back in between did not
-    # count, and the second thread was refused with the blocks free.
+    # Threads refused at once share one collection: once what came back was counted
+    # from after the refusal, so blocks another thread's collection gave back in between
+    # did not count, and the second thread was refused with the blocks free.
     book = PooledKVCache(pool, owner=2)
     releases = deferred_releases_for(pool)
     attempts: list[int] = []
