@@ -250,7 +250,7 @@ class PoolBackedKVCache(KVCacheConventions):
             n_tokens: int = shape[2]
         else:
             n_tokens = self._require_update(keys, values)
-        if self._thread_check is not None:
+        if self._thread_check is not None:  # _require_store_thread, inlined: the decode path
             self._thread_check()
         self._releases.drain()  # blocks of caches dropped without release() come back
         if n_tokens != 1 or not self._kv_bits_checked:
