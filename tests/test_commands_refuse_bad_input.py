@@ -256,6 +256,7 @@ def test_stress_replay_refuses_what_is_not_a_trace(
     [
         (["--no-grow", "--max-blocks", "50"], "--max-blocks 50 has no effect on a pool that"),
         (["--n-blocks", "100"], "--n-blocks 100 is above the profile's cap of growth, max_blocks"),
+        (["--force"], "--force has no effect without --out"),
     ],
 )
 def test_stress_names_the_pool_options_that_conflict(
@@ -308,6 +309,7 @@ def test_stress_replay_refuses_the_run_options_it_would_ignore(
         (exhaustive.main, ["--driver", "no-such-driver-here"], "cannot start"),
         (exhaustive.main, ["--driver", SAYS_HI], "it wrote b'hi', not a JSON object"),
         (exhaustive.main, ["--driver", "x", "--factory", "json:dumps"], "not allowed with"),
+        (exhaustive.main, ["--force"], "--force has no effect without --out"),
         (cli.main, ["driver", "--factory", "nowhere:Pool"], "cannot import 'nowhere'"),
         (driver_command.main, ["--factory", "json"], "expected module:callable, got 'json'"),
         (cli.main, ["stress", "--check-interval", "1e10"], "<= 3600, got '1e10'"),

@@ -249,6 +249,8 @@ def validate(args: argparse.Namespace) -> str | None:
     """A usage error message for options that conflict or cannot fit, else ``None``."""
     if args.replay is not None:
         return _replay_conflicts(args)
+    if args.force and args.out is None:
+        return "--force has no effect without --out (the default folder is a new one)"
     if args.mix is not None:
         try:
             OperationMix.parse(args.mix)

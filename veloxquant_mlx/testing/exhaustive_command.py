@@ -138,7 +138,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> str | None:
-    """Refuse a state budget that cannot fit in this machine's memory."""
+    """Refuse ``--force`` without ``--out``, and a state budget this machine cannot hold."""
+    if args.force and args.out is None:
+        return "--force has no effect without --out (it replaces the counterexamples there)"
     if args.max_states is None:
         return None
     try:
