@@ -37,6 +37,8 @@ from veloxquant_mlx_spec.table import Returned, h
 LAPTOP_BYTES = 7_800 * 2**20
 #: A driver that answers its start with a line that is not the protocol's hello.
 SAYS_HI = shlex.join([sys.executable, "-c", "print('hi')"])
+#: A driver whose hello nests arrays deeper than the JSON parser recurses.
+SAYS_DEEP = shlex.join([sys.executable, "-c", "print('[' * 100_000 + ']' * 100_000)"])
 HUGE = "1" + "0" * 400  # beyond any float: once an OverflowError traceback in every command
 HEADER = {
     "trace": "veloxquant-mlx",
@@ -308,6 +310,7 @@ def test_stress_replay_refuses_the_run_options_it_would_ignore(
         (exhaustive.main, ["--driver", " "], "--driver: expected a command line, got ' '"),
         (exhaustive.main, ["--driver", "no-such-driver-here"], "cannot start"),
         (exhaustive.main, ["--driver", SAYS_HI], "it wrote b'hi', not a JSON object"),
+        (exhaustive.main, ["--driver", SAYS_DEEP], "[[[', not a JSON object"),
         (exhaustive.main, ["--driver", "x", "--factory", "json:dumps"], "not allowed with"),
         (exhaustive.main, ["--force"], "--force has no effect without --out"),
         (cli.main, ["driver", "--factory", "nowhere:Pool"], "cannot import 'nowhere'"),

@@ -184,7 +184,7 @@ class DriverProcess:
         raw, self._buffer = self._buffer.split(b"\n", 1)
         try:
             record = json.loads(raw)
-        except ValueError:
+        except (ValueError, RecursionError):  # not JSON, or arrays nested past the parser
             record = None
         if not isinstance(record, dict):
             self.fail(f"it wrote {raw[:200]!r}, not a JSON object, for {what}")
