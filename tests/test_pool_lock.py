@@ -10,10 +10,13 @@ directly, so a compiled wheel requires librt (``build_backend.py``).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import subprocess
 import sys
 import threading
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 from conftest import make_pool
@@ -69,3 +72,74 @@ def test_without_librt_the_pool_takes_threading_lock_and_serves_every_call() -> 
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["_thread", "lock", "4"]
+
+
+# -- C-THREAD-SAFE: no caller code runs under the lock ---------------------------------------
+
+
+class LockWatcher:
+    """Caller code that notes whether the pool's lock was held when it ran."""
+
+    def __init__(self, pool: block_pool.BlockPoolAllocator) -> None:
+        self.pool = pool
+        self.held: list[bool] = []
+
+    def note(self) -> None:
+        self.held.append(self.pool._lock.locked())
+
+
+def watching_iterable(watcher: LockWatcher, items: list[object]) -> Iterator[object]:
+    watcher.note()
+    yield from items
+
+
+class WatchingList(list[object]):
+    watcher: LockWatcher
+
+    def __iter__(self) -> Iterator[object]:
+        self.watcher.note()
+        return super().__iter__()
+
+
+class WatchingRepr:
+    def __init__(self, watcher: LockWatcher) -> None:
+        self.watcher = watcher
+
+    def __repr__(self) -> str:
+        self.watcher.note()
+        return "<watching>"
+
+
+def watching_list(watcher: LockWatcher, items: list[object]) -> WatchingList:
+    listed = WatchingList(items)
+    listed.watcher = watcher
+    return listed
+
+
+def calls_that_run_caller_code(
+    pool: block_pool.BlockPoolAllocator, watcher: LockWatcher
+) -> list[Callable[[], object]]:
+    """Calls whose arguments run code of the caller's: an iterator, a list subclass's
+    ``__iter__``, a foreign item's ``__repr__`` in the error that names it."""
+    live = pool.allocate("k", 4, owner=1)
+    foreign = WatchingRepr(watcher)
+    untyped: Any = pool  # the arguments are not what the signatures want
+    return [
+        lambda: pool.all_live(watching_iterable(watcher, [*live])),
+        lambda: untyped.share(watching_list(watcher, [*live]), 2),
+        lambda: untyped.free(watching_list(watcher, [*live])),
+        lambda: untyped.free([foreign]),
+        lambda: untyped.share([foreign], 3),
+        lambda: untyped.share([], foreign),
+        lambda: untyped.make_writable(foreign),
+    ]
+
+
+def test_no_caller_code_runs_while_the_pool_holds_its_lock() -> None:
+    """A callback that calls the pool would deadlock on the non-reentrant lock."""
+    pool = make_pool()
+    watcher = LockWatcher(pool)
+    for call in calls_that_run_caller_code(pool, watcher):
+        with contextlib.suppress(TypeError, ValueError):
+            call()
+    assert watcher.held == [False] * 7

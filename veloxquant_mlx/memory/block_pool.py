@@ -85,6 +85,12 @@ __all__ = [
 #: Free-list names by stream name, for each value of ``PoolConfig.separate_kv``.
 _SEPARATE_STREAMS: Final = {"k": "k", "v": "v"}
 _SHARED_STREAMS: Final = {"k": "kv", "v": "kv", "kv": "kv"}
+#: Why ``_first_unfreeable`` refused an item: not a live handle of this pool; a
+#: second handle of one block id where each id may be listed once (``share``); the
+#: same handle listed twice (``free``).
+_NOT_LIVE: Final = "not live"
+_REPEATED_ID: Final = "repeated id"
+_LISTED_TWICE: Final = "listed twice"
 
 DEFAULT_HISTORY_LEN: Final = 1024
 #: Length of an interpreted history entry of a pool that has never shared
@@ -123,6 +129,17 @@ class InvalidFreeError(BlockPoolError, ValueError):
 @mypyc_attr(native_class=False)
 class InvariantViolationError(AssertionError):
     """``check_invariants()`` found the pool's books inconsistent; names the invariant."""
+
+
+def _items_of(blocks: list[Block] | tuple[Block, ...]) -> Sequence[Block]:
+    """``blocks`` itself if an exact list or tuple, else a tuple of its items.
+
+    Iterating a subclass may run the caller's ``__iter__``, which must never
+    run under the pool's lock (C-THREAD-SAFE): call this before taking it.
+    """
+    if type(blocks) is list or type(blocks) is tuple:
+        return blocks
+    return tuple(blocks)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
@@ -630,8 +647,9 @@ class BlockPoolAllocator:
         The batched form of :meth:`is_live`, for a store that checks a whole
         gather's blocks at once.
         """
+        items = tuple(blocks)  # the caller's iterator runs here, never under the lock
         with self._lock:
-            return all(self._is_live(block) for block in blocks)
+            return all(self._is_live(block) for block in items)
 
     def id_bound(self) -> int:
         """One more than the highest block id that is free or checked out (0 if none).
@@ -840,13 +858,20 @@ class BlockPoolAllocator:
             raise TypeError(
                 f"blocks must be a list of Block handles, got {type(blocks).__name__}: {blocks!r}"
             )
+        items = _items_of(blocks)  # a subclass's __iter__ runs here, never under the lock
         with self._lock:
-            self._require_freeable(blocks)
-            if not blocks:
+            refusal = self._first_unfreeable(items)
+            if refusal is None:
+                self._free_checked(items)
                 return
+        raise self._unfreeable_error(items, *refusal)  # a foreign item's repr: unlocked
+
+    def _free_checked(self, blocks: Sequence[Block]) -> None:
+        """``free``'s work, on live handles listed once; the caller holds the lock."""
+        if blocks:
             for block in blocks:
                 owner = block.owner
-                assert owner is not None, "_require_freeable let a free handle through"
+                assert owner is not None, "_first_unfreeable let a free handle through"
                 owned = self._owner_blocks[owner]
                 del owned[block.block_id]
                 if not owned:
@@ -855,34 +880,52 @@ class BlockPoolAllocator:
             self._return_to_free_lists(blocks)
 
     def _require_freeable(self, blocks: Sequence[object], *, one_per_id: bool = False) -> None:
-        """Every item a live handle, listed once (``one_per_id``: no block id twice either)."""
+        """Every item a live handle, listed once (``one_per_id``: no block id twice either).
+
+        Raises:
+            InvalidFreeError: The first item that is not, named.
+        """
+        refusal = self._first_unfreeable(blocks, one_per_id=one_per_id)
+        if refusal is not None:
+            raise self._unfreeable_error(blocks, *refusal)
+
+    def _first_unfreeable(
+        self, blocks: Sequence[object], *, one_per_id: bool = False
+    ) -> tuple[int, str] | None:
+        """The position of the first item that is not a live handle listed once, and
+        why (:data:`_NOT_LIVE`, :data:`_REPEATED_ID` or :data:`_LISTED_TWICE`); ``None``
+        if there is none. Calls nothing of the caller's: safe under the lock."""
         seen_ids: set[BlockId] = set()
         for position, block in enumerate(blocks):
             if not self._is_live(block):
-                raise InvalidFreeError(
-                    f"blocks[{position}] = {block!r} is not a live handle of this pool; "
-                    "expected a block checked out from this pool and not yet freed"
-                )
+                return position, _NOT_LIVE
             block_id = block.block_id  # a live handle: its fields are the pool's
             if block_id in seen_ids:
-                self._refuse_repeat(blocks, position, one_per_id=one_per_id)
+                if one_per_id:
+                    return position, _REPEATED_ID
+                if any(other is block for other in blocks[:position]):
+                    return position, _LISTED_TWICE
             seen_ids.add(block_id)
+        return None
 
     @staticmethod
-    def _refuse_repeat(blocks: Sequence[object], position: int, *, one_per_id: bool) -> None:
-        """``blocks[position]`` names an id listed before: refused unless it is another
-        handle of a shared id, in a list that may hold several (``free``)."""
+    def _unfreeable_error(blocks: Sequence[object], position: int, why: str) -> InvalidFreeError:
+        """The error naming ``blocks[position]``, found by :meth:`_first_unfreeable`."""
         block = blocks[position]
-        if one_per_id:
-            raise InvalidFreeError(
+        if why == _NOT_LIVE:
+            return InvalidFreeError(
+                f"blocks[{position}] = {block!r} is not a live handle of this pool; "
+                "expected a block checked out from this pool and not yet freed"
+            )
+        if why == _REPEATED_ID:
+            return InvalidFreeError(
                 f"blocks[{position}] = {block!r} repeats block id "
                 f"{getattr(block, 'block_id', None)}; expected each block once"
             )
-        if any(other is block for other in blocks[:position]):
-            raise InvalidFreeError(
-                f"blocks[{position}] = {block!r} appears more than once in the list; "
-                "expected each block once"
-            )
+        return InvalidFreeError(
+            f"blocks[{position}] = {block!r} appears more than once in the list; "
+            "expected each block once"
+        )
 
     def _is_live(self, block: object) -> TypeGuard[Block]:
         """Whether ``block`` is the current handle of a block checked out from this pool."""
@@ -1045,10 +1088,17 @@ class BlockPoolAllocator:
             raise TypeError(
                 f"blocks must be a list of Block handles, got {type(blocks).__name__}: {blocks!r}"
             )
+        items = _items_of(blocks)  # a subclass's __iter__ runs here, never under the lock
         with self._lock:
-            self._require_freeable(blocks, one_per_id=True)
-            require_int("owner", owner)
-            return self._issue_shares(blocks, owner)
+            refusal = self._first_unfreeable(items, one_per_id=True)
+            if refusal is None and isinstance(owner, int) and not isinstance(owner, bool):
+                return self._issue_shares(items, owner)
+        # Refused, in C-SHARE-ARGS's order, with the lock released: the error's repr of
+        # a foreign object is caller code.
+        if refusal is not None:
+            raise self._unfreeable_error(items, *refusal)
+        require_int("owner", owner)  # not an int, or it was shared above: raises
+        raise AssertionError(f"share refused owner {owner!r}, which require_int took")
 
     def fork(self, src_owner: AsGiven[int], dst_owner: AsGiven[int]) -> list[Block]:
         """``share(blocks_for(src_owner), dst_owner)`` in one step: every block, K and V.
@@ -1144,16 +1194,16 @@ class BlockPoolAllocator:
                 capped; counted in ``n_exhausted``, nothing else changes.
         """
         with self._lock:
-            if not self._is_live(block):
-                raise InvalidFreeError(
-                    f"block {block!r} is not a live handle of this pool; expected a block "
-                    "checked out from this pool and not yet freed"
-                )
-            handle: Block = block
-            count = self._shared_counts.get(handle.block_id)
-            if count is None:
-                return handle
-            return self._copy_on_write(handle, count)
+            if self._is_live(block):
+                handle: Block = block
+                count = self._shared_counts.get(handle.block_id)
+                if count is None:
+                    return handle
+                return self._copy_on_write(handle, count)
+        raise InvalidFreeError(  # after the lock: the repr of a foreign object is caller code
+            f"block {block!r} is not a live handle of this pool; expected a block "
+            "checked out from this pool and not yet freed"
+        )
 
     def _copy_on_write(self, handle: Block, count: int) -> Block:
         """Move ``handle``'s share of its block (count ``count`` > 1) to a new block."""
