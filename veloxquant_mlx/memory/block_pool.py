@@ -10,7 +10,8 @@ indexed by block id. The behaviour is that of the API reference
 a pure state machine, and the conformance tests check this module against it.
 
 Complexity (``k`` = blocks in the call, ``f`` = free blocks of the stream,
-``n`` = blocks ever issued); no operation scans the pool except the checker:
+``n`` = blocks ever issued); no operation scans the pool but the checker,
+``shrink`` and ``ref_count`` of an unshared id:
 
 - ``allocate``: O(k) amortised, growth included.
 - ``free``: O(k); ``free_all``: O(k) for the owner's k blocks.
