@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, InvariantViolationError
 from veloxquant_mlx.testing.conformance import PoolConformanceMachine
 from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError
 
@@ -128,6 +128,13 @@ class FreeChecksTypesLate(BlockPoolAllocator):
             super().free(prefix)
             super().free(blocks[len(prefix) :])  # raises at the junk
         super().free(blocks)
+
+
+class InvariantsAlwaysViolated(BlockPoolAllocator):
+    """Planted bug: ``check_invariants()`` reports a broken partition on any pool."""
+
+    def check_invariants(self) -> None:
+        raise InvariantViolationError("partition: planted")
 
 
 class AllocateTakesWholeFloats(BlockPoolAllocator):

@@ -21,6 +21,7 @@ import shlex
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,6 +59,16 @@ def test_a_port_error_comes_back_as_its_contract_class() -> None:
     with pytest.raises(ValueError, match="not a live handle") as raised:
         pool.free(["not a block"])
     assert type(raised.value).__name__ == "InvalidFreeError"
+
+
+@pytest.mark.usefixtures("in_tests")
+def test_a_failed_invariant_check_comes_back_as_its_class() -> None:
+    # Once the client knew no InvariantViolationError and raised a RuntimeError for it.
+    port = driven_port([*PLANTED, "planted_bugs:InvariantsAlwaysViolated"])
+    pool: Any = port.build(SCOPES[1].config, 2)  # a proxy: it forwards check_invariants too
+    with pytest.raises(AssertionError, match="partition: planted") as raised:
+        pool.check_invariants()
+    assert type(raised.value).__name__ == "InvariantViolationError"
 
 
 def _fake(script: str) -> list[str]:

@@ -74,6 +74,10 @@ class InvalidFreeError(BlockPoolError, ValueError):
     """A driver named ``InvalidFreeError``."""
 
 
+class InvariantViolationError(AssertionError):
+    """A driver named ``InvariantViolationError`` (our pool's ``check_invariants``)."""
+
+
 #: The classes raised for the names a driver may answer with.
 ERRORS: Final[dict[str, type[Exception]]] = {
     cls.__name__: cls
@@ -85,6 +89,7 @@ ERRORS: Final[dict[str, type[Exception]]] = {
         TypeError,
         ValueError,
         AssertionError,
+        InvariantViolationError,
     )
 }
 #: Seconds a driver may take to answer one request.
