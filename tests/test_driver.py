@@ -26,6 +26,7 @@ from typing import Any
 import pytest
 
 from veloxquant_mlx import cli
+from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.testing.driven import DriverFailure, DriverProcess, driven_port
 from veloxquant_mlx.testing.driver import PROTOCOL, PROTOCOL_VERSION
 from veloxquant_mlx.testing.exhaustive import SCOPES, explore
@@ -118,6 +119,27 @@ def _answering(response: str) -> str:
         "for line in sys.stdin:\n"
         f"    print({response!r}.replace('ID', str(json.loads(line)['id'])), flush=True)\n"
     )
+
+
+#: A fake driver that refuses every pool request with the config it got, as JSON.
+ECHOES_CONFIG = (
+    f"import json, sys\nprint({HELLO!r}, flush=True)\n"
+    "for line in sys.stdin:\n"
+    "    request = json.loads(line)\n"
+    "    error = {'class': 'ValueError', 'message': json.dumps(request['config'])}\n"
+    "    print(json.dumps({'id': request['id'], 'error': error}), flush=True)\n"
+)
+
+
+def test_every_pool_request_carries_all_five_config_fields() -> None:
+    # The kit's config checks call the factory with the fields they set (make(),
+    # make(n_blocks=0)); once the driver got just those, though the protocol says five.
+    port = driven_port(_fake(ECHOES_CONFIG))
+    for fields in ({}, {"n_blocks": 0}, {"block_size": 0, "separate_kv": False}):
+        with pytest.raises(ValueError) as refused:
+            port.factory(**fields)
+        expected = {**dataclasses.asdict(PoolConfig()), **fields}
+        assert json.loads(str(refused.value)) == expected
 
 
 @pytest.mark.parametrize(

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from typing import IO, Any, Final, NoReturn
 
 from veloxquant_mlx.testing.driver import PROTOCOL, PROTOCOL_VERSION
-from veloxquant_mlx.testing.port import Port
+from veloxquant_mlx.testing.port import CONFIG_DEFAULTS, Port
 
 __all__ = [
     "ERRORS",
@@ -322,7 +322,8 @@ def driven_port(
 
     def factory(**fields: object) -> Any:
         history_len = fields.pop("history_len", None)
-        result = objects.driver.request("pool", config=fields, history_len=history_len)
+        config = {**CONFIG_DEFAULTS, **fields}  # the protocol's config has all five fields
+        result = objects.driver.request("pool", config=config, history_len=history_len)
         pool = objects.decode_ref(result, "pool")
         weakref.finalize(pool, objects.driver.dropped.append, pool._ref)
         return pool

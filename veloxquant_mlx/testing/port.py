@@ -30,16 +30,18 @@ import inspect
 import os
 import sys
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
-from types import ModuleType
+from dataclasses import asdict, dataclass, field, replace
+from types import MappingProxyType, ModuleType
 from typing import Any, Final
 
 from veloxquant_mlx.memory.block_pool import Block, PoolConfig
+from veloxquant_mlx_spec.model import SpecConfig
 from veloxquant_mlx_spec.operations import BlockPool, CheckedBlockPool
 from veloxquant_mlx_spec.table import declarations
 
 __all__ = [
     "ALL_CALLS",
+    "CONFIG_DEFAULTS",
     "CONFIG_FIELDS",
     "DEFAULT_HISTORY_LEN",
     "ERROR_NAMES",
@@ -56,6 +58,8 @@ ALL_CALLS: Final = frozenset(d.name for d in declarations())
 REFERENCE_CALLS: Final = frozenset(d.name for d in declarations() if d.source != "P")
 #: The config's fields, in the reference's order (docs/API.md, PoolConfig).
 CONFIG_FIELDS: Final = ("block_size", "n_blocks", "separate_kv", "grow_on_exhaustion", "max_blocks")
+#: Their defaults in the reference, as the spec states them.
+CONFIG_DEFAULTS: Final[Mapping[str, object]] = MappingProxyType(asdict(SpecConfig()))
 #: The history length a pool keeps when it is not told one (C-HISTORY).
 DEFAULT_HISTORY_LEN: Final = 1024
 #: The error classes of docs/CONTRACT.md C-ERROR-CLASSES, base first.

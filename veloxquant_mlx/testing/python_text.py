@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import MISSING
 
 from veloxquant_mlx.testing.lockstep import Discrepancy
-from veloxquant_mlx.testing.port import CONFIG_FIELDS, Port
+from veloxquant_mlx.testing.port import CONFIG_DEFAULTS, CONFIG_FIELDS, Port
 from veloxquant_mlx.testing.sides import SpecSide
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.model import ForeignBlock, NotABlock, NotAList
@@ -31,14 +31,6 @@ from veloxquant_mlx_spec.table import (
 
 __all__ = ["as_python", "read_line", "said"]
 
-#: The reference's defaults, left out of a config shown (docs/API.md, PoolConfig).
-_DEFAULTS = {
-    "block_size": 16,
-    "n_blocks": 1024,
-    "separate_kv": True,
-    "grow_on_exhaustion": False,
-    "max_blocks": None,
-}
 #: The other pool whose live blocks stand for another pool's handles.
 OTHER_POOL = {"block_size": 4, "n_blocks": 64}
 
@@ -53,7 +45,7 @@ def said(value: object) -> str:
 
 
 def _config(port: Port, fields: dict[str, object]) -> str:
-    shown = ", ".join(f"{k}={v!r}" for k, v in fields.items() if _DEFAULTS[k] != v)
+    shown = ", ".join(f"{k}={v!r}" for k, v in fields.items() if CONFIG_DEFAULTS[k] != v)
     if port.config_class is None:
         return shown
     return f"{getattr(port.config_class, '__name__', 'PoolConfig')}({shown})"
@@ -170,7 +162,7 @@ def as_python(
     if discrepancy is not None and discrepancy.kind == "observation":
         lines.append(_read_line(writer, discrepancy))
     if writer.uses_other:
-        lines.insert(0, f"other = {port.name}({_config(port, {**_DEFAULTS, **OTHER_POOL})})")
+        lines.insert(0, f"other = {port.name}({_config(port, {**CONFIG_DEFAULTS, **OTHER_POOL})})")
     if any(line.startswith("with suppress(") for line in lines):
         lines.insert(0, "from contextlib import suppress")
     return lines
