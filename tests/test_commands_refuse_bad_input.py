@@ -153,6 +153,17 @@ def test_replay_refuses_a_trace_naming_a_handle_no_call_handed_out(
     refused(capsys, cli.main, ["replay", str(path), "--on", backend], "typo.jsonl", "h(5, 0)")
 
 
+@pytest.mark.parametrize("backend", ["spec", "pool", "numpy"])
+def test_replay_refuses_a_pool_too_big_for_memory_on_every_backend(
+    backend: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Once the spec and pool replays built it: a MemoryError traceback, status 1.
+    path = tmp_path / "big.jsonl"
+    huge = {**HEADER["pool"], "n_blocks": 100_000_000_000}  # type: ignore[dict-item]
+    path.write_text(json.dumps({**HEADER, "version": 2, "pool": huge}) + "\n")
+    refused(capsys, cli.main, ["replay", str(path), "--on", backend], "n_blocks=100000000000")
+
+
 def test_a_bad_trace_among_good_ones_is_refused_before_any_is_replayed(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

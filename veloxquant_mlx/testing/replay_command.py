@@ -227,18 +227,21 @@ def load_checked(path: Path, backend: StorageBackend[Any] | None) -> Trace:
         raise BadInputError(f"{path}: cannot read the trace: {error.strerror or error}") from None
     except TraceFormatError as error:
         raise BadInputError(f"{path}: not a trace: {error}") from None
-    if backend is None or backend.dtype_size is None:
+    pool, store = trace.pool, trace.store
+    replaying = (
+        f"{path}: replaying a pool of n_blocks={pool.n_blocks} (max_blocks={pool.max_blocks})"
+    )
+    if backend is None or backend.dtype_size is None:  # the pool's and the spec's books
+        require_fits_in_memory(2 * pool_bytes(_most_ids(trace)), replaying)
         return trace
     try:
         itemsize = backend.dtype_size(trace.store.dtype)
     except ValueError as error:
         raise BadInputError(f"{path}: {error}") from None
-    pool, store = trace.pool, trace.store
     largest_write = max(_write_sizes(trace), default=0)
     require_fits_in_memory(
         replay_memory_estimate(trace, itemsize),
-        f"{path}: replaying a pool of n_blocks={pool.n_blocks} (max_blocks={pool.max_blocks}) "
-        f"with a store of n_layers={store.n_layers}, n_kv_heads={store.n_kv_heads}, "
+        f"{replaying} with a store of n_layers={store.n_layers}, n_kv_heads={store.n_kv_heads}, "
         f"head_dim={store.head_dim}, dtype={store.dtype}"
         + (f", and a write of n_tokens={largest_write:,}" if largest_write else ""),
     )
