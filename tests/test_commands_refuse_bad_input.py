@@ -25,7 +25,7 @@ from veloxquant_mlx.commandline import bad_input
 from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.stress import finaliser_schedules, schedules
 from veloxquant_mlx.stress.cli import config_from, memory_estimate
-from veloxquant_mlx.stress.config import PROFILES
+from veloxquant_mlx.stress.config import OPERATION_KINDS, PROFILES, STORE_KINDS
 from veloxquant_mlx.testing import aliasing, driver_command, exhaustive, exhaustive_command
 from veloxquant_mlx.testing.exhaustive_command import default_max_states
 from veloxquant_mlx.testing.exhaustive_command import memory_estimate as exhaustive_memory
@@ -54,6 +54,8 @@ HEADER = {
 }
 
 Main = Callable[[Sequence[str]], int]
+#: A stress mix whose every pool call has weight 0: only the store's calls are left.
+ONLY_STORE_CALLS = ",".join(f"{kind}=0" for kind in OPERATION_KINDS if kind not in STORE_KINDS)
 
 
 def header_with(**store: object) -> str:
@@ -270,6 +272,11 @@ def test_stress_replay_refuses_what_is_not_a_trace(
         (["--no-grow", "--max-blocks", "50"], "--max-blocks 50 has no effect on a pool that"),
         (["--n-blocks", "100"], "--n-blocks 100 is above the profile's cap of growth, max_blocks"),
         (["--force"], "--force has no effect without --out"),
+        (["--mix", "allocate=1,allocate=5"], "'allocate' is given twice"),
+        (["--mix", " , "], "expected kind=weight items, got ' , '"),
+        (["--storage", "none", "--mix", "gather=3"], "gather=3 has no effect with --storage none"),
+        # Once accepted, and every worker crashed drawing from a mix with no kind left.
+        (["--storage", "none", "--mix", ONLY_STORE_CALLS], "makes no write or gather call"),
     ],
 )
 def test_stress_names_the_pool_options_that_conflict(

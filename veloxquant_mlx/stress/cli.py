@@ -47,6 +47,7 @@ from veloxquant_mlx.stress.config import (
     MAX_CHECK_INTERVAL,
     MAX_WINDOW_OPS,
     PROFILES,
+    STORE_KINDS,
     OperationMix,
     StressConfig,
     default_out_dir,
@@ -252,10 +253,9 @@ def validate(args: argparse.Namespace) -> str | None:
     if args.force and args.out is None:
         return "--force has no effect without --out (the default folder is a new one)"
     if args.mix is not None:
-        try:
-            OperationMix.parse(args.mix)
-        except ValueError as error:
-            return f"argument --mix: {error}"
+        problem = _mix_problem(args.mix, with_store=args.storage != "none")
+        if problem is not None:
+            return f"argument --mix: {problem}"
     try:
         config = config_from(args)
     except (TypeError, ValueError) as error:
@@ -264,6 +264,25 @@ def validate(args: argparse.Namespace) -> str | None:
         require_fits_in_memory(memory_estimate(config), _sizes_named(config))
     except ValueError as error:
         return str(error)
+    return None
+
+
+def _mix_problem(text: str, *, with_store: bool) -> str | None:
+    """Why the mix ``text`` cannot run (on a run with no store, if not ``with_store``)."""
+    try:
+        mix = OperationMix.parse(text)
+    except ValueError as error:
+        return str(error)
+    if with_store:
+        return None
+    given = OperationMix.given(text)
+    for kind in STORE_KINDS:
+        if given.get(kind):
+            return f"{kind}={given[kind]} has no effect with --storage none; leave it out"
+    try:
+        mix.without(*STORE_KINDS)
+    except ValueError as error:
+        return f"with --storage none, which makes no {' or '.join(STORE_KINDS)} call: {error}"
     return None
 
 

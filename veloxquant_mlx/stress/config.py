@@ -43,9 +43,11 @@ __all__ = [
     "profile",
 ]
 
+#: The kinds of call that go to the store, not the pool: none in a run without one.
+STORE_KINDS: Final = ("write", "gather")
 #: Every kind of call a worker makes, as named in the mix and the report: every call of
 #: the operation table, and the store's write and gather.
-OPERATION_KINDS: Final = (*(d.name for d in declarations()), "write", "gather")
+OPERATION_KINDS: Final = (*(d.name for d in declarations()), *STORE_KINDS)
 
 #: Weights of the default mix: mostly allocation and freeing, every call present. A kind
 #: of the table it does not name (a call added since) gets weight 1.
@@ -110,15 +112,29 @@ class OperationMix:
         """``"allocate=30,free=10,shrink=0"``: the default mix with those weights changed.
 
         Raises:
-            ValueError: An item is not ``kind=int``, or the result is invalid.
+            ValueError: :meth:`given` refuses ``text``, or the result is invalid.
         """
-        weights = dict(DEFAULT_MIX)
+        return cls({**DEFAULT_MIX, **cls.given(text)})
+
+    @staticmethod
+    def given(text: str) -> dict[str, int]:
+        """The weights ``text`` names (``"allocate=30,free=10"``), unchecked kinds.
+
+        Raises:
+            ValueError: An item is not ``kind=int``, a kind is named twice, or
+                there is no item.
+        """
+        weights: dict[str, int] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             kind, sep, value = item.partition("=")
             if not sep or not value.strip().isdigit():
                 raise ValueError(f"a mix item must be kind=weight (an int >= 0), got {item!r}")
+            if kind.strip() in weights:
+                raise ValueError(f"{kind.strip()!r} is given twice in {text!r}; expected once")
             weights[kind.strip()] = int(value)
-        return cls(weights)
+        if not weights:
+            raise ValueError(f"expected kind=weight items, got {text!r}")
+        return weights
 
     def without(self, *kinds: str) -> OperationMix:
         """This mix with ``kinds`` turned off."""

@@ -46,7 +46,7 @@ import numpy as np
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.storage import BlockStorage
-from veloxquant_mlx.stress.config import OPERATION_KINDS, OperationMix
+from veloxquant_mlx.stress.config import OPERATION_KINDS, STORE_KINDS, OperationMix
 from veloxquant_mlx.stress.history import ThreadRecorder
 from veloxquant_mlx.stress.recording import record_call
 from veloxquant_mlx.testing.aliasing import StorageBackend, spec_config
@@ -181,7 +181,7 @@ class Worker:
         self._values: Final = itertools.count(1)
         weights = dict(mix.weights)
         if shared.store is None:
-            weights["write"] = weights["gather"] = 0
+            weights.update(dict.fromkeys(STORE_KINDS, 0))
         self._kinds: Final = [kind for kind in OPERATION_KINDS if weights.get(kind, 0) > 0]
         self._cum_weights: Final = list(itertools.accumulate(weights[k] for k in self._kinds))
         self._store_calls: Final = {"write": self._write, "gather": self._gather}
