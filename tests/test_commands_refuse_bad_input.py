@@ -334,6 +334,10 @@ def test_stress_replay_refuses_the_run_options_it_would_ignore(
         (cli.main, ["driver", "--factory", "nowhere:Pool"], "cannot import 'nowhere'"),
         (driver_command.main, ["--factory", "json"], "expected module:callable, got 'json'"),
         (cli.main, ["stress", "--check-interval", "1e10"], "<= 3600, got '1e10'"),
+        # Once a false deadlock: the watchdog looks every 0.1 s.
+        (cli.main, ["stress", "--stall-timeout", "0.05"], "a number >= 1, got '0.05'"),
+        # Once accepted, and CPython stored 0.0 while the report said 1e+300.
+        (cli.main, ["stress", "--switch-interval", "1e300"], "<= 1, got '1e300'"),
         (schedules.main, ["--max-preemptions", "-1"], "got '-1'"),
         (schedules.main, ["--max-schedules", "0"], "got '0'"),
     ],

@@ -22,6 +22,8 @@ by any thread). On a free-threaded build (this file runs there too, see
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -210,3 +212,27 @@ def test_a_lock_that_is_never_released_is_reported_as_a_deadlock(tmp_path: Path)
     for thread in set(threading.enumerate()) - before:
         thread.join(timeout=10)
         assert not thread.is_alive(), thread.name
+
+
+#: Threads busy inside MLX when the process ends, as a stress run that found a deadlock
+#: leaves them; the interpreter's exit then aborts in MLX's teardown (SIGABRT, 134).
+LEAVES_MLX_THREADS = """
+import sys, threading, time
+import mlx.core as mx
+from veloxquant_mlx.commandline.sigint import exit_at_once, exit_process
+def spin():
+    while True:
+        mx.eval(mx.ones((256, 256)) @ mx.ones((256, 256)))
+for _ in range(4):
+    threading.Thread(target=spin, daemon=True).start()
+time.sleep(0.2)
+exit_at_once()
+exit_process(1)
+"""
+
+
+def test_a_run_that_leaves_threads_in_mlx_still_ends_with_its_status() -> None:
+    # The stress command asks for this exit after a deadlock: it was status 134, not 1.
+    command = [sys.executable, "-c", LEAVES_MLX_THREADS]
+    ended = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
+    assert (ended.returncode, ended.stderr) == (1, "")

@@ -8,8 +8,8 @@ and status 130 too (:func:`~veloxquant_mlx.commandline.sigint.program_main`).
 from __future__ import annotations
 
 from veloxquant_mlx.commandline.sigint import (
-    INTERRUPTED_STATUS,
     exit_process,
+    exits_at_once,
     program_main,
     run_program,
 )
@@ -20,11 +20,11 @@ PROG = "veloxquant-mlx"
 def main() -> int:
     """The ``veloxquant-mlx`` script: run the command line on ``sys.argv[1:]``.
 
-    An interrupted run ends the process here, with status 130
+    An interrupted run, or one that left threads stuck, ends the process here
     (:func:`~veloxquant_mlx.commandline.sigint.exit_process` says why).
     """
     status = program_main(PROG, "veloxquant_mlx.cli")
-    if status == INTERRUPTED_STATUS:
+    if exits_at_once(status):
         exit_process(status)
     return status
 

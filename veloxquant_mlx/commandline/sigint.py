@@ -32,7 +32,9 @@ __all__ = [
     "REPEAT_SECONDS",
     "SigintHandler",
     "active_handler",
+    "exit_at_once",
     "exit_process",
+    "exits_at_once",
     "install",
     "program_main",
     "run_program",
@@ -136,8 +138,29 @@ def run_program(prog: str, module: str) -> NoReturn:
     exit_process(program_main(prog, module))
 
 
+#: Set by :func:`exit_at_once`: the process must not end through the interpreter's exit.
+_AT_ONCE: Final = threading.Event()
+
+
+def exit_at_once() -> None:
+    """Make :func:`exit_process` end this process at once, whatever its status.
+
+    For a command that leaves threads stuck (a stress run that found a
+    deadlock): the interpreter's exit with a daemon thread inside MLX aborts
+    the process in MLX's C++ teardown (SIGABRT, status 134), losing the status
+    the command chose.
+    """
+    _AT_ONCE.set()
+
+
+def exits_at_once(status: int) -> bool:
+    """Whether :func:`exit_process` ends the process at once for ``status``."""
+    return status == INTERRUPTED_STATUS or _AT_ONCE.is_set()
+
+
 def exit_process(status: int) -> NoReturn:
-    """End the process with ``status``; an interrupted run ends at once, streams flushed.
+    """End the process with ``status``; an interrupted run ends at once, streams flushed,
+    as does a run that asked for it (:func:`exit_at_once`).
 
     Why at once: a ``KeyboardInterrupt`` that passed through C code running Python
     with ``PyRun_*`` (an extension's import, MLX's bindings among them) is marked
@@ -146,7 +169,7 @@ def exit_process(status: int) -> NoReturn:
     once in 20-40 Ctrl-Cs during imports on a loaded machine (strace: SIG_IGN, then
     SIG_DFL and ``kill(self, SIGINT)`` at exit).
     """
-    if status != INTERRUPTED_STATUS:
+    if not exits_at_once(status):
         raise SystemExit(status)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):

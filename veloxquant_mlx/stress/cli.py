@@ -33,6 +33,7 @@ from veloxquant_mlx.commandline.bad_input import (
 )
 from veloxquant_mlx.commandline.files import out_dir_argument, prepare_out_dir
 from veloxquant_mlx.commandline.interrupts import InterruptRequest, report_interrupt
+from veloxquant_mlx.commandline.sigint import exit_at_once
 from veloxquant_mlx.commandline.sizes import (
     EVENT_BYTES,
     PROCESS_BYTES,
@@ -67,6 +68,11 @@ __all__ = [
 PROG: Final = "veloxquant-mlx stress"
 #: More threads than this is a mistake, not a stress test (each has a stack).
 MAX_THREADS: Final = 1024
+#: The shortest stall timeout: ten of the watchdog's looks (watchdog._POLL_SECONDS).
+MIN_STALL_TIMEOUT: Final = 1.0
+#: The longest switch interval: a second between thread switches already serialises a
+#: run; far above it, CPython stores what it is given as 0 (1e300 became 0.0).
+MAX_SWITCH_INTERVAL: Final = 1.0
 #: Recorded calls of the barrier's observations and the audit, beyond the workers' calls.
 _OBSERVATION_CALLS: Final = 16
 
@@ -167,7 +173,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--switch-interval",
-        type=finite_float(0, low_inclusive=False),
+        type=finite_float(0, MAX_SWITCH_INTERVAL, low_inclusive=False),
         metavar="SECONDS",
         help="sys.setswitchinterval during the run (smoke and nightly: 1e-6)",
     )
@@ -200,9 +206,10 @@ def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--stall-timeout",
-        type=finite_float(0, low_inclusive=False),
+        type=finite_float(MIN_STALL_TIMEOUT, low_inclusive=True),
         metavar="SECONDS",
-        help="no progress for this long is a deadlock",
+        help=f"no progress for this long is a deadlock (at least {MIN_STALL_TIMEOUT:g}: the "
+        "watchdog looks every 0.1 s, and a shorter wait takes a busy moment for a deadlock)",
     )
     group.add_argument(
         "--storage",
@@ -456,6 +463,8 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print(summary_text(report))
+    if any(finding.kind == "deadlock" for finding in report.findings):
+        exit_at_once()  # its threads are stuck: the interpreter's exit could abort
     return report.verdict.exit_status
 
 
