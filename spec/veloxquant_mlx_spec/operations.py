@@ -637,7 +637,12 @@ class BlockLike(Protocol):
 
 
 class StatsLike(Protocol):
-    """What a stats snapshot shows (docs/API.md, AllocationStats)."""
+    """What a stats snapshot shows (docs/API.md, AllocationStats).
+
+    The reference's fields and methods, plus the project's ``n_shares``,
+    ``n_copy_on_write`` and ``shared_blocks()`` (**P**), which every
+    :class:`BlockPool` port must therefore have.
+    """
 
     @property
     def n_blocks(self) -> int: ...
@@ -685,10 +690,16 @@ BlockT = TypeVar("BlockT", bound=BlockLike)
 
 @runtime_checkable
 class BlockPool(Protocol[BlockT]):
-    """The reference and contract API of a block pool (docs/API.md **R** and **C**).
+    """The reference and contract calls of a block pool (docs/API.md **R** and **C**).
 
     Generic in the handle type: ``BlockPoolAllocator`` is a ``BlockPool[Block]``, a
     port with its own handle class a ``BlockPool[PortBlock]``.
+
+    Not the reference API alone: ``stats`` and ``history`` are typed as
+    :class:`StatsLike`, which also requires three project additions (**P**),
+    the properties ``n_shares`` and ``n_copy_on_write`` and the method
+    ``shared_blocks()``. A port's stats must have them to type-check; a port
+    without sharing can return 0 from each.
     """
 
     @property

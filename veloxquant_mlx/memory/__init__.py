@@ -6,7 +6,9 @@ spec alone. The array-backed classes (``MLXBlockStorage``,
 ``NumpyBlockStorage``, the KV caches) load on first access.
 
 The pool's typing protocol is published here: :class:`BlockPool` (the
-reference and contract API, generic in the handle type) and
+reference and contract calls, generic in the handle type; its stats, typed
+:class:`StatsLike`, must also have the project's ``n_shares``,
+``n_copy_on_write`` and ``shared_blocks()``) and
 :class:`CheckedBlockPool` (with the project's additions that stores need),
 with :class:`BlockLike`, :class:`StatsLike` and :class:`ConfigLike`. They
 are declared beside the operation table in ``veloxquant_mlx_spec.operations``
