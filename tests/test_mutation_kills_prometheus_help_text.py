@@ -18,7 +18,7 @@ HELP_TEXT = {
     "peak_blocks_in_use": "High-water mark of blocks checked out.",
     "fragmentation_ratio": "Fraction of blocks checked out but partly filled.",
     "allocations_total": "Successful allocate calls.",
-    "frees_total": "free and free_all calls that freed blocks.",
+    "frees_total": "free and free_all calls that released a block handle.",
     "reused_total": "Blocks handed out again after a free.",
     "exhausted_total": "allocate and make_writable calls refused for lack of blocks.",
     "grown_total": "Blocks created by growth on exhaustion.",

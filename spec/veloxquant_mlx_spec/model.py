@@ -150,7 +150,7 @@ class Counters:
     """The cumulative counters of `AllocationStats`, all starting at 0."""
 
     n_allocations: int = 0
-    n_frees: int = 0  # free()/free_all() calls that freed at least one block
+    n_frees: int = 0  # free()/free_all() calls that released at least one live handle
     n_reused: int = 0
     n_exhausted: int = 0
     n_grown: int = 0

@@ -254,7 +254,8 @@ class AllocationStats:
     Attributes:
         n_blocks: Current total of blocks managed by the pool.
         n_allocations: Successful ``allocate()`` calls.
-        n_frees: ``free()`` and ``free_all()`` calls that freed at least one block.
+        n_frees: ``free()`` and ``free_all()`` calls that released at least one
+            live handle (freed a block, unless the pool shares it: C-FREE-SHARED).
         n_reused: Blocks handed out whose id had been handed out before.
         n_exhausted: ``allocate()`` and ``make_writable()`` calls refused for lack of
             blocks.
@@ -436,7 +437,12 @@ class AllocationStats:
                 self.fragmentation(),
             ),
             metric("allocations", "counter", "Successful allocate calls.", self.n_allocations),
-            metric("frees", "counter", "free and free_all calls that freed blocks.", self.n_frees),
+            metric(
+                "frees",
+                "counter",
+                "free and free_all calls that released a block handle.",
+                self.n_frees,
+            ),
             metric("reused", "counter", "Blocks handed out again after a free.", self.n_reused),
             metric(
                 "exhausted",

@@ -4,8 +4,8 @@
 the preset of a profile, which command-line options then override:
 
 - ``smoke``: the CI run. 4 threads, 8,000 calls (or 60 seconds, whichever
-  comes first), a small growing pool, the shortest GIL switch interval; about
-  10 seconds with its checks, at most 60 + 30.
+  comes first), a small growing pool, the shortest GIL switch interval; 20-30
+  seconds with its checks on a loaded 2-core machine, at most 60 + 30.
 - ``nightly``: 8 threads for 10 minutes on a larger pool, the same checks,
   with a barrier every 4 calls per thread so that every window stays small
   enough (about 40 calls) to check in full as the run goes; at most 2
