@@ -173,10 +173,29 @@ def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
         (b"\xff{}", "request line 2 is not UTF-8 text (invalid start byte): b'\\xff{}'"),
         (b"[" * 200_000, "request line 2 is nested too deeply to read"),
         (b'{"id": ' + b"9" * 5000 + b"}", "request line 2 cannot be read (Exceeds the limit"),
+        # Once a KeyError answered as the port's error, and __init__ re-made the pool.
+        (b'{"id": 2, "op": "nosuch"}', "request line 2 has op 'nosuch'; expected one of pool,"),
+        (
+            b'{"id": 2, "op": "get", "on": "1", "name": "stats"}',
+            "request line 2 (get) has on '1'; expected a JSON int",
+        ),
+        (
+            b'{"id": 2, "op": "call", "on": 1, "name": "__init__", "args": []}',
+            "request line 2 (call) names '__init__'",
+        ),
     ],
-    ids=["not-json", "not-an-object", "not-utf-8", "nested-200000-deep", "int-of-5000-digits"],
+    ids=[
+        "not-json",
+        "not-an-object",
+        "not-utf-8",
+        "nested-200000-deep",
+        "int-of-5000-digits",
+        "unknown-op",
+        "ref-not-an-int",
+        "special-method",
+    ],
 )
-def test_the_driver_refuses_a_request_line_that_is_not_a_json_object(
+def test_the_driver_refuses_a_request_line_the_protocol_has_no_answer_for(
     request_line: bytes, said: str
 ) -> None:
     pool = json.dumps({"id": 1, "op": "pool", "config": dataclasses.asdict(SEPARATE_4.config)})

@@ -146,8 +146,48 @@ def serve_lines(port: Port, lines: Iterable[bytes], out: IO[str]) -> None:
     out.flush()
     for number, raw in enumerate(lines, start=1):
         if raw.strip():
-            out.write(json.dumps(driver.respond(_request(raw, number))) + "\n")
+            request = _request(raw, number)
+            _require_protocol_fields(request, number)
+            out.write(json.dumps(driver.respond(request)) + "\n")
             out.flush()
+
+
+#: The fields each op's request must carry, with their JSON types (docs/DRIVER_PROTOCOL.md).
+_REQUEST_FIELDS: Final[dict[str, dict[str, type]]] = {
+    "pool": {"config": dict},
+    "block": {"block_id": int},
+    "drop": {"ref": int},
+    "get": {"on": int, "name": str},
+    "call": {"on": int, "name": str, "args": list},
+}
+
+
+def _require_protocol_fields(request: dict[str, Any], number: int) -> None:
+    """Refuse a request the protocol has no answer for: an unknown op, a field missing or
+    of the wrong type, or a special name (``__init__``) to get or call. (One-underscore
+    names are the API's own: the reference's ``_fragmented_count``.)"""
+    op = request.get("op")
+    fields = _REQUEST_FIELDS.get(op) if isinstance(op, str) else None
+    if fields is None:
+        raise BadInputError(
+            f"request line {number} has op {op!r}; expected one of {', '.join(_REQUEST_FIELDS)}"
+        )
+    for name, kind in fields.items():
+        value = request.get(name, [] if name == "args" else None)
+        if not isinstance(value, kind) or isinstance(value, bool):
+            raise BadInputError(
+                f"request line {number} ({op}) has {name} {value!r}; expected a JSON "
+                f"{_JSON_NAMES[kind]}"
+            )
+    if str(request.get("name", "")).startswith("__"):
+        raise BadInputError(
+            f"request line {number} ({op}) names {request['name']!r}; expected an "
+            "attribute of the pool API, not a special method"
+        )
+
+
+#: How docs/DRIVER_PROTOCOL.md names the JSON types of the fields.
+_JSON_NAMES: Final = {dict: "object", int: "int", str: "string", list: "list"}
 
 
 def _request(raw: bytes, number: int) -> dict[str, Any]:
