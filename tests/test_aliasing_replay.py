@@ -588,4 +588,4 @@ def test_cli_reports_the_first_failing_op(
     )
     save(trace(*lines), path)
     assert main([str(path), "--backend", "mlx"]) == 1
-    assert "FAILED: line 2 " in capsys.readouterr().err
+    assert "FAILED: line 4 " in capsys.readouterr().err  # the header is line 1

@@ -156,24 +156,26 @@ def replay_trace(
     if port is not None:
         on = f"port {port.name}"
     layers = trace.store.n_layers
-    index = 0
+    start = 0  # the position in trace.lines of the segment's first line
+    where = 0  # the file line of the line being replayed
     try:
         for timed, segment in _segments(trace.lines):
-            lines = _linearize(checkpoint, segment, layers, budget) if timed else segment
-            if isinstance(lines, tuple):
-                return lines  # no order, or none found within the budget
-            for line in lines:
+            order = _linearize(checkpoint, segment, layers, budget) if timed else [0]
+            if isinstance(order, tuple):
+                return order  # no order, or none found within the budget
+            for index in order:
+                line, where = _untimed(segment[index]), trace.file_line(start + index)
                 after = step(checkpoint.state, checkpoint.names, line, (), store_layers=layers)
                 if after is None:
-                    why = _contradiction(index, line, checkpoint)
+                    why = _contradiction(where, line, checkpoint)
                     return Verdict.VIOLATION, f"replay on {on} FAILED: {why}"
                 checkpoint = Checkpoint(*after)
                 if len(checkpoint.state.handles) - len(checkpoint.names) > _COMPACT_AFTER:
                     checkpoint = compact(checkpoint.state, checkpoint.names)
                 target.apply(line)
-                index += 1
+            start += len(segment)
     except (ReplayError, ConformanceError) as failure:
-        return Verdict.VIOLATION, f"replay on {on} FAILED: line {index}: {failure}"
+        return Verdict.VIOLATION, f"replay on {on} FAILED: line {where}: {failure}"
     skipped = f" ({target.skipped} store calls left out)" if target.skipped else ""
     done = f"{len(trace.lines)} ops replayed on {on}{skipped}"
     if trace.partial:
@@ -184,14 +186,19 @@ def replay_trace(
     return Verdict.OK, f"{done}: ok"
 
 
+def _untimed(line: TraceLine) -> TraceLine:
+    """``line`` without its thread and interval: a call of a sequential replay."""
+    return TraceLine(line.op, line.call, line.outcome) if line.timed else line
+
+
 def _linearize(
     start: Checkpoint, window: list[TraceLine], store_layers: int, budget: int | None
-) -> list[TraceLine] | tuple[Verdict, str]:
-    """The window in a valid order from ``start`` (untimed), or the verdict there is none."""
+) -> list[int] | tuple[Verdict, str]:
+    """A valid order of the window's lines from ``start`` (their indices), or the verdict
+    there is none."""
     result = search([start], window, store_layers=store_layers, budget=budget, first_end_only=True)
     if result.ends:
-        witness = next(iter(result.ends.values()))
-        return [TraceLine(window[i].op, window[i].call, window[i].outcome) for i in witness.order]
+        return list(next(iter(result.ends.values())).order)
     if not result.complete:
         return Verdict.INCONCLUSIVE, (
             f"not decided: the search budget of {budget:,} configurations ran out on a window "
@@ -201,11 +208,11 @@ def _linearize(
     return Verdict.VIOLATION, f"replay FAILED: a window is not linearizable: {why}"
 
 
-def _contradiction(index: int, line: TraceLine, at: Checkpoint) -> str:
-    """Why the spec refuses a recorded line."""
+def _contradiction(file_line: int, line: TraceLine, at: Checkpoint) -> str:
+    """Why the spec refuses a recorded line (line ``file_line`` of its file)."""
     recorded = "(nothing)" if line.outcome is None else describe(line.outcome)
     return (
-        f"line {index} {encode_line(line)}: it records {recorded}; "
+        f"line {file_line} {encode_line(line)}: it records {recorded}; "
         f"the spec: {predicted_outcome(at.state, at.names, line, ())}"
     )
 

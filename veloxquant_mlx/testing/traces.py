@@ -145,6 +145,8 @@ class Trace:
     """A pool configuration, a store shape, and the lines to apply, in order.
 
     ``partial`` marks the beginning of a longer history (module docstring).
+    ``file_lines``: the line of its file each of ``lines`` was read from, for
+    messages; empty for a trace not read from a file.
     """
 
     pool: PoolConfig
@@ -152,10 +154,16 @@ class Trace:
     lines: tuple[TraceLine, ...] = ()
     history_len: int = 0
     partial: bool = False
+    file_lines: tuple[int, ...] = field(default=(), compare=False)
 
     def with_lines(self, lines: Iterable[TraceLine]) -> Trace:
-        """This trace with its lines replaced."""
-        return replace(self, lines=tuple(lines))
+        """This trace with its lines replaced (and so no file lines)."""
+        return replace(self, lines=tuple(lines), file_lines=())
+
+    def file_line(self, position: int) -> int:
+        """The file line of ``lines[position]``: where it was read, or where
+        :func:`save` writes it (after the header, one a line)."""
+        return self.file_lines[position] if self.file_lines else position + 2
 
 
 # -- values, references, outcomes -----------------------------------------------------------
@@ -536,9 +544,10 @@ def loads(text: str) -> Trace:
                     "expected labels distinct in the file"
                 )
         lines.append(decoded)
+    numbers = tuple(number for number, _ in numbered[1:])
     if not trace.partial:  # a partial trace may name handles of calls it does not hold
-        _require_issued_names([number for number, _ in numbered[1:]], lines)
-    return trace.with_lines(lines)
+        _require_issued_names(numbers, lines)
+    return replace(trace.with_lines(lines), file_lines=numbers)
 
 
 def _require_issued_names(numbers: Sequence[int], lines: Sequence[TraceLine]) -> None:
