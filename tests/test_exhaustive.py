@@ -9,6 +9,7 @@ a shortest one: exploring one letter less finds nothing shorter.
 from __future__ import annotations
 
 import json
+import re
 import time
 from collections.abc import Callable
 
@@ -26,6 +27,7 @@ from planted_bugs import (
     factory_of,
 )
 
+from veloxquant_mlx.commandline import progress
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 from veloxquant_mlx.testing import exhaustive_command
@@ -270,6 +272,43 @@ def test_main_prints_one_summary_line_per_scope(capsys: pytest.CaptureFixture[st
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == len(SCOPES)
     assert all("distinct states" in line and "transitions" in line for line in lines)
+
+
+def test_main_prints_a_progress_line_within_a_depth_once_the_interval_passes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no interval and the clock read every state, each state expanded gets a line."""
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_CLOCK_EVERY", 1)
+    assert main(["--depth", "2", "--scope", "separate-4"]) == 0
+    captured = capsys.readouterr()
+    shape = re.compile(
+        r"  separate-4: depth (\d): (\d+) of (\d+) states expanded, [\d,]+ states, \d+ s"
+    )
+    within = [shape.fullmatch(line) for line in captured.err.splitlines() if "expanded" in line]
+    assert all(within), captured.err
+    expanded = [(int(m[1]), int(m[2]), int(m[3])) for m in within if m is not None]
+    at_depth_2 = [(2, n, 14) for n in range(1, 15)]  # separate-4 reaches 14 states at depth 1
+    assert expanded == [(1, 1, 1), *at_depth_2]
+    assert "expanded" not in captured.out  # stdout keeps its summary lines only
+
+
+def test_progress_is_due_once_per_interval_and_reads_the_clock_every_few_iterations() -> None:
+    now, reads = [0.0], [0]
+
+    def clock() -> float:
+        reads[0] += 1
+        return now[0]
+
+    throttle = progress.ProgressThrottle(clock)
+    every = throttle.clock_every
+    assert every > 1
+    assert not any(throttle.due() for _ in range(every))  # the interval has not passed
+    now[0] = progress.PROGRESS_INTERVAL_S
+    assert [throttle.due() for _ in range(every)] == [False] * (every - 1) + [True]
+    assert not any(throttle.due() for _ in range(every))  # a line was just due
+    assert reads[0] == 1 + 3  # made, then once every ``every`` iterations
+    assert throttle.seconds() == progress.PROGRESS_INTERVAL_S
 
 
 # ---- budgets: cut short is inconclusive, never OK ---------------------------------------

@@ -11,12 +11,14 @@ lost update and a lock-order deadlock.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import threading
 from collections.abc import Callable, Sequence
 
 import pytest
 
+from veloxquant_mlx.commandline import progress
 from veloxquant_mlx.commandline.interrupts import InterruptRequest
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory import block_pool
@@ -35,6 +37,7 @@ from veloxquant_mlx.stress.schedules import (
     replay,
 )
 from veloxquant_mlx.stress.schedules import main as schedules_main
+from veloxquant_mlx.stress.schedules_command import FINALISER
 
 
 class CheckThenActAllocator(BlockPoolAllocator):
@@ -175,6 +178,38 @@ def test_the_command_refuses_a_compiled_allocator_in_one_line(
     [line] = captured.err.strip().splitlines()
     assert "needs the interpreted allocator" in line
     assert "block_pool.COMPILED is True" in line
+
+
+def progress_counts(err: str, shape: str) -> list[int]:
+    """Each stderr line's count (group 1 of ``shape``); every line must have that shape."""
+    matches = [re.fullmatch(shape, line) for line in err.splitlines()]
+    assert all(matches), err
+    return [int(match[1].replace(",", "")) for match in matches if match is not None]
+
+
+def test_the_command_prints_a_progress_line_on_stderr_once_the_interval_passes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)
+    name = "allocate_vs_free_all_of_one_owner"  # 90 schedules
+    assert schedules_main(["--scenario", name]) == 0
+    captured = capsys.readouterr()
+    every = progress.PROGRESS_CLOCK_EVERY
+    counts = progress_counts(captured.err, rf"  {name}: ([\d,]+) schedules, \d+ s")
+    assert counts == list(range(every, 91, every))
+    assert " schedules, " not in captured.out  # stdout keeps its rows only
+
+
+def test_the_finaliser_scenario_prints_a_progress_line_once_the_interval_passes(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)
+    assert schedules_main(["--scenario", FINALISER, "--max-runs", "40"]) == 3
+    captured = capsys.readouterr()
+    every = progress.PROGRESS_CLOCK_EVERY
+    shape = rf"  {FINALISER}: drop point \d+, ([\d,]+) runs, \d+ s"
+    assert progress_counts(captured.err, shape) == list(range(every, 41, every))
+    assert " runs, 0 s" not in captured.out
 
 
 @pytest.mark.slow

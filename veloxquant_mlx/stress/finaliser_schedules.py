@@ -25,7 +25,9 @@ and ``check_invariants()`` passes.
 
 ``veloxquant-mlx schedules`` runs it as its last scenario
 (``--scenario finaliser_inside_the_lock`` alone); ``python -m
-veloxquant_mlx.stress.finaliser_schedules [--max-runs N]`` is that.
+veloxquant_mlx.stress.finaliser_schedules [--max-runs N]`` is that. While
+it runs, ``progress`` gets a line at most every
+:data:`~veloxquant_mlx.commandline.progress.PROGRESS_INTERVAL_S` seconds.
 
 Complexity: one run per (drop point, schedule): about 80 drop points times
 a few dozen schedules, each a fresh pool and two threads. Thread safety: an
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
+from veloxquant_mlx.commandline.progress import ProgressThrottle
 from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory import block_pool
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
@@ -64,6 +67,7 @@ from veloxquant_mlx.stress.controlled_scheduler import (
     next_choices,
     pool_lock_replaced,
 )
+from veloxquant_mlx.stress.schedules_command import FINALISER
 
 if TYPE_CHECKING:
     from _typeshed import TraceFunction
@@ -226,6 +230,7 @@ def explore_finaliser(
     max_runs: int = DEFAULT_MAX_RUNS,
     stop_at_first: bool = True,
     interrupt: threading.Event | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> FinaliserExploration:
     """Run the scenario for every drop point and every schedule; judge each run.
 
@@ -237,8 +242,10 @@ def explore_finaliser(
             stops there, ``interrupted``. A run is not cut inside, where its
             threads hand a baton over semaphores, unless it is still running
             ``INTERRUPT_GRACE_S`` later: then it is left unfinished, uncounted.
+        progress: Told a line (drop point, runs so far, seconds) at most every
+            ``PROGRESS_INTERVAL_S`` seconds while the exploration runs.
     """
-    started = time.perf_counter()
+    started, throttle = time.perf_counter(), ProgressThrottle()
     violations: list[str] = []
     runs = fired = drop_points = 0
     drop_at, exhaustive, interrupted = 1, True, False
@@ -257,6 +264,11 @@ def explore_finaliser(
                 interrupted, exhaustive = True, False
                 break
             runs += 1
+            if progress is not None and throttle.due():
+                progress(
+                    f"  {FINALISER}: drop point {drop_at}, {runs:,} runs, "
+                    f"{throttle.seconds():.0f} s"
+                )
             if run.dropper.fired_by is not None:
                 reached, fired, drop_points = True, fired + 1, drop_at
             if problem is not None:
@@ -281,7 +293,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     """``python -m ...finaliser_schedules [--max-runs N]``: ``veloxquant-mlx schedules`` with
     only this scenario (exit status 0 OK, 1 violation, 2 bad input, 3 inconclusive, 130)."""
     from veloxquant_mlx.cli import run_alias  # noqa: PLC0415
-    from veloxquant_mlx.stress.schedules_command import FINALISER  # noqa: PLC0415
 
     prog = "python -m veloxquant_mlx.stress.finaliser_schedules"
     return run_alias(prog, "schedules", argv, preset=("--scenario", FINALISER))

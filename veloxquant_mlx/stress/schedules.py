@@ -39,7 +39,9 @@ through the executable spec; both sides are driven through
 another.
 
 ``veloxquant-mlx schedules`` (:mod:`~veloxquant_mlx.stress.schedules_command`)
-prints each scenario's explored-schedule count and verdict. The engine is
+prints each scenario's explored-schedule count and verdict; while a scenario
+runs, ``progress`` gets a line at most every
+:data:`~veloxquant_mlx.commandline.progress.PROGRESS_INTERVAL_S` seconds. The engine is
 :mod:`~veloxquant_mlx.stress.controlled_scheduler`; the scenarios live in
 :mod:`~veloxquant_mlx.stress.schedule_scenarios` and the spec's side of the
 judgement in :mod:`~veloxquant_mlx.stress.schedule_outcomes`.
@@ -69,6 +71,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from veloxquant_mlx.commandline.progress import ProgressThrottle
 from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.controlled_scheduler import (
@@ -294,6 +297,7 @@ def explore(
     max_schedules: int = 100_000,
     stop_at_first: bool = True,
     interrupt: threading.Event | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Exploration:
     """Run ``scenario`` under every schedule (DFS), checking each against the spec.
 
@@ -309,11 +313,13 @@ def explore(
             inside, where its threads hand a baton over semaphores, unless it is
             still running ``INTERRUPT_GRACE_S`` later: then it is left
             unfinished, uncounted, and the exploration stops.
+        progress: Told a line (schedules so far, seconds) at most every
+            ``PROGRESS_INTERVAL_S`` seconds while the exploration runs.
 
     Returns:
         The counts and any violations; deterministic for a given scenario and pool.
     """
-    started = time.perf_counter()
+    started, throttle = time.perf_counter(), ProgressThrottle()
     checker = _Checker(scenario, factory, granularity)
     violations: list[ScheduleViolation] = []
     choices: list[int] | None = []
@@ -328,6 +334,8 @@ def explore(
             interrupted = True
             break
         schedules += 1
+        if progress is not None and throttle.due():
+            progress(f"  {scenario.name}: {schedules:,} schedules, {throttle.seconds():.0f} s")
         if violation is not None:
             violations.append(violation)
             if stop_at_first:

@@ -70,6 +70,12 @@ deadline (time). When one runs out the search stops where it is and the
 finished depth) as a :class:`~veloxquant_mlx.commandline.verdicts.Gap`: its
 verdict is then inconclusive, not OK.
 
+**Progress.** ``progress`` gets a line per depth and, while a depth runs,
+one at most every :data:`~veloxquant_mlx.commandline.progress.PROGRESS_INTERVAL_S` of wall
+time (:class:`~veloxquant_mlx.commandline.progress.ProgressThrottle`, which
+the schedule explorers share): an operator in CI sees that
+a long depth is alive.
+
 Command line (:mod:`~veloxquant_mlx.testing.exhaustive_command`):
 ``veloxquant-mlx exhaustive [--profile ci|nightly] [--depth N] [--scope
 NAME]... [--max-states N] [--time-budget SECONDS] [--factory MODULE:CALLABLE
@@ -94,6 +100,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from veloxquant_mlx.commandline.progress import ProgressThrottle
 from veloxquant_mlx.commandline.verdicts import Gap
 from veloxquant_mlx.testing.driven import DriverFailure
 from veloxquant_mlx.testing.exhaustive_results import Counterexample, Exploration
@@ -136,7 +143,6 @@ __all__ = [
 
 #: The letter shown for a call of :func:`probe` in a counterexample.
 PROBE_LETTER = "(probe)"
-
 
 #: The spec's prediction for one call: the next state, and the result or ``Err``.
 Prediction = tuple[model.PoolState, object]
@@ -567,7 +573,7 @@ class _Explorer:
             self.replay(0).compare_observations()
         except ConformanceError as error:
             return Counterexample((), (), str(error), self.scope, error)
-        start, layer = time.perf_counter(), [0]
+        throttle, layer = ProgressThrottle(), [0]
         for level in range(1, depth + 1):
             next_layer: list[int] = []
             for expanded, index in enumerate(layer):
@@ -577,6 +583,8 @@ class _Explorer:
                 if isinstance(outcome, Counterexample):
                     return outcome
                 next_layer += outcome
+                if progress is not None and throttle.due():
+                    progress(self._within_depth_line(level, expanded + 1, len(layer), throttle))
             layer = next_layer
             self.new_states_per_depth.append(len(layer))
             if progress is not None:
@@ -585,12 +593,22 @@ class _Explorer:
                     f"{len(self.seen)} states, {self.transitions} transitions, "
                     f"{self.merges_probed} merges probed, "
                     f"{self.no_op_runs_probed} no-op runs probed, "
-                    f"{time.perf_counter() - start:.1f}s"
+                    f"{throttle.seconds():.1f}s"
                 )
+                throttle.printed()
             found = self.probe_failure
             if found is not None and len(found.operations) <= level + 1:
                 return found
         return self.probe_failure
+
+    def _within_depth_line(
+        self, level: int, expanded: int, layer: int, throttle: ProgressThrottle
+    ) -> str:
+        """The progress line of a depth still running: ``expanded`` of its ``layer`` states."""
+        return (
+            f"  {self.scope.name}: depth {level}: {expanded:,} of {layer:,} states expanded, "
+            f"{len(self.seen):,} states, {throttle.seconds():.0f} s"
+        )
 
 
 def _first_probe_failure(lockstep: _ReplayLockstep) -> tuple[list[object], ConformanceError] | None:
@@ -624,7 +642,8 @@ def explore(
         scope: The pool (config and ``history_len``).
         depth: The longest sequence; 0 checks the initial state only.
         factory: Builds the allocator under test.
-        progress: Called with one line per depth.
+        progress: Called with one line per depth and, while a depth runs, one at
+            most every ``PROGRESS_INTERVAL_S`` seconds (commandline.progress).
         max_states: Stop once this many distinct states are known (``None``: never).
         deadline: Stop at this ``time.monotonic()`` (``None``: never).
         on_failure: Go on after a counterexample, telling it to this (each failing

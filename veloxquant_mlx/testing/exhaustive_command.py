@@ -2,7 +2,11 @@
 
 Explores the chosen scopes (:data:`~veloxquant_mlx.testing.exhaustive.SCOPES`)
 to the profile's depth (or ``--depth``), printing one summary line per scope
-(or, with ``--json``, one JSON document) and progress on stderr. With
+(or, with ``--json``, one JSON document) and progress on stderr: a line
+per depth and, while a depth runs, one at most every
+:data:`~veloxquant_mlx.commandline.progress.PROGRESS_INTERVAL_S` seconds
+(``  separate-4: depth 4: 12,345 of 45,678 states expanded, 1,234,567
+states, 40 s``), so that a long depth shows it is alive. With
 ``--out DIR``, each counterexample is also written there as a trace
 (``counterexample-SCOPE.jsonl``), which ``veloxquant-mlx replay`` replays.
 ``--factory module:callable`` checks a port instead of our allocator
