@@ -32,6 +32,7 @@ from veloxquant_mlx.commandline.bad_input import (
 from veloxquant_mlx.commandline.files import (
     atomic_file,
     atomic_write_text,
+    claim_new_folder,
     out_dir_argument,
     prepare_out_dir,
 )
@@ -385,3 +386,18 @@ def test_every_file_a_stress_run_writes_is_one_an_earlier_run_left() -> None:
     assert all(is_run_file(name) for name in written)
     assert is_run_file("violation-linearizability.json")  # version 1's reproducer
     assert not any(map(is_run_file, ["notes.txt", "violation-notes.json", "report.json.bak"]))
+
+
+def test_runs_started_in_one_second_claim_their_own_default_folders(tmp_path: Path) -> None:
+    # Once the second run of a second was refused: its default folder held the first's files.
+    base = tmp_path / "reports" / "stress-smoke-20261202-204149"
+    claimed = [claim_new_folder(base) for _ in range(3)]
+    assert [path.name for path in claimed] == [base.name, f"{base.name}-2", f"{base.name}-3"]
+    assert all(path.is_dir() for path in claimed)
+
+
+def test_a_default_folder_that_cannot_be_made_is_one_line(tmp_path: Path) -> None:
+    blocker = tmp_path / "reports"
+    blocker.write_text("a file, not a folder")
+    with pytest.raises(BadInputError, match="cannot be created"):
+        claim_new_folder(blocker / "stress-smoke")

@@ -10,6 +10,8 @@
 - :func:`prepare_out_dir` refuses a folder that holds an earlier run's
   files unless ``force`` (then it deletes exactly those files), and checks
   that the folder can be created and written before the run starts.
+- :func:`claim_new_folder` creates a default output folder that no other
+  run has: two runs started in the same second get ``NAME`` and ``NAME-2``.
 
 Complexity: O(size written); :func:`prepare_out_dir` O(files in the folder).
 Thread safety: each call writes its own temporary file; two writers of one
@@ -29,7 +31,13 @@ from typing import Final, TextIO
 
 from veloxquant_mlx.commandline.bad_input import BadInputError
 
-__all__ = ["atomic_file", "atomic_write_text", "out_dir_argument", "prepare_out_dir"]
+__all__ = [
+    "atomic_file",
+    "atomic_write_text",
+    "claim_new_folder",
+    "out_dir_argument",
+    "prepare_out_dir",
+]
 
 
 #: Mode asked for a new file, as ``open()`` asks; the kernel takes the umask off
@@ -125,6 +133,33 @@ def prepare_out_dir(
     _require_writable(folder, option)
     for path in earlier:
         path.unlink()
+
+
+#: How many names :func:`claim_new_folder` tries before it gives up.
+_MOST_CLAIMS: Final = 1000
+
+
+def claim_new_folder(folder: Path) -> Path:
+    """Create ``folder``, or the first of ``folder-2``, ``folder-3``... that no one has.
+
+    Each is made with one ``mkdir``, which fails if it exists, so two processes
+    never claim the same folder.
+
+    Raises:
+        BadInputError: Its parent cannot be created, or a folder cannot be made there.
+    """
+    try:
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        for number in range(1, _MOST_CLAIMS + 1):
+            claimed = folder if number == 1 else folder.with_name(f"{folder.name}-{number}")
+            with contextlib.suppress(FileExistsError):
+                claimed.mkdir()
+                return claimed
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise BadInputError(f"{str(folder)!r} cannot be created: {reason}") from None
+    raise BadInputError(f"{str(folder)!r} and {_MOST_CLAIMS - 1} more like it exist; give --out")
+
 
 
 def _names(paths: Sequence[Path], limit: int = 3) -> str:

@@ -31,7 +31,7 @@ from veloxquant_mlx.commandline.bad_input import (
     memory_note,
     require_fits_in_memory,
 )
-from veloxquant_mlx.commandline.files import out_dir_argument, prepare_out_dir
+from veloxquant_mlx.commandline.files import claim_new_folder, out_dir_argument, prepare_out_dir
 from veloxquant_mlx.commandline.interrupts import InterruptRequest, report_interrupt
 from veloxquant_mlx.commandline.sigint import exit_at_once
 from veloxquant_mlx.commandline.sizes import (
@@ -445,6 +445,8 @@ def run(args: argparse.Namespace) -> int:
     from veloxquant_mlx.stress.runner import run_stress  # noqa: PLC0415
 
     config = config_from(args)
+    if args.out is None and config.out_dir is not None:  # its own, even in the same second
+        config = config.with_options(out_dir=claim_new_folder(config.out_dir))
     if config.out_dir is not None:
         prepare_out_dir(config.out_dir, force=args.force, is_run_file=is_run_file)
     print(start_line(config), file=sys.stderr, flush=True)
