@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import subprocess
 import sys
 from importlib.metadata import entry_points
@@ -20,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from veloxquant_mlx import cli
+from veloxquant_mlx.commandline import progress
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.simulate import command
 
@@ -192,6 +194,21 @@ def test_progress_bar_is_drawn_on_stderr_when_it_is_a_terminal(
     assert cli.main(["simulate", "--duration", "300", "--json"]) == 0
     total = json.loads(capsys.readouterr().out)["requests"]["total"]
     assert f"{total}/{total}" in terminal.getvalue()
+
+
+def test_a_log_on_stderr_gets_progress_lines_instead_of_a_bar(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once a run whose stderr was a CI log showed nothing for as long as it ran.
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)
+    assert cli.main(["simulate", "--duration", "300", "--json"]) == 0
+    captured = capsys.readouterr()
+    total = json.loads(captured.out)["requests"]["total"]
+    lines = captured.err.splitlines()
+    assert lines, "no progress line"
+    for line in lines:
+        assert re.fullmatch(rf"simulate: step [\d,]+, [\d,]+ of {total:,} requests, \d+ s", line)
+    assert f"{total:,} of {total:,} requests" in lines[-1]  # the end is said too
 
 
 def test_no_progress_option_keeps_a_terminal_stderr_clean(

@@ -1,8 +1,8 @@
 """The ``veloxquant-mlx simulate`` subcommand: options in, report out.
 
 :func:`run` builds the pool and the workload from parsed options, runs the
-simulation with a progress bar on stderr (when stderr is a terminal and
-``--no-progress`` is not given), and prints either the sizing table with the
+simulation with progress on stderr unless ``--no-progress`` (a bar on a
+terminal, else a line every 10 s for a log), and prints either the sizing table with the
 Prometheus text or, with ``--json``, one JSON document on stdout.
 
 Exit codes: 0 on success; 1 if an invariant check failed (the message, on
@@ -104,7 +104,7 @@ def simulate(args: argparse.Namespace, *, show_progress: bool) -> SimulationRepo
 
 def run(args: argparse.Namespace) -> int:
     """Entry point of the subcommand; returns the process exit code."""
-    show_progress = not args.no_progress and sys.stderr.isatty()
+    show_progress = not args.no_progress
     try:
         report = simulate(args, show_progress=show_progress)
     except SimulationInvariantError as error:

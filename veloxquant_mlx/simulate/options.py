@@ -172,7 +172,7 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--no-progress",
         action="store_true",
-        help="no progress bar (it is drawn on stderr, and only when stderr is a terminal)",
+        help="no progress on stderr (a bar on a terminal, else a line every 10 s)",
     )
 
 

@@ -2,10 +2,12 @@
 
 :func:`live_progress` is a context manager that shows a ``rich`` progress bar
 (requests finished out of the workload, plus the current step) and yields the
-callback that :func:`run_workload` calls; when disabled it yields a no-op and
-draws nothing. :func:`print_report` renders a :class:`SimulationReport` as two
-tables (the single-valued sizing figures, then every per-step series with its
-min/mean/median/p95/max) followed by the pool's Prometheus exposition text.
+callback that :func:`run_workload` calls; on a stream that is not a terminal
+(a CI log) it writes a line at most every 10 s instead (:func:`progress_lines`),
+and when disabled it yields a no-op and draws nothing. :func:`print_report`
+renders a :class:`SimulationReport` as two tables (the single-valued sizing
+figures, then every per-step series with its min/mean/median/p95/max)
+followed by the pool's Prometheus exposition text.
 
 Complexity: O(1) per progress update; O(size of the report) to print it.
 Thread safety: each call owns the console it writes to; do not share a live
@@ -28,6 +30,7 @@ from rich.progress import (
 from rich.progress import Progress as RichProgress
 from rich.table import Table
 
+from veloxquant_mlx.commandline.progress import ProgressThrottle
 from veloxquant_mlx.simulate.metrics import Distribution
 from veloxquant_mlx.simulate.report import SimulationReport
 from veloxquant_mlx.simulate.runner import Progress, ProgressCallback
@@ -37,13 +40,33 @@ def _ignore_progress(progress: Progress) -> None:
     del progress
 
 
+def progress_lines(stream: TextIO) -> ProgressCallback:
+    """A callback that writes a progress line to ``stream`` at most every
+    ``PROGRESS_INTERVAL_S`` seconds: the progress of a run whose stderr is a log."""
+    throttle = ProgressThrottle()
+    throttle.clock_every = 1  # a callback comes every 50 steps, not every step
+
+    def line(progress: Progress) -> None:
+        if throttle.due():
+            print(
+                f"simulate: step {progress.step:,}, {progress.finished:,} of "
+                f"{progress.total:,} requests, {throttle.seconds():.0f} s",
+                file=stream,
+                flush=True,
+            )
+
+    return line
+
+
 @contextmanager
 def live_progress(total: int, *, enabled: bool, stream: TextIO) -> Iterator[ProgressCallback]:
     """Show a progress bar on ``stream`` while the block runs, if ``enabled``.
 
     Args:
         total: Requests in the workload (the bar's 100%).
-        enabled: Draw the bar; otherwise yield a callback that does nothing.
+        enabled: Draw the bar if ``stream`` is a terminal, else write a line now
+            and then (:func:`progress_lines`); otherwise yield a callback that
+            does nothing.
         stream: Where to draw (normally stderr, so that stdout stays clean).
 
     Yields:
@@ -51,6 +74,9 @@ def live_progress(total: int, *, enabled: bool, stream: TextIO) -> Iterator[Prog
     """
     if not enabled:
         yield _ignore_progress
+        return
+    if not stream.isatty():
+        yield progress_lines(stream)
         return
     bar = RichProgress(
         TextColumn("[bold]simulate[/] step {task.fields[step]:>7,}"),
