@@ -654,7 +654,8 @@ class BlockPoolAllocator:
         The batched form of :meth:`is_live`, for a store that checks a whole
         gather's blocks at once.
         """
-        items = tuple(blocks)  # the caller's iterator runs here, never under the lock
+        # A caller's iterator (or a subclass's __iter__) runs here, never under the lock.
+        items = blocks if type(blocks) is list or type(blocks) is tuple else tuple(blocks)
         with self._lock:
             return all(self._is_live(block) for block in items)
 
