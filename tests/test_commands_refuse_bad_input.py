@@ -104,6 +104,13 @@ def refused(
             + '"n_tokens": 10000000000000}\n',
             "and a write of n_tokens=10,000,000,000,000 needs about",
         ),
+        # Once a file cut at a line's end replayed its first lines and said ok.
+        (
+            json.dumps({**HEADER, "lines": 2})
+            + '\n{"op": "n_free", "stream": "k", "expect": "ok", "returned": 4}\n',
+            "line 1: the header counts 2 call lines, the file holds 1",
+        ),
+        (json.dumps({**HEADER, "lines": -1}) + "\n", 'header "lines" must be an int >= 0'),
     ],
     ids=[
         "missing",
@@ -122,6 +129,8 @@ def refused(
         "nan",
         "a-float-beyond-any-float",
         "a-write-too-big",
+        "cut-short",
+        "lines-negative",
     ],
 )
 def test_the_aliasing_cli_refuses_a_bad_trace_in_one_line(

@@ -161,7 +161,7 @@ class LinearizedReplay:
         final = self._folder / TRACE_NAME
         with self.path.open(encoding="utf-8") as partial, atomic_file(final) as whole:
             partial.readline()  # the header marked partial
-            whole.write(traces.encode_header(self._header) + "\n")
+            whole.write(traces.encode_header(self._header, n_lines=self.ops_written) + "\n")
             shutil.copyfileobj(partial, whole)
         with contextlib.suppress(OSError):
             self.path.unlink()

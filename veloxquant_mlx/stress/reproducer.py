@@ -70,14 +70,21 @@ def write_reproducer(path: Path, violation: Violation, header: Trace, prefix: Pa
     ``prefix`` (the linearized calls were not all saved), mark it partial."""
     if prefix is None:
         header = replace(header, partial=True)
+    n_lines = len(violation.window) + (0 if prefix is None else _lines_after_header(prefix))
     with atomic_file(path) as out:
-        out.write(encode_header(header) + "\n")
+        out.write(encode_header(header, n_lines=n_lines) + "\n")
         if prefix is not None:
             with prefix.open(encoding="utf-8") as lines:
                 lines.readline()  # its own header
                 shutil.copyfileobj(lines, out)
         for event in violation.window:
             out.write(encode_line(event) + "\n")
+
+
+def _lines_after_header(path: Path) -> int:
+    """The call lines of the trace file at ``path`` (its writer writes no blank line)."""
+    with path.open(encoding="utf-8") as lines:
+        return sum(1 for _ in lines) - 1
 
 
 def _segments(lines: Sequence[TraceLine]) -> Iterator[tuple[bool, list[TraceLine]]]:

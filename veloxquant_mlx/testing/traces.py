@@ -413,11 +413,14 @@ def _timing(fields: dict[str, object]) -> dict[str, int | None]:
 
 # -- headers and files ------------------------------------------------------------------------
 
-_HEADER_KEYS: Final = frozenset({"trace", "version", "pool", "store", "history_len", "partial"})
+_HEADER_KEYS: Final = frozenset(
+    {"trace", "version", "pool", "store", "history_len", "partial", "lines"}
+)
 
 
-def encode_header(trace: Trace) -> str:
-    """The header line of ``trace`` (no newline)."""
+def encode_header(trace: Trace, *, n_lines: int | None = None) -> str:
+    """The header line of ``trace`` (no newline); with ``n_lines``, the number of call
+    lines that follow it, so that a file cut short at a line's end is refused."""
     header: dict[str, object] = {
         "trace": FORMAT_NAME,
         "version": FORMAT_VERSION,
@@ -427,12 +430,16 @@ def encode_header(trace: Trace) -> str:
     }
     if trace.partial:
         header["partial"] = True
+    if n_lines is not None:
+        header["lines"] = n_lines
     return json.dumps(header, separators=(",", ":"))
 
 
 def dumps(trace: Trace) -> str:
-    """The whole trace as JSON-lines text: the header, then one line per call."""
-    return "\n".join([encode_header(trace), *map(encode_line, trace.lines)]) + "\n"
+    """The whole trace as JSON-lines text: the header (with the count of lines), then one
+    line per call."""
+    header = encode_header(trace, n_lines=len(trace.lines))
+    return "\n".join([header, *map(encode_line, trace.lines)]) + "\n"
 
 
 def save(trace: Trace, path: str | Path) -> None:
@@ -486,7 +493,8 @@ def _not_a_trace(record: object, line: str) -> TraceFormatError:
     return TraceFormatError(f"expected {expected}, got {line[:120]!r}")
 
 
-def _decode_header(line: str) -> tuple[Trace, int]:
+def _decode_header(line: str) -> tuple[Trace, int, int | None]:
+    """The header's trace (no lines yet), its format version, and its count of lines."""
     record = _parse_json(line, "header is not JSON")
     if not isinstance(record, dict) or record.get("trace") != FORMAT_NAME:
         raise _not_a_trace(record, line)
@@ -508,11 +516,14 @@ def _decode_header(line: str) -> tuple[Trace, int]:
         raise TraceFormatError(f'header "partial" must be true or false, got {partial!r}')
     if type(history_len) is not int or history_len < 0:
         raise TraceFormatError(f'header "history_len" must be an int >= 0, got {history_len!r}')
+    n_lines = record.get("lines")
+    if n_lines is not None and (type(n_lines) is not int or n_lines < 0):
+        raise TraceFormatError(f'header "lines" must be an int >= 0, got {n_lines!r}')
     try:
         pool, store = PoolConfig(**pool_fields), StoreSpec(**store_fields)
     except (TypeError, ValueError) as error:
         raise TraceFormatError(f"header: {error}") from None
-    return Trace(pool, store, (), history_len, partial), version
+    return Trace(pool, store, (), history_len, partial), version, n_lines
 
 
 def loads(text: str) -> Trace:
@@ -526,7 +537,7 @@ def loads(text: str) -> Trace:
         raise TraceFormatError("empty trace: expected a header line")
     header_number, header_line = numbered[0]
     try:
-        trace, version = _decode_header(header_line)
+        trace, version, n_lines = _decode_header(header_line)
     except TraceFormatError as error:
         raise _one_document(text) or TraceFormatError(f"line {header_number}: {error}") from None
     lines: list[TraceLine] = []
@@ -545,6 +556,11 @@ def loads(text: str) -> Trace:
                 )
         lines.append(decoded)
     numbers = tuple(number for number, _ in numbered[1:])
+    if n_lines is not None and n_lines != len(lines):
+        raise TraceFormatError(
+            f"line {header_number}: the header counts {n_lines:,} call lines, the file holds "
+            f"{len(lines):,}; expected the whole file (cut short, or written to after?)"
+        )
     if not trace.partial:  # a partial trace may name handles of calls it does not hold
         _require_issued_names(numbers, lines)
     return replace(trace.with_lines(lines), file_lines=numbers)
