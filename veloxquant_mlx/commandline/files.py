@@ -161,7 +161,6 @@ def claim_new_folder(folder: Path) -> Path:
     raise BadInputError(f"{str(folder)!r} and {_MOST_CLAIMS - 1} more like it exist; give --out")
 
 
-
 def _names(paths: Sequence[Path], limit: int = 3) -> str:
     names = [path.name for path in paths[:limit]]
     more = f" and {len(paths) - limit} more" if len(paths) > limit else ""

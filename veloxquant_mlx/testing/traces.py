@@ -559,7 +559,8 @@ def loads(text: str) -> Trace:
     if n_lines is not None and n_lines != len(lines):
         raise TraceFormatError(
             f"line {header_number}: the header counts {n_lines:,} call lines, the file holds "
-            f"{len(lines):,}; expected the whole file (cut short, or written to after?)"
+            f"{len(lines):,}; expected the whole file (cut short, or written to after?). To "
+            'replay the lines it holds, take "lines" out of the header'
         )
     if not trace.partial:  # a partial trace may name handles of calls it does not hold
         _require_issued_names(numbers, lines)
