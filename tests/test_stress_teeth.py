@@ -22,6 +22,8 @@ by any thread). On a free-threaded build (this file runs there too, see
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import subprocess
 import sys
 import threading
@@ -36,8 +38,11 @@ from planted_bugs import (
 )
 from test_free_threaded import gil_is_off
 
+from veloxquant_mlx import cli
+from veloxquant_mlx.commandline import sigint
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.stress import cli as stress_cli
 from veloxquant_mlx.stress.config import StressConfig, profile
 from veloxquant_mlx.stress.report import StressReport
 from veloxquant_mlx.stress.reproducer import recheck
@@ -236,3 +241,25 @@ def test_a_run_that_leaves_threads_in_mlx_still_ends_with_its_status() -> None:
     command = [sys.executable, "-c", LEAVES_MLX_THREADS]
     ended = subprocess.run(command, check=False, capture_output=True, text=True, timeout=120)
     assert (ended.returncode, ended.stderr) == (1, "")
+
+
+def test_the_stress_command_asks_to_exit_at_once_after_a_deadlock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The command line's run, on a pool whose shrink leaks its lock.
+    def planted_config(args: argparse.Namespace) -> StressConfig:
+        deadlocking = teeth_config(tmp_path, planted(LockLeakingShrink), stall_timeout=1.0)
+        return deadlocking.with_options(progress_interval=0.0)
+
+    monkeypatch.setattr(stress_cli, "config_from", planted_config)
+    monkeypatch.setattr(sigint, "_AT_ONCE", threading.Event())  # this test's own flag
+    LockLeakingShrink.leaked.clear()  # the pools of earlier tests were released there
+    before = set(threading.enumerate())
+    assert cli.main(["stress", "--out", str(tmp_path), "--no-progress"]) == 1
+    assert sigint.exits_at_once(1)
+    assert "VIOLATION" in capsys.readouterr().out
+    for pool in LockLeakingShrink.leaked:  # let the stuck threads finish
+        with contextlib.suppress(RuntimeError):
+            pool._lock.release()
+    for thread in set(threading.enumerate()) - before:
+        thread.join(timeout=10)

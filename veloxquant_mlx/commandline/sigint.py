@@ -121,6 +121,7 @@ def program_main(prog: str, module: str, argv: Sequence[str] | None = None) -> i
     it exit 130.
     """
     install(prog)
+    _AT_ONCE.clear()  # a command's own request: not an earlier command's of this process
     try:
         from veloxquant_mlx.commandline.interrupts import run_command  # noqa: PLC0415
 

@@ -460,13 +460,13 @@ def run(args: argparse.Namespace) -> int:
             f"{report.percent_checked_text()} of them checked, "
             f"{len(report.findings)} violations; partial report in {config.out_dir}",
         )
+    if any(finding.kind == "deadlock" for finding in report.findings):
+        exit_at_once()  # its threads are stuck: the interpreter's exit could abort
     if args.json:
         json.dump(report.to_json(), sys.stdout, indent=2)
         sys.stdout.write("\n")
     else:
         print(summary_text(report))
-    if any(finding.kind == "deadlock" for finding in report.findings):
-        exit_at_once()  # its threads are stuck: the interpreter's exit could abort
     return report.verdict.exit_status
 
 
