@@ -183,6 +183,22 @@ def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
             b'{"id": 2, "op": "call", "on": 1, "name": "__init__", "args": []}',
             "request line 2 (call) names '__init__'",
         ),
+        (
+            b'{"id": 2, "op": "get", "on": 1, "name": "_lock"}',
+            "request line 2 (get) names '_lock'; expected",
+        ),
+        (
+            b'{"id": 2, "op": "get", "on": 99, "name": "stats"}',
+            "request line 2 (get) names ref(s) [99], which",
+        ),
+        (
+            b'{"id": 2, "op": "call", "on": 1, "name": "free", "args": [[{"ref": 7}]]}',
+            "request line 2 (call) names ref(s) [7], which this driver never handed out",
+        ),
+        (
+            b'{"id": 2, "op": "pool", "config": {}, "history_len": "x"}',
+            "request line 2 (pool) has history_len 'x'; expected a JSON int or null",
+        ),
     ],
     ids=[
         "not-json",
@@ -193,6 +209,10 @@ def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
         "unknown-op",
         "ref-not-an-int",
         "special-method",
+        "private-name",
+        "unknown-ref",
+        "unknown-ref-in-args",
+        "history-len-not-an-int",
     ],
 )
 def test_the_driver_refuses_a_request_line_the_protocol_has_no_answer_for(

@@ -95,6 +95,21 @@ class Driver:
                 return bytes.fromhex(value["bytes"])
         return value
 
+    def unknown_refs(self, request: dict[str, Any]) -> list[object]:
+        """The refs ``request`` names (its ``on``, and in its ``args``) that this driver
+        never handed out or has dropped."""
+        named = [request["on"]] if "on" in request else []
+        pending = list(request.get("args", []))
+        while pending:
+            item = pending.pop()
+            if isinstance(item, list):
+                pending += item
+            elif isinstance(item, dict):
+                if "ref" in item:
+                    named.append(item["ref"])
+                pending += item.get("tuple", []) if isinstance(item.get("tuple"), list) else []
+        return [ref for ref in named if not isinstance(ref, int) or ref not in self.objects]
+
     def serve(self, request: dict[str, Any]) -> object:
         """The result of one request (see docs/DRIVER_PROTOCOL.md)."""
         op = request["op"]
@@ -148,6 +163,12 @@ def serve_lines(port: Port, lines: Iterable[bytes], out: IO[str]) -> None:
         if raw.strip():
             request = _request(raw, number)
             _require_protocol_fields(request, number)
+            unknown = driver.unknown_refs(request)
+            if unknown:
+                raise BadInputError(
+                    f"request line {number} ({request['op']}) names ref(s) {unknown}, which "
+                    "this driver never handed out or has dropped"
+                )
             out.write(json.dumps(driver.respond(request)) + "\n")
             out.flush()
 
@@ -164,8 +185,8 @@ _REQUEST_FIELDS: Final[dict[str, dict[str, type]]] = {
 
 def _require_protocol_fields(request: dict[str, Any], number: int) -> None:
     """Refuse a request the protocol has no answer for: an unknown op, a field missing or
-    of the wrong type, or a special name (``__init__``) to get or call. (One-underscore
-    names are the API's own: the reference's ``_fragmented_count``.)"""
+    of the wrong type, or a private or special name (``_lock``, ``__init__``) to get or
+    call; the reference's one underscored name, ``_fragmented_count``, is served."""
     op = request.get("op")
     fields = _REQUEST_FIELDS.get(op) if isinstance(op, str) else None
     if fields is None:
@@ -179,13 +200,22 @@ def _require_protocol_fields(request: dict[str, Any], number: int) -> None:
                 f"request line {number} ({op}) has {name} {value!r}; expected a JSON "
                 f"{_JSON_NAMES[kind]}"
             )
-    if str(request.get("name", "")).startswith("__"):
+    history_len = request.get("history_len")
+    if op == "pool" and history_len is not None and type(history_len) is not int:
         raise BadInputError(
-            f"request line {number} ({op}) names {request['name']!r}; expected an "
-            "attribute of the pool API, not a special method"
+            f"request line {number} (pool) has history_len {history_len!r}; expected a "
+            "JSON int or null"
+        )
+    name = str(request.get("name", ""))
+    if name.startswith("_") and name not in _PRIVATE_API:
+        raise BadInputError(
+            f"request line {number} ({op}) names {name!r}; expected an attribute of the "
+            "pool API, not a private or special one"
         )
 
 
+#: The underscored names of the API (docs/API.md): the reference's stats field.
+_PRIVATE_API: Final = frozenset({"_fragmented_count"})
 #: How docs/DRIVER_PROTOCOL.md names the JSON types of the fields.
 _JSON_NAMES: Final = {dict: "object", int: "int", str: "string", list: "list"}
 
