@@ -33,6 +33,7 @@ from hypothesis import strategies as st
 from veloxquant_mlx import cli
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.stress import cli as stress_cli
 from veloxquant_mlx.stress.checker import LinearizabilityChecker, check_history
 from veloxquant_mlx.stress.config import OPERATION_KINDS, OperationMix, profile
 from veloxquant_mlx.stress.history import ThreadRecorder
@@ -361,3 +362,16 @@ def test_a_reproducer_is_written_and_still_fails_when_rechecked(
     assert cli.main(["stress", "--replay", str(path)]) == 1
     assert "returned (0,)" in capsys.readouterr().err
     assert cli.main(["replay", str(path), "--on", "spec"]) == 1
+
+
+def test_runs_that_share_a_default_folder_name_each_write_their_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once the second run of one second was refused: the first's files were in its folder.
+    named = tmp_path / "reports" / "stress-smoke-20261202-204149"
+    monkeypatch.setattr(stress_cli, "default_out_dir", lambda profile_name: named)
+    quick = ["stress", "--ops", "50", "--storage", "none", "--replay-backend", "none"]
+    for seed in ("1", "2"):
+        assert cli.main([*quick, "--seed", seed, "--no-progress"]) == 0
+    reports = [named / "report.json", named.with_name(f"{named.name}-2") / "report.json"]
+    assert [json.loads(path.read_text())["seed"] for path in reports] == [1, 2]

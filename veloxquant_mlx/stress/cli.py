@@ -241,8 +241,8 @@ def _add_output_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         type=out_dir_argument,
         metavar="DIR",
-        help="the run's folder (default: reports/stress-PROFILE-TIMESTAMP); refused if it "
-        "holds an earlier run's files, unless --force",
+        help="the run's folder, refused if it holds an earlier run's files, unless --force "
+        "(default: a new reports/stress-PROFILE-TIMESTAMP, -2, -3... if another run has it)",
     )
     group.add_argument(
         "--force",
