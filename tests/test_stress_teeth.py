@@ -212,6 +212,9 @@ def test_a_lock_that_is_never_released_is_reported_as_a_deadlock(tmp_path: Path)
     assert "no progress for" in report.findings[0].message
     assert "stress-worker-" in report.findings[0].message  # every thread's stack, by name
     assert "block_pool.py" in (tmp_path / "stacks.txt").read_text()  # faulthandler's dump
+    # Once its trace was published whole (no stuck call in it) and replayed as ok.
+    assert not (tmp_path / "linearized.jsonl").exists()
+    assert load(tmp_path / "linearized.partial.jsonl").partial
     for pool in LockLeakingShrink.leaked:  # let the stuck threads finish
         pool._lock.release()
     for thread in set(threading.enumerate()) - before:

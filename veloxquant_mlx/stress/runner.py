@@ -283,8 +283,10 @@ class _Run:
             self.checker.stop("stopped: the history checker crashed")
             self._drain_queue()
         finally:
+            # After a deadlock the stuck calls never ended: the history has no end either.
+            stalled = any(finding.kind == "deadlock" for finding in self.findings)
             whole = checking.complete and replay.failure is None and not self.interrupt.is_set()
-            replay.close(complete=whole)
+            replay.close(complete=whole and not stalled)
             self._report_replay_failure()
 
     def _linearizability_violation(self, checker: LinearizabilityChecker) -> None:
