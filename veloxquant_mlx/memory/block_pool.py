@@ -28,7 +28,8 @@ Thread safety: every public method of ``BlockPoolAllocator`` that reads or
 writes pool state holds one plain, non-reentrant lock with ``threading.Lock``'s
 semantics (``librt.threading.Lock``, or ``threading.Lock`` where librt is
 not installed; see ``_PoolLock``) for its whole critical section, and no callback
-ever runs under it. ``Block``, ``AllocationStats`` and ``PoolConfig`` objects
+runs under it (save the methods of a value kept as given: docs/CONTRACT.md,
+C-THREAD-SAFE). ``Block``, ``AllocationStats`` and ``PoolConfig`` objects
 are not locked: a stats object returned to a caller is a private snapshot, and
 a ``Block`` handle belongs to the owner it was checked out to.
 
