@@ -44,7 +44,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from importlib.machinery import EXTENSION_SUFFIXES
-from typing import Final, TypeAlias, TypeGuard
+from typing import Final, TypeAlias, TypeGuard, TypeVar
 
 from veloxquant_mlx.memory import _prometheus
 from veloxquant_mlx.memory._arguments import (
@@ -93,6 +93,8 @@ _SHARED_STREAMS: Final = {"k": "kv", "v": "kv", "kv": "kv"}
 _NOT_LIVE: Final = "not live"
 _REPEATED_ID: Final = "repeated id"
 _LISTED_TWICE: Final = "listed twice"
+#: An item of a caller's list of blocks (a ``Block``, or anything, before it is checked).
+_Item = TypeVar("_Item")
 
 DEFAULT_HISTORY_LEN: Final = 1024
 #: Length of an interpreted history entry of a pool that has never shared
@@ -133,11 +135,12 @@ class InvariantViolationError(AssertionError):
     """``check_invariants()`` found the pool's books inconsistent; names the invariant."""
 
 
-def _items_of(blocks: list[Block] | tuple[Block, ...]) -> Sequence[Block]:
+def _items_of(blocks: Iterable[_Item]) -> Sequence[_Item]:
     """``blocks`` itself if an exact list or tuple, else a tuple of its items.
 
-    Iterating a subclass may run the caller's ``__iter__``, which must never
-    run under the pool's lock (C-THREAD-SAFE): call this before taking it.
+    Iterating anything else (a subclass, a generator) may run the caller's
+    code, which must never run under the pool's lock (C-THREAD-SAFE): call
+    this before taking it.
     """
     if type(blocks) is list or type(blocks) is tuple:
         return blocks
@@ -655,8 +658,7 @@ class BlockPoolAllocator:
         The batched form of :meth:`is_live`, for a store that checks a whole
         gather's blocks at once.
         """
-        # A caller's iterator (or a subclass's __iter__) runs here, never under the lock.
-        items = blocks if type(blocks) is list or type(blocks) is tuple else tuple(blocks)
+        items = _items_of(blocks)  # a caller's iterator runs here, never under the lock
         with self._lock:
             return all(self._is_live(block) for block in items)
 
