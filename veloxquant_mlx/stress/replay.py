@@ -111,7 +111,7 @@ class LinearizedReplay:
             if self.stopped_because is not None:
                 self.ops_not_replayed += 1
                 continue
-            line = TraceLine(event.op, event.call, event.outcome)  # in order: no times
+            line = event.untimed()  # replayed in this order: no times
             if self._file is not None:
                 self._file.write(traces.encode_line(line) + "\n")
                 self.ops_written += 1

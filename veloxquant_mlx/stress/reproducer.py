@@ -171,7 +171,7 @@ def replay_trace(
             if isinstance(order, tuple):
                 return order  # no order, or none found within the budget
             for index in order:
-                line, where = _untimed(segment[index]), trace.file_line(start + index)
+                line, where = segment[index].untimed(), trace.file_line(start + index)
                 after = step(checkpoint.state, checkpoint.names, line, (), store_layers=layers)
                 if after is None:
                     why = _contradiction(where, line, checkpoint)
@@ -191,11 +191,6 @@ def replay_trace(
             "interrupted or its checking gave up), so the rest of that history was never checked"
         )
     return Verdict.OK, f"{done}: ok"
-
-
-def _untimed(line: TraceLine) -> TraceLine:
-    """``line`` without its thread and interval: a call of a sequential replay."""
-    return TraceLine(line.op, line.call, line.outcome) if line.timed else line
 
 
 def _linearize(

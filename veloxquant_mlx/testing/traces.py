@@ -139,6 +139,10 @@ class TraceLine:
         """Whether the call never returned (in this history)."""
         return self.invoke_ns is not None and self.return_ns is None
 
+    def untimed(self) -> TraceLine:
+        """This line without its thread and interval: a call of a sequential replay."""
+        return TraceLine(self.op, self.call, self.outcome) if self.timed else self
+
 
 @dataclass(frozen=True, slots=True)
 class Trace:
