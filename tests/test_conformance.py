@@ -22,7 +22,9 @@ from veloxquant_mlx.testing.conformance import (
 )
 from veloxquant_mlx_spec import model
 
-TestBlockPoolAllocatorConformsToTheSpec = pytest.mark.slow(conformance_test_case(default_factory))
+TestBlockPoolAllocatorConformsToTheSpec = pytest.mark.slow(seconds=15)(
+    conformance_test_case(default_factory)
+)
 
 
 @pytest.mark.slow

@@ -43,7 +43,7 @@ from veloxquant_mlx_spec.operations import Allocate, Stats
 from veloxquant_mlx_spec.table import UNKNOWN_CALL, Handle, Raised, Returned, h
 
 # The README's recipe, unchanged, on a port of the reference API.
-TestMyPoolConforms = pytest.mark.slow(conformance_test_case(MyPool))
+TestMyPoolConforms = pytest.mark.slow(seconds=16)(conformance_test_case(MyPool))
 
 
 # ---- the factory contract ---------------------------------------------------------------
@@ -198,7 +198,7 @@ def _runs_and_shows_the_pools_value(finding: Finding) -> None:
     assert _run_to_the_read(_python_of(finding), scope) == finding.actual
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=37)
 def test_one_run_lists_each_planted_deviation_once_readably() -> None:
     # One test, not three: the run is the expensive part, and xdist would repeat a fixture.
     report = conformance_report(
@@ -224,7 +224,7 @@ def test_one_run_lists_each_planted_deviation_once_readably() -> None:
         _runs_and_shows_the_pools_value(finding)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=24)
 def test_the_deviant_port_passes_with_its_deviations_allowed() -> None:
     allow = {rule: "planted on purpose" for rule in DEVIATIONS}
     report = conformance_report(

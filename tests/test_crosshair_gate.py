@@ -79,7 +79,7 @@ def load(path: Path) -> ModuleType:
     return module
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=58)
 def test_crosshair_finds_a_stale_handle_planted_in_the_allocator(tmp_path: Path) -> None:
     planted = plant(
         tmp_path,
@@ -104,7 +104,7 @@ def test_crosshair_finds_a_stale_handle_planted_in_the_allocator(tmp_path: Path)
         load(planted).replay(codes, config_code)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=2)
 def test_crosshair_refutes_a_wrong_property_of_the_spec(tmp_path: Path) -> None:
     # Forgetting the grown blocks: free_all cannot restore a free count it never had.
     planted = plant(tmp_path, "wrong_property", GROWTH_TERM, "\n")

@@ -320,6 +320,7 @@ def test_a_driver_that_dies_mid_run_ends_the_command_in_one_line(
     )
 
 
+@pytest.mark.slow(seconds=11)
 @pytest.mark.usefixtures("in_tests")
 def test_a_driver_that_dies_deep_in_a_run_is_told_the_calls_that_led_there(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -60,7 +60,7 @@ from veloxquant_mlx_spec.table import ArgKind, declaration_of, declarations, h
 SEPARATE_4 = next(scope for scope in SCOPES if scope.name == "separate-4")
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=40)  # 15-72 s by scope
 @pytest.mark.parametrize("scope", SCOPES, ids=[scope.name for scope in SCOPES])
 def test_every_sequence_up_to_the_ci_depth_conforms(
     scope: Scope, record_property: Callable[[str, object], None]
@@ -122,7 +122,7 @@ PLANTED_BUGS = [
 ]
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=10)  # 1-25 s by bug
 @pytest.mark.parametrize(
     ("buggy", "scope_name", "shortest"),
     PLANTED_BUGS,
@@ -143,7 +143,7 @@ def test_a_planted_bug_is_reported_with_a_shortest_failing_sequence(
     assert shorter is None or len(shorter.operations) >= len(shortest)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=21)
 def test_a_reported_sequence_replays_to_the_same_failure() -> None:
     factory = factory_of(FreeListIsFifo)
     found = explore(SEPARATE_4, PROFILE_DEPTHS["ci"], factory).counterexample

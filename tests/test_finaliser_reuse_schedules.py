@@ -171,6 +171,7 @@ def explore(scenario: str, *, max_runs: int = 20_000) -> Exploration:
     return Exploration(runs, drop_points, exhaustive, tuple(violations))
 
 
+@pytest.mark.slow(seconds=6)
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_a_late_release_is_safe_wherever_the_finaliser_fires(scenario: str) -> None:
     result = explore(scenario)

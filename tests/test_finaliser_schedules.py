@@ -37,6 +37,7 @@ class ForgetsInTheFinaliser(PooledKVCache):
         pass
 
 
+@pytest.mark.slow(seconds=32)
 def test_the_finaliser_fired_at_every_locked_line_of_every_schedule_is_safe() -> None:
     result = explore_finaliser()
     assert result.violations == ()

@@ -35,7 +35,7 @@ class ThreeWayAgreement(PoolConformanceMachine):
         return (PlainModelOracle(config, history_len),)
 
 
-TestAllocatorSpecAndPlainModelAgree = pytest.mark.slow(ThreeWayAgreement.TestCase)
+TestAllocatorSpecAndPlainModelAgree = pytest.mark.slow(seconds=16)(ThreeWayAgreement.TestCase)
 
 
 # ---------------------------------------------------------------- check_invariants

@@ -212,7 +212,7 @@ def test_the_finaliser_scenario_prints_a_progress_line_once_the_interval_passes(
     assert " runs, 0 s" not in captured.out
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=21)
 def test_the_command_exits_0_when_every_schedule_within_the_bound_ran(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -98,7 +98,7 @@ def smoke_run(tmp_path_factory: pytest.TempPathFactory) -> SmokeRun:
     return SmokeRun(status, json.loads(stdout.getvalue()), out, seconds)
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=8, shares="smoke_run")  # the run, 20 s, is built once
 def test_smoke_profile_passes_within_its_budget(smoke_run: SmokeRun) -> None:
     assert smoke_run.status == 0, smoke_run.report["violations"]
     assert smoke_run.report["verdict"] == "ok"
@@ -107,7 +107,7 @@ def test_smoke_profile_passes_within_its_budget(smoke_run: SmokeRun) -> None:
     assert smoke_run.seconds < SMOKE_BUDGET_SECONDS
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=8, shares="smoke_run")  # the run, 20 s, is built once
 def test_smoke_report_counts_every_kind_of_call_and_every_check(smoke_run: SmokeRun) -> None:
     report = smoke_run.report
     assert report["profile"] == "smoke"
@@ -130,7 +130,7 @@ def test_smoke_report_counts_every_kind_of_call_and_every_check(smoke_run: Smoke
     assert report["conservation"]["problems"] == []
 
 
-@pytest.mark.slow
+@pytest.mark.slow(seconds=8, shares="smoke_run")  # the run, 20 s, is built once
 def test_smoke_run_leaves_its_reports_and_a_trace_that_replays(
     smoke_run: SmokeRun, capsys: pytest.CaptureFixture[str]
 ) -> None:

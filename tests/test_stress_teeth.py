@@ -149,6 +149,7 @@ def teeth_config(tmp_path: Path, factory: Factory, **changes: object) -> StressC
 @pytest.mark.parametrize(
     ("threads", "window_ops"), [(4, 24), (8, 4)], ids=["smoke-windows", "nightly-windows"]
 )
+@pytest.mark.slow(seconds=6)  # 2-27 s by case
 def test_a_planted_check_then_act_race_is_caught_by_the_linearizability_checker(
     tmp_path: Path, bug: type[BlockPoolAllocator], threads: int, window_ops: int
 ) -> None:
