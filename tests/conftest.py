@@ -95,9 +95,7 @@ def observe(
     return PoolObservation(
         stats=stats_view(pool.stats),
         n_free=tuple((stream, pool.n_free(stream)) for stream in stream_names(pool)),
-        owners=tuple(
-            (owner, tuple(pool.blocks_for(owner))) for owner in owners
-        ),
+        owners=tuple((owner, tuple(pool.blocks_for(owner))) for owner in owners),
         handles=tuple(handle_view(block) for block in handles),
         history=tuple(stats_view(entry) for entry in pool.history),
     )
