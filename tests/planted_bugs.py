@@ -113,6 +113,19 @@ def assert_the_conformance_machine_catches(buggy: type[BlockPoolAllocator]) -> N
         )
 
 
+def require_freeable(pool: BlockPoolAllocator, blocks: Sequence[object]) -> None:
+    """What ``free`` checks before it frees anything: every item a live handle, listed once.
+
+    For planted bugs that split ``free``'s check from its act.
+
+    Raises:
+        InvalidFreeError: The first item that is not, named as ``free`` names it.
+    """
+    refusal = pool._first_unfreeable(blocks)
+    if refusal is not None:
+        raise pool._unfreeable_error(blocks, *refusal)
+
+
 # ---- deviations only a wider alphabet or a probe of no-ops shows (the exhaustive checker) ----
 
 
@@ -124,7 +137,7 @@ class FreeChecksTypesLate(BlockPoolAllocator):
         if isinstance(blocks, list | tuple) and not all(isinstance(b, Block) for b in blocks):
             handles = [block for block in blocks if isinstance(block, Block)]
             prefix = list(itertools.takewhile(lambda b: isinstance(b, Block), blocks))
-            self._require_freeable(handles)  # the blocks are checked; the junk is not
+            require_freeable(self, handles)  # the blocks are checked; the junk is not
             super().free(prefix)
             super().free(blocks[len(prefix) :])  # raises at the junk
         super().free(blocks)

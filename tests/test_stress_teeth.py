@@ -35,6 +35,7 @@ import pytest
 from planted_bugs import (
     SharedCountDecrementedOutsideTheLock,
     SharedCountDecrementedOutsideTheLockNoYield,
+    require_freeable,
 )
 from test_free_threaded import gil_is_off
 
@@ -89,7 +90,7 @@ class CheckThenActFree(BlockPoolAllocator):
         if not isinstance(blocks, (list, tuple)) or not blocks:
             return super().free(blocks)
         with self._lock:  # check
-            self._require_freeable(blocks)
+            require_freeable(self, blocks)
         time.sleep(0)  # the planted window
         with self._lock:  # act on the stale check
             for block in blocks:

@@ -890,16 +890,6 @@ class BlockPoolAllocator:
                     self._registered_owners.discard(owner)
             self._return_to_free_lists(blocks)
 
-    def _require_freeable(self, blocks: Sequence[object], *, one_per_id: bool = False) -> None:
-        """Every item a live handle, listed once (``one_per_id``: no block id twice either).
-
-        Raises:
-            InvalidFreeError: The first item that is not, named.
-        """
-        refusal = self._first_unfreeable(blocks, one_per_id=one_per_id)
-        if refusal is not None:
-            raise self._unfreeable_error(blocks, *refusal)
-
     def _first_unfreeable(
         self, blocks: Sequence[object], *, one_per_id: bool = False
     ) -> tuple[int, str] | None:
