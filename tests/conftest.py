@@ -248,7 +248,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     run of consecutive tests, a quarter of its share, then the rest a few at a
     time to whichever worker runs low. Slow tests merely put first would all go
     to the first worker, and a test of half a minute that comes last keeps one
-    worker busy while the other waits. So the slow tests, costliest first, are
+    worker busy while the other waits. So the slow tests, costliest first (the
+    marker's ``seconds``, 10 if unsaid), are
     dealt greedily to the worker with the least cost so far, each at the head of
     that worker's first run (those that share a module-scoped fixture, named by
     the marker's ``shares``, together, so it is built once); the quick tests
@@ -256,17 +257,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     (xdist requires it).
     """
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    units: dict[str, list[pytest.Item]] = {}
+    units: dict[str, tuple[float, list[pytest.Item]]] = {}
+    quick: list[pytest.Item] = []
     for item in items:
-        if _slow_seconds(item):
-            units.setdefault(_unit_of(item), []).append(item)
-    quick = [item for item in items if not _slow_seconds(item)]
+        marker = item.get_closest_marker("slow")
+        if marker is None:
+            quick.append(item)
+            continue
+        shares = marker.kwargs.get("shares")
+        key = item.nodeid if shares is None else f"{item.path}::{shares}"
+        cost, members = units.get(key, (0.0, []))
+        units[key] = (cost + float(marker.kwargs.get("seconds", 10)), [*members, item])
     heads: list[list[pytest.Item]] = [[] for _ in range(workers)]
     loads = [0.0] * workers
-    for unit in sorted(units.values(), key=lambda unit: -sum(map(_slow_seconds, unit))):
+    for cost, members in sorted(units.values(), key=lambda unit: -unit[0]):
         lightest = loads.index(min(loads))
-        heads[lightest] += unit
-        loads[lightest] += sum(map(_slow_seconds, unit))
+        heads[lightest] += members
+        loads[lightest] += cost
     first_run = max(len(items) // workers // 4, 2)
     ordered: list[pytest.Item] = []
     for head in heads:
@@ -274,19 +281,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         ordered += head + quick[:fill]
         quick = quick[fill:]
     items[:] = ordered + quick
-
-
-def _unit_of(item: pytest.Item) -> str:
-    """What a slow test is scheduled with: its shared fixture, or the test alone."""
-    marker = item.get_closest_marker("slow")
-    shares = None if marker is None else marker.kwargs.get("shares")
-    return item.nodeid if shares is None else f"{item.path}::{shares}"
-
-
-def _slow_seconds(item: pytest.Item) -> float:
-    """The rough cost ``@pytest.mark.slow(seconds=N)`` gives (10 if unsaid); 0: not slow."""
-    marker = item.get_closest_marker("slow")
-    return 0.0 if marker is None else float(marker.kwargs.get("seconds", 10))
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:

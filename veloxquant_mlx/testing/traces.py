@@ -141,7 +141,7 @@ class TraceLine:
 
     def untimed(self) -> TraceLine:
         """This line without its thread and interval: a call of a sequential replay."""
-        return TraceLine(self.op, self.call, self.outcome) if self.timed else self
+        return TraceLine(self.op, self.call, self.outcome)
 
 
 @dataclass(frozen=True, slots=True)
