@@ -153,6 +153,24 @@ def test_tiny_pool_counts_exhaustion_and_says_the_peak_is_capped(
     assert "rerun with --grow" in capsys.readouterr().out
 
 
+def test_a_pool_too_small_for_any_request_says_so_on_stderr(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Every request is rejected by a pool capped at no blocks: the report is still
+    # printed (status 0), with one warning line that names the counts and the cap.
+    args = ["--n-blocks", "0", "--grow", "--max-blocks", "0", "--json"]
+    assert cli.main(["simulate", "--no-progress", "--requests", "20", *args]) == 0
+    captured = capsys.readouterr()
+    assert json.loads(captured.out)["requests"]["rejected"] == 20
+    assert captured.err.splitlines() == [
+        "veloxquant-mlx simulate: warning: 20 of 20 requests were rejected: each needs "
+        "more blocks than the pool's 0 can hold with no other request in it; "
+        "raise --n-blocks, or --max-blocks with --grow"
+    ]
+    assert cli.main(["simulate", "--no-progress", "--requests", "20"]) == 0  # they fit
+    assert capsys.readouterr().err == ""
+
+
 def test_grow_option_grows_the_pool(capsys: pytest.CaptureFixture[str]) -> None:
     document = run_json(capsys, "--n-blocks", "48", "--grow")
     assert document["pool"]["grown"] > 0

@@ -6,7 +6,9 @@ terminal, else a line every 10 s for a log), and prints either the sizing table 
 Prometheus text or, with ``--json``, one JSON document on stdout.
 
 Exit codes: 0 on success; 1 if an invariant check failed (the message, on
-stderr, names the step and the broken invariant). Usage errors exit with 2
+stderr, names the step and the broken invariant). Rejected requests (too
+large for the pool even alone) get a warning line on stderr, status still 0:
+the report is what was asked for. Usage errors exit with 2
 before :func:`run` is called (see :mod:`veloxquant_mlx.cli`).
 
 Complexity: that of the simulation, O(steps + requests) pool calls.
@@ -115,4 +117,21 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print_report(report, sys.stdout)
+    warning = rejection_warning(report)
+    if warning is not None:
+        print(f"veloxquant-mlx simulate: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def rejection_warning(report: SimulationReport) -> str | None:
+    """One line for stderr when requests were rejected (they could not fit in the pool
+    even alone), so a pool sized too small is not missed; ``None`` when none were."""
+    figures, config = report.requests, report.pool_config
+    if not figures.rejected:
+        return None
+    cap = config["max_blocks"] if config["grow_on_exhaustion"] else config["n_blocks"]
+    return (
+        f"{figures.rejected} of {figures.total} requests were rejected: each needs more "
+        f"blocks than the pool's {cap} can hold with no other request in it; "
+        "raise --n-blocks, or --max-blocks with --grow"
+    )
