@@ -123,7 +123,7 @@ def require_freeable(pool: BlockPoolAllocator, blocks: Sequence[object]) -> None
     """
     refusal = pool._first_unfreeable(blocks)
     if refusal is not None:
-        raise pool._unfreeable_error(blocks, *refusal)
+        raise pool._unfreeable_error(blocks[refusal[0]], *refusal)
 
 
 # ---- deviations only a wider alphabet or a probe of no-ops shows (the exhaustive checker) ----

@@ -143,3 +143,36 @@ def test_no_caller_code_runs_while_the_pool_holds_its_lock() -> None:
         with contextlib.suppress(TypeError, ValueError):
             call()
     assert watcher.held == [False] * 7
+
+
+class EmptiesTheListOnRelease:
+    """The pool's lock, and a caller's thread that empties ``blocks`` the moment the
+    pool lets the lock go (in ``free`` and ``share``: before the refusal is raised)."""
+
+    def __init__(self, lock: Any, blocks: list[object]) -> None:
+        self.lock = lock
+        self.blocks = blocks
+
+    def __enter__(self) -> None:
+        self.lock.acquire()
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.lock.release()
+        self.blocks.clear()
+
+
+@pytest.mark.skipif(block_pool.COMPILED, reason="the compiled pool's lock cannot be replaced")
+@pytest.mark.parametrize("call", ["free", "share"])
+def test_a_refusal_names_the_item_it_checked_though_the_list_changed_after(call: str) -> None:
+    # The error is built with the lock released (a foreign item's repr is caller code);
+    # it once read the item from the caller's list there: an IndexError, or another item.
+    pool = make_pool()
+    live, stale = pool.allocate("k", 8, owner=1)
+    pool.free([stale])
+    blocks: list[object] = [live, stale]
+    object.__setattr__(pool, "_lock", EmptiesTheListOnRelease(pool._lock, blocks))
+    untyped: Any = pool
+    with pytest.raises(block_pool.InvalidFreeError, match=r"^blocks\[1\] = Block\(") as refused:
+        untyped.free(blocks) if call == "free" else untyped.share(blocks, 2)
+    assert f"block_id={stale.block_id}" in str(refused.value)
+    assert blocks == []  # the list did change before the error was made

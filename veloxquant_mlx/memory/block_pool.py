@@ -875,7 +875,8 @@ class BlockPoolAllocator:
             if refusal is None:
                 self._free_checked(items)
                 return
-        raise self._unfreeable_error(items, *refusal)  # a foreign item's repr: unlocked
+            culprit = items[refusal[0]]  # the item checked, whatever the list holds later
+        raise self._unfreeable_error(culprit, *refusal)  # a foreign item's repr: unlocked
 
     def _free_checked(self, blocks: Sequence[Block]) -> None:
         """``free``'s work, on live handles listed once; the caller holds the lock."""
@@ -910,9 +911,10 @@ class BlockPoolAllocator:
         return None
 
     @staticmethod
-    def _unfreeable_error(blocks: Sequence[object], position: int, why: str) -> InvalidFreeError:
-        """The error naming ``blocks[position]``, found by :meth:`_first_unfreeable`."""
-        block = blocks[position]
+    def _unfreeable_error(block: object, position: int, why: str) -> InvalidFreeError:
+        """The error naming ``block``, the item at ``position`` that
+        :meth:`_first_unfreeable` refused (taken from the list under the lock: a
+        caller's thread may change the list once it is released)."""
         if why == _NOT_LIVE:
             return InvalidFreeError(
                 f"blocks[{position}] = {block!r} is not a live handle of this pool; "
@@ -1094,10 +1096,11 @@ class BlockPoolAllocator:
             refusal = self._first_unfreeable(items, one_per_id=True)
             if refusal is None and isinstance(owner, int) and not isinstance(owner, bool):
                 return self._issue_shares(items, owner)
+            culprit = None if refusal is None else items[refusal[0]]
         # Refused, in C-SHARE-ARGS's order, with the lock released: the error's repr of
         # a foreign object is caller code.
         if refusal is not None:
-            raise self._unfreeable_error(items, *refusal)
+            raise self._unfreeable_error(culprit, *refusal)
         require_int("owner", owner)  # not an int, or it was shared above: raises
         raise AssertionError(f"share refused owner {owner!r}, which require_int took")
 
