@@ -183,6 +183,12 @@ _REQUEST_FIELDS: Final[dict[str, dict[str, type]]] = {
 }
 
 
+#: The underscored names of the API (docs/API.md): the reference's stats field.
+_PRIVATE_API: Final = frozenset({"_fragmented_count"})
+#: How docs/DRIVER_PROTOCOL.md names the JSON types of the fields.
+_JSON_NAMES: Final = {dict: "object", int: "int", str: "string", list: "list"}
+
+
 def _require_protocol_fields(request: dict[str, Any], number: int) -> None:
     """Refuse a request the protocol has no answer for: an unknown op, a field missing or
     of the wrong type, or a private or special name (``_lock``, ``__init__``) to get or
@@ -212,12 +218,6 @@ def _require_protocol_fields(request: dict[str, Any], number: int) -> None:
             f"request line {number} ({op}) names {name!r}; expected an attribute of the "
             "pool API, not a private or special one"
         )
-
-
-#: The underscored names of the API (docs/API.md): the reference's stats field.
-_PRIVATE_API: Final = frozenset({"_fragmented_count"})
-#: How docs/DRIVER_PROTOCOL.md names the JSON types of the fields.
-_JSON_NAMES: Final = {dict: "object", int: "int", str: "string", list: "list"}
 
 
 def _request(raw: bytes, number: int) -> dict[str, Any]:
