@@ -239,3 +239,33 @@ def test_error_message_names_the_offending_value(
     with pytest.raises((TypeError, ValueError, BlockPoolError)) as excinfo:
         call(populated.pool, populated)
     assert offending in str(excinfo.value)
+
+
+# -- C-GROW-MEMORY: a growth no process can hold ----------------------------------------
+
+
+@pytest.mark.parametrize("n_tokens", [10**11, 10**30], ids=["past-memory", "past-a-list"])
+@pytest.mark.parametrize("separate_kv", [True, False], ids=["separate", "shared"])
+def test_a_growth_too_large_for_memory_changes_nothing(n_tokens: int, separate_kv: bool) -> None:
+    # It once took the retired ids off their heap before the new ids failed to build:
+    # the ids were lost for good (check_invariants: the partition).
+    pool: BlockPoolAllocator = make_pool(
+        block_size=1, n_blocks=8, separate_kv=separate_kv, grow_on_exhaustion=True
+    )
+    stream = "k" if separate_kv else "kv"
+    held = pool.allocate(stream, 1, owner=1)
+    pool.shrink(stream, 0)  # retires every free id of the stream
+    with pool_unchanged(pool, owners=[1], handles=held), pytest.raises(MemoryError) as refused:
+        pool.allocate(stream, n_tokens, owner=2)
+    assert f"n_tokens={n_tokens}" in str(refused.value)
+    assert len(pool.allocate(stream, 3, owner=2)) == 3  # the retired ids come back first
+
+
+@pytest.mark.parametrize(
+    ("n_blocks", "history_len"), [(10**30, 8), (8, 2**63)], ids=["n_blocks", "history_len"]
+)
+def test_a_pool_too_large_for_the_process_is_refused_naming_its_size(
+    n_blocks: int, history_len: int
+) -> None:
+    with pytest.raises(MemoryError, match=f"n_blocks={n_blocks} with history_len={history_len}"):
+        BlockPoolAllocator(PoolConfig(n_blocks=n_blocks), history_len=history_len)

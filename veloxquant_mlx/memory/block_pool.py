@@ -547,19 +547,30 @@ class BlockPoolAllocator:
         Raises:
             TypeError: ``config`` is not a ``PoolConfig``, or ``history_len`` not an int.
             ValueError: ``history_len`` is negative.
+            MemoryError: The initial ids or the history do not fit in this process
+                (C-GROW-MEMORY).
         """
         if config is None:
             config = PoolConfig()
         if not isinstance(config, PoolConfig):
             raise TypeError(f"config must be a PoolConfig or None, got {config!r}")
         history_len = require_int("history_len", history_len, minimum=0)
+        try:  # what may not fit, built first
+            free_lists = _initial_free_lists(config)
+            ever_allocated = [False] * config.n_blocks
+            history = StatsHistory(history_len)
+        except (MemoryError, OverflowError):
+            raise MemoryError(
+                f"a pool of n_blocks={config.n_blocks} with history_len={history_len} is "
+                "more than this process can hold"
+            ) from None
         self._config: Final = config
         self._block_size: Final[int] = config.block_size
         self._lock: Final = _PoolLock()
         # Stream name accepted from callers -> name of the free list serving it.
         self._stream_names: Final = _SEPARATE_STREAMS if config.separate_kv else _SHARED_STREAMS
         # Per free list, a stack of block ids: the top (next handed out) is the end.
-        self._free_lists: Final = _initial_free_lists(config)
+        self._free_lists: Final = free_lists
         # Stream name accepted from callers -> its free list's name and that list, so that
         # allocate finds both in one lookup.
         self._free_list_routes: Final = {
@@ -584,11 +595,11 @@ class BlockPoolAllocator:
         # Per id ever issued: True once handed out by allocate(), reset when re-issued by
         # growth. A list, not a bytearray: compiled, a list is indexed by a native int
         # without boxing it (the checkout loop's costliest step), for 8 bytes an id.
-        self._ever_allocated: Final[list[bool]] = [False] * config.n_blocks
+        self._ever_allocated: Final[list[bool]] = ever_allocated
         # The live counters; callers only ever see snapshots.
         self._stats: Final = AllocationStats(n_blocks=config.n_blocks)
         # The stats after each counted call; recorded by the build's cheapest means.
-        self._history: Final = StatsHistory(history_len)
+        self._history: Final = history
         self._history_on: Final = history_len > 0
         # Bound push of each free list (stable: free lists are only ever changed in place).
         self._push_onto: Final = {name: ids.append for name, ids in self._free_lists.items()}
@@ -767,7 +778,13 @@ class BlockPoolAllocator:
                 f"allocate(stream={stream!r}, n_tokens={n_tokens}) needs {n_missing} more "
                 f"free blocks than the stream has; {self._growth_limit_text()}"
             )
-        return self._issue_new_ids(n_missing)
+        try:
+            return self._issue_new_ids(n_missing)
+        except (MemoryError, OverflowError):
+            raise MemoryError(
+                f"allocate(stream={stream!r}, n_tokens={n_tokens}) needs {n_missing} new "
+                "blocks, more than this process can hold; nothing changed"
+            ) from None
 
     def _may_grow_by(self, n_missing: int) -> bool:
         """Whether growth is on and ``n_missing`` more blocks stay within ``max_blocks``."""
@@ -785,22 +802,29 @@ class BlockPoolAllocator:
         )
 
     def _issue_new_ids(self, count: int) -> list[BlockId]:
-        """Issue ``count`` ids, ascending: lowest retired first, then above all ever issued."""
+        """Issue ``count`` ids, ascending: lowest retired first, then above all ever issued.
+
+        Raises:
+            MemoryError, OverflowError: The new ids do not fit in memory (or in a list);
+                raised before anything changes (C-GROW-MEMORY).
+        """
         retired = self._retired_ids
+        n_fresh = count - min(count, len(retired))
+        fresh_start = self._next_new_id
+        fresh_end = fresh_start + n_fresh
+        if n_fresh == 1:  # growth block by block, worth its own path
+            fresh_ids = [fresh_start]
+            self._ever_allocated.append(False)
+        else:  # the lists that may not fit are built before any book changes
+            fresh_ids = list(range(fresh_start, fresh_end))
+            self._ever_allocated.extend([False] * n_fresh)
         new_ids: list[BlockId] = []
         while retired and len(new_ids) < count:
             block_id = heapq.heappop(retired)
             self._retired_set.remove(block_id)
             self._ever_allocated[block_id] = False
             new_ids.append(block_id)
-        fresh_start = self._next_new_id
-        fresh_end = fresh_start + count - len(new_ids)
-        if fresh_end - fresh_start == 1:  # growth block by block, worth its own path
-            new_ids.append(fresh_start)
-            self._ever_allocated.append(False)
-        else:
-            new_ids.extend(range(fresh_start, fresh_end))
-            self._ever_allocated.extend([False] * (fresh_end - fresh_start))
+        new_ids += fresh_ids
         self._next_new_id = fresh_end
         top: int = new_ids[-1]  # ascending: the last is the highest
         if top >= self._id_bound:
