@@ -269,3 +269,22 @@ def test_a_pool_too_large_for_the_process_is_refused_naming_its_size(
 ) -> None:
     with pytest.raises(MemoryError, match=f"n_blocks={n_blocks} with history_len={history_len}"):
         BlockPoolAllocator(PoolConfig(n_blocks=n_blocks), history_len=history_len)
+
+
+def test_a_hand_built_block_with_an_unhashable_id_is_refused_as_no_handle(
+    populated: PopulatedPool,
+) -> None:
+    # Its id was hashed for the lookup: a bare TypeError, where the contract says no handle.
+    untyped: Any = populated.pool
+    bad = Block([], "k", owner=1)  # type: ignore[arg-type]
+    with populated.unchanged():
+        assert not untyped.is_live(bad)
+        assert not untyped.all_live([bad])
+        with pytest.raises(InvalidFreeError, match=r"blocks\[0\] = Block\(block_id=\[\]"):
+            untyped.free([bad])
+        with pytest.raises(InvalidFreeError):
+            untyped.share([bad], 5)
+        with pytest.raises(InvalidFreeError):
+            untyped.make_writable(bad)
+        with pytest.raises(ValueError, match="not a live handle"):
+            untyped.mark_used(bad, 1)

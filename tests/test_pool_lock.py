@@ -110,6 +110,18 @@ class WatchingRepr:
         return "<watching>"
 
 
+class WatchingId(WatchingRepr):
+    """A hand-built block's id whose hash, equality and repr are the caller's code."""
+
+    def __hash__(self) -> int:
+        self.watcher.note()
+        return 0  # the hash of the pool's block id 0
+
+    def __eq__(self, other: object) -> bool:
+        self.watcher.note()
+        return False
+
+
 def watching_list(watcher: LockWatcher, items: list[object]) -> WatchingList:
     listed = WatchingList(items)
     listed.watcher = watcher
@@ -123,6 +135,8 @@ def calls_that_run_caller_code(
     ``__iter__``, a foreign item's ``__repr__`` in the error that names it."""
     live = pool.allocate("k", 4, owner=1)
     foreign = WatchingRepr(watcher)
+    watching_id: Any = WatchingId(watcher)  # not an int, as the signature wants
+    hand_built = block_pool.Block(watching_id, "k", owner=1)
     untyped: Any = pool  # the arguments are not what the signatures want
     return [
         lambda: pool.all_live(watching_iterable(watcher, [*live])),
@@ -132,6 +146,9 @@ def calls_that_run_caller_code(
         lambda: untyped.share([foreign], 3),
         lambda: untyped.share([], foreign),
         lambda: untyped.make_writable(foreign),
+        lambda: pool.mark_used(hand_built, 1),  # its repr in the error: unlocked
+        lambda: pool.free([hand_built]),
+        lambda: pool.is_live(hand_built),  # no note: refused before its id is hashed
     ]
 
 
@@ -142,7 +159,7 @@ def test_no_caller_code_runs_while_the_pool_holds_its_lock() -> None:
     for call in calls_that_run_caller_code(pool, watcher):
         with contextlib.suppress(TypeError, ValueError):
             call()
-    assert watcher.held == [False] * 7
+    assert watcher.held == [False] * 9
 
 
 class EmptiesTheListOnRelease:

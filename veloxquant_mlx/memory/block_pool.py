@@ -135,6 +135,25 @@ class InvariantViolationError(AssertionError):
     """``check_invariants()`` found the pool's books inconsistent; names the invariant."""
 
 
+#: ``mark_used``'s refusal of a block that has an owner but is no live handle of the pool
+#: (any other refusal is a shared block's reference count, >= 2).
+_NOT_A_HANDLE: Final = -1
+
+
+def _mark_used_refusal(block: Block, refusal: int) -> ValueError:
+    """The error of ``mark_used`` refusing ``block``: :data:`_NOT_A_HANDLE`, or the
+    reference count of a shared, so read-only, block."""
+    if refusal == _NOT_A_HANDLE:
+        return ValueError(
+            f"block {block!r} has an owner but is not a live handle of this pool; "
+            "expected a block checked out from this pool"
+        )
+    return ValueError(
+        f"block {block!r} is shared (reference count {refusal}) and so read-only; "
+        "expected a block with count 1: call make_writable(block) first"
+    )
+
+
 def _items_of(blocks: Iterable[_Item]) -> Sequence[_Item]:
     """``blocks`` itself if an exact list or tuple, else a tuple of its items.
 
@@ -955,8 +974,16 @@ class BlockPoolAllocator:
         )
 
     def _is_live(self, block: object) -> TypeGuard[Block]:
-        """Whether ``block`` is the current handle of a block checked out from this pool."""
-        if not isinstance(block, Block) or not isinstance(block.owner, int):
+        """Whether ``block`` is the current handle of a block checked out from this pool.
+
+        A handle's ``block_id`` is an exact ``int`` (the pool made it): any other is
+        refused before the lookup, which would hash it (caller code, under the lock).
+        """
+        if (
+            not isinstance(block, Block)
+            or not isinstance(block.owner, int)
+            or type(block.block_id) is not int
+        ):
             return False
         owned = self._owner_blocks.get(block.owner)
         return owned is not None and owned.get(block.block_id) is block
@@ -1036,31 +1063,29 @@ class BlockPoolAllocator:
             if n_used > block_size:
                 raise ValueError(f"n_used must be an int in 0..{block_size}, got {n_used}")
         new_fill: int = n_used  # for the count; the handle keeps n_used as given
+        refusal = 0  # why it is refused: _NOT_A_HANDLE, or a shared block's count
         self._lock.acquire()
         try:
             owner = handle.owner
             if owner is not None:
                 # _is_live(), inlined: this is the per-token decode path.
                 owned = self._owner_blocks.get(owner) if isinstance(owner, int) else None
-                if owned is None or owned.get(handle.block_id) is not handle:
-                    raise ValueError(
-                        f"block {handle!r} has an owner but is not a live handle of this pool; "
-                        "expected a block checked out from this pool"
+                block_id = handle.block_id  # an exact int, or no handle: hashed by no caller
+                if owned is None or type(block_id) is not int or owned.get(block_id) is not handle:
+                    refusal = _NOT_A_HANDLE
+                elif self._shared_counts and block_id in self._shared_counts:
+                    refusal = self._shared_counts[block_id]
+                else:
+                    old_fill: int = handle.n_used  # a live handle: the pool wrote it
+                    self._stats._fragmented_count += (0 < new_fill < block_size) - (
+                        0 < old_fill < block_size
                     )
-                shared = self._shared_counts
-                if shared and handle.block_id in shared:
-                    raise ValueError(
-                        f"block {handle!r} is shared (reference count "
-                        f"{shared[handle.block_id]}) and so read-only; expected a block "
-                        "with count 1: call make_writable(block) first"
-                    )
-                old_fill: int = handle.n_used  # a live handle: the pool wrote it
-                self._stats._fragmented_count += (0 < new_fill < block_size) - (
-                    0 < old_fill < block_size
-                )
-            handle.n_used = n_used
+            if not refusal:
+                handle.n_used = n_used
         finally:
             self._lock.release()
+        if refusal:  # the message's repr of a hand-built block's fields is caller code
+            raise _mark_used_refusal(handle, refusal)
 
     def shrink(self, stream: AsGiven[str], target_free: AsGiven[int]) -> int:
         """Retire free blocks of ``stream``, highest ids first, until ``target_free`` remain.
