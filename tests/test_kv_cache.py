@@ -14,6 +14,7 @@ from collections.abc import Iterator, Sequence
 import mlx.core as mx
 import numpy as np
 import pytest
+from conftest import pool_unchanged
 from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models import llama
@@ -339,6 +340,23 @@ def test_state_accepts_mlx_lm_kv_cache_state(pool: BlockPoolAllocator) -> None:
     cache.state = _reference().state  # an empty cache's (None, None, 0)
     assert cache.empty()
     assert pool.stats.blocks_in_use() == 0
+    cache.book.release()
+
+
+@pytest.mark.parametrize(
+    "shape", [(HEADS, 5, HEAD_DIM), (1, 1, HEADS, 5, HEAD_DIM)], ids=["3-D", "5-D"]
+)
+def test_a_state_of_arrays_that_are_not_4d_is_refused_and_changes_nothing(
+    pool: BlockPoolAllocator, shape: tuple[int, ...]
+) -> None:
+    # Such arrays were read as holding no positions: the layer was emptied, no error.
+    cache = _one_layer(pool)
+    cache.update_and_fetch(_tokens(5, 1), _tokens(5, 2))
+    refused = r"\(1, heads, n, head_dim\) arrays, got shapes"
+    owners, handles = [cache.book.owner], cache.book.key_blocks
+    with pool_unchanged(pool, owners, handles), pytest.raises(ValueError, match=refused):
+        cache.state = (mx.ones(shape), mx.ones(shape))
+    assert cache.offset == 5
     cache.book.release()
 
 

@@ -19,6 +19,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 import mlx.core as mx
 import pytest
@@ -313,6 +314,11 @@ BAD_COPIES = {
         "shape",
     ),
     "not a cache": (lambda m: [object(), object()], ValueError, "state must be"),
+    "3-D arrays": (  # once read as no positions: copied nothing, refused nothing
+        lambda m: [SimpleNamespace(state=(mx.ones((2, 5, 16)),) * 2)] * 2,
+        ValueError,
+        r"must be \(1, heads, n, head_dim\) arrays, got shapes \(2, 5, 16\)",
+    ),
 }
 
 

@@ -100,6 +100,11 @@ def split_state(state: object) -> tuple[mx.array, mx.array, int]:
     """``(keys, values[, offset])`` as arrays and an offset (their length if absent).
 
     ``(None, None[, 0])``, an empty mlx-lm ``KVCache``'s state, means no positions.
+
+    Raises:
+        TypeError: Keys or values are not MLX arrays.
+        ValueError: Not such a tuple, arrays that are not 4-D (a layer's
+            ``(1, heads, n, head_dim)``), or an offset outside ``0 .. n``.
     """
     if not isinstance(state, Sequence) or len(state) not in (2, 3):
         raise ValueError(f"state must be (keys, values) or (keys, values, offset), got {state!r}")
@@ -112,7 +117,12 @@ def split_state(state: object) -> tuple[mx.array, mx.array, int]:
             f"state's keys and values must be mlx arrays, got {type(keys).__name__} "
             f"and {type(values).__name__}"
         )
-    length = keys.shape[2] if keys.ndim == 4 else 0
+    if keys.ndim != 4 or values.ndim != 4:
+        raise ValueError(
+            "state's keys and values must be (1, heads, n, head_dim) arrays, got shapes "
+            f"{tuple(keys.shape)} and {tuple(values.shape)}"
+        )
+    length = keys.shape[2]
     offset = state[2] if len(state) == 3 else length
     if type(offset) is not int or not 0 <= offset <= length:
         raise ValueError(f"state's offset must be an int in 0..{length}, got {offset!r}")
