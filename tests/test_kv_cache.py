@@ -208,6 +208,10 @@ def test_automatic_owners_are_distinct(pool: BlockPoolAllocator) -> None:
         (lambda book: book.append(1, layer=2), ValueError),
         (lambda book: book.trim(-1), ValueError),
         (lambda book: book.trim(1, layer=-1), ValueError),
+        (lambda book: book.layer_offset(-1), ValueError),  # read the last layer's
+        (lambda book: book.layer_offset(2), ValueError),  # a bare IndexError
+        (lambda book: book.layer_offset(True), TypeError),  # read layer 1's
+        (lambda book: book.layer_offset("0"), TypeError),
     ],
 )
 def test_bad_arguments_raise_and_change_nothing(

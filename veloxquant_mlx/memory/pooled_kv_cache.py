@@ -250,8 +250,15 @@ class PooledKVCache:
         return self._extent_version
 
     def layer_offset(self, layer: int) -> int:
-        """Positions ``layer`` has appended and not trimmed."""
-        return self._offsets[layer]
+        """Positions ``layer`` has appended and not trimmed.
+
+        Raises:
+            TypeError, ValueError: ``layer`` is not an int in ``0 .. n_layers - 1``.
+        """
+        offsets = self._offsets
+        if type(layer) is not int or not 0 <= layer < len(offsets):  # -1 read the last
+            self._require_layer(layer)
+        return offsets[layer]
 
     def size(self) -> int:
         """Positions held (mlx-lm's ``size()``): the same as :attr:`offset`."""
