@@ -196,6 +196,14 @@ def test_an_active_owner_is_refused(pool: BlockPoolAllocator) -> None:
         PooledKVCache(pool, owner=7)
 
 
+def test_too_many_layers_for_the_process_are_refused_naming_the_count(
+    pool: BlockPoolAllocator,
+) -> None:
+    with pool_unchanged(pool), pytest.raises(MemoryError, match=f"n_layers={10**20} "):
+        PooledKVCache(pool, owner=7, n_layers=10**20)
+    pool.register_owner(7)  # not claimed
+
+
 def test_automatic_owners_are_distinct(pool: BlockPoolAllocator) -> None:
     assert PooledKVCache(pool).owner != PooledKVCache(pool).owner
 

@@ -146,11 +146,16 @@ class PooledKVCache:
                 ``n_layers`` not an int, ``format`` not a str.
             ValueError: ``n_layers < 1`` or ``format`` empty.
             OwnerAlreadyActiveError: ``owner`` holds blocks or is registered.
+            MemoryError: ``n_layers`` is too many to hold; nothing is claimed.
         """
         if not isinstance(pool, BlockPoolAllocator):
             raise TypeError(f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
         require_int("n_layers", n_layers, minimum=1)
         require_format(format)
+        try:
+            offsets = [0] * n_layers
+        except (MemoryError, OverflowError):  # 10**20 layers: no list holds them
+            raise MemoryError(f"n_layers={n_layers} is more than this process can hold") from None
         self._pool: Final = pool
         self._block_size: Final = pool.config.block_size
         self._format: Final = format
@@ -168,7 +173,7 @@ class PooledKVCache:
         # Positions covered by the table: the furthest layer offset.
         self._n_tokens = 0
         # Per layer, positions appended and not trimmed.
-        self._offsets: Final = [0] * n_layers
+        self._offsets: Final = offsets
         # Whether the last blocks may be shared (set by fork): the next growth checks.
         self._last_may_be_shared = False
         # Whether this book ever forked or was forked: only then can a trim reach a
