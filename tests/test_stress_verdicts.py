@@ -201,8 +201,11 @@ def test_ops_stop_the_calls_inside_a_window_that_would_hold_more(tmp_path: Path)
     # four threads about one history in eight needs a search longer than the 30-s budget
     # (inconclusive); with two, none in 48 took over a second.
     report = run_stress(quick_config(tmp_path, ops=200, **{**BIG_WINDOWS, "threads": 2}))
-    # 200 calls and the barrier's and the audit's few; a whole window would be 4,000.
-    assert 200 <= report.operations < 400
+    # 200 calls, at most one more per thread (a step may record a blocks_for, then its
+    # call); a whole window would be 4,000. The report's operations add the barrier's
+    # observations and the audit's calls.
+    assert 200 <= report.worker_calls <= 200 + 2
+    assert report.worker_calls < report.operations < 400
     assert report.verdict is Verdict.OK
 
 
@@ -335,7 +338,7 @@ def test_ops_alone_keeps_the_profiles_duration_as_the_wall_time_bound(
     args = ["stress", "--ops", "50", "--no-progress", "--storage", "none", "--out", str(tmp_path)]
     assert cli.main([*args, "--replay-backend", "none"]) == 0
     start = capsys.readouterr().err.splitlines()[0]
-    assert "until 50 calls or 60 s" in start
+    assert "until 50 worker calls or 60 s" in start
     assert "wall time at most 90 s" in start
 
 

@@ -151,7 +151,9 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--ops",
         type=int_at_least(1),
         metavar="N",
-        help="stop after N calls, or after the profile's duration if that comes first",
+        help="stop after the worker threads made N calls (the queries recorded at each "
+        "barrier and the final audit's calls come on top), or after the profile's "
+        "duration if that comes first",
     )
     group.add_argument(
         "--duration",
@@ -474,7 +476,7 @@ def start_line(config: StressConfig) -> str:
     """What the run will do and the longest it can take: printed before it starts."""
     limits = []
     if config.ops is not None:
-        limits.append(f"{config.ops:,} calls")
+        limits.append(f"{config.ops:,} worker calls")
     if config.duration is not None:
         limits.append(f"{config.duration:g} s")
     most = (

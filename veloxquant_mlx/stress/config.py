@@ -167,7 +167,7 @@ class StressConfig:
     Attributes:
         profile: Name shown in the report (``smoke``, ``nightly`` or ``custom``).
         threads: Worker threads sharing the pool and the store.
-        ops: Stop once this many calls were made (all threads), if set.
+        ops: Stop once the worker threads made this many calls (all of them), if set.
         duration: Stop after this many seconds, if set.
         seed: Seeds every thread's choices (the interleaving is the OS's).
         pool: The shared pool's configuration.

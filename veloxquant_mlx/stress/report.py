@@ -13,7 +13,7 @@ JSON keys (``to_json``; ``schema`` is bumped when one changes meaning):
 ``schema, verdict, ok, partial, profile, seed, threads, python, pool,
 history_len, mix, window_ops, switch_interval, wall_seconds, timing{
 total_seconds, checking_seconds, checking_after_calls_seconds,
-check_budget_seconds}, operations, operations_per_second,
+check_budget_seconds}, operations, worker_operations, operations_per_second,
 operations_by_kind{kind: {count, per_second, errors{kind: n}}},
 errors_by_kind, invariant_checks, histories_checked{windows, events,
 configurations, max_end_states, largest_window, largest_search,
@@ -24,7 +24,10 @@ not_checked[{what, why}], checks_off[...], violations[{kind, message, path}]``.
 every call; ``checks_off`` names the checks the options left out (e.g.
 ``--replay-backend none``), which the summary's verdict line repeats.
 ``partial`` is true when the run was interrupted. ``wall_seconds`` is the
-time the calls took; ``timing`` adds the checking.
+time the calls took; ``timing`` adds the checking. ``operations`` counts
+every recorded call, ``worker_operations`` those of the worker threads
+(what ``--ops`` bounds): the rest are the queries recorded at each barrier
+and the conservation audit's calls.
 
 Complexity: O(kinds + findings). Thread safety: immutable once built.
 """
@@ -137,6 +140,7 @@ class StressReport:
     switch_interval: float | None
     wall_seconds: float
     calls_by_kind: Mapping[str, int]
+    worker_calls: int  # of them, by the workers (what --ops bounds)
     errors_by_call_kind: Mapping[str, Mapping[str, int]]
     invariant_checks: int
     histories_checked: Mapping[str, int | None]
@@ -215,6 +219,7 @@ class StressReport:
             "wall_seconds": round(self.wall_seconds, 3),
             "timing": None if self.timing is None else self.timing.to_json(),
             "operations": self.operations,
+            "worker_operations": self.worker_calls,
             "operations_per_second": self.per_second(self.operations),
             "operations_by_kind": {
                 kind: {
@@ -249,7 +254,9 @@ def summary_text(report: StressReport) -> str:
         f"  Python {python.get('version')} ({gil}), {report.threads} threads, seed "
         f"{report.seed}, calls for {report.wall_seconds:.1f} s",
         f"  pool: {report.pool}",
-        f"  calls: {report.operations:,} ({report.per_second(report.operations):,.0f}/s)",
+        f"  calls: {report.operations:,} ({report.per_second(report.operations):,.0f}/s); "
+        f"{report.worker_calls:,} by the workers, the rest observed at the barriers "
+        "and by the audit",
     ]
     for kind, count in sorted(report.calls_by_kind.items(), key=lambda item: -item[1]):
         errors = report.errors_by_call_kind.get(kind, {})

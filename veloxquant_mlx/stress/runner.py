@@ -1,8 +1,8 @@
 """The stress run: N threads on one pool and one store, checked while they run and after.
 
 :func:`run_stress` builds the pool (``config.allocator_factory``) and the
-shared store, then runs these threads until ``config.ops`` calls were made
-or ``config.duration`` passed, or a violation was found:
+shared store, then runs these threads until the workers made ``config.ops``
+calls or ``config.duration`` passed, or a violation was found:
 
 - ``threads`` **workers** (:class:`~veloxquant_mlx.stress.workload.Worker`),
   each making ``window_ops`` recorded calls, then meeting the others at a
@@ -141,6 +141,9 @@ class _Run:
         self.windows: Final = WindowQueue(config.max_queued_windows)
         self.budget: Final = CheckingBudget(config.check_budget, interrupt)
         self.calls_by_kind: Final[Counter[str]] = Counter()
+        # The workers' calls, what --ops bounds: calls_by_kind adds the observations made
+        # at each barrier and the audit's calls.
+        self.worker_calls = 0
         self.errors: Final[dict[str, Counter[str]]] = {}
         self.checker: Final = LinearizabilityChecker(
             spec_config(config.pool),
@@ -184,10 +187,12 @@ class _Run:
     # -- workers and the barrier ------------------------------------------------------------
 
     def work(self, index: int) -> None:
-        worker = self.workers[index]
+        worker, recorded = self.workers[index], self.recorders[index]
         try:
             while True:
-                for _ in range(self._window_calls):
+                # Recorded calls, not steps: a step may record two (a blocks_for first).
+                # The barrier action takes the events, so the count starts at 0 each window.
+                while len(recorded.events) < self._window_calls:
                     if self._window_must_close():
                         break  # every worker sees it too: the condition never clears
                     worker.step()
@@ -219,7 +224,7 @@ class _Run:
         """A violation, Ctrl-C, or the run's ``ops`` or ``duration`` reached."""
         config = self.config
         return self._window_must_close() or (
-            config.ops is not None and sum(self.calls_by_kind.values()) >= config.ops
+            config.ops is not None and self.worker_calls >= config.ops
         )
 
     def _window_must_close(self) -> bool:
@@ -236,7 +241,7 @@ class _Run:
         config = self.config
         if config.ops is None:
             return config.window_ops
-        left = max(config.ops - sum(self.calls_by_kind.values()), 1)
+        left = max(config.ops - self.worker_calls, 1)
         return min(config.window_ops, -(-left // config.threads))
 
     def _observe(self) -> None:
@@ -250,9 +255,12 @@ class _Run:
             record_call(self.observer, op, bind(self.pool, op, _no_ref))
 
     def _tally(self, events: Sequence[TraceLine]) -> None:
+        observer = self.observer.thread
         for event in events:
             kind = declaration_of(event.op).name
             self.calls_by_kind[kind] += 1
+            if event.thread != observer:
+                self.worker_calls += 1
             if isinstance(event.outcome, Raised):
                 self.errors.setdefault(kind, Counter())[event.outcome.kind] += 1
 
@@ -510,6 +518,7 @@ def _report(run: _Run, calls_seconds: float, total_seconds: float, finished: flo
         switch_interval=config.switch_interval,
         wall_seconds=calls_seconds,
         calls_by_kind=dict(run.calls_by_kind),
+        worker_calls=run.worker_calls,
         errors_by_call_kind={kind: dict(errors) for kind, errors in run.errors.items()},
         invariant_checks=run.invariant_checks,
         histories_checked=dataclasses.asdict(run.checker.figures),
