@@ -37,10 +37,10 @@ owner id, claim and handles (taking no lock, since it may run inside a pool
 call on any thread), and the next book construction, block-taking ``append``
 or pool-backed cache update on the pool releases them (an append or a
 copy-on-write the pool refuses runs the garbage collector, for books dropped
-inside a reference cycle, and tries again if a dropped book came back); :mod:`~veloxquant_mlx.memory.deferred_release` says
-exactly when and why a late release never frees another request's blocks,
-even one that reuses the id, and
-:func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_caches`
+inside a reference cycle, and tries again if a dropped book came back);
+:mod:`~veloxquant_mlx.memory.deferred_release` says exactly when and why a
+late release never frees another request's blocks, even one that reuses
+the id, and :func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_caches`
 drains on demand.
 
 Complexity (``L`` = layers): ``append`` O(1) when it stays in the last
