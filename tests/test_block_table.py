@@ -152,6 +152,25 @@ def test_a_table_of_another_pool_is_refused() -> None:
     book.release()
 
 
+@pytest.mark.parametrize(
+    ("start", "error"), [(1.0, TypeError), (True, TypeError), (-1, ValueError), (9, ValueError)]
+)
+def test_a_start_of_the_wrong_type_or_outside_the_table_is_refused(
+    start: object, error: type[Exception]
+) -> None:
+    # C-TYPE-VS-VALUE: a float start was a ValueError here (store.write: a TypeError).
+    store = _store()
+    book = PooledKVCache(store.pool, n_layers=N_LAYERS)
+    book.append(3)
+    table = DeviceBlockTable(book)
+    before = store.fetch_through_table(0, table, 3)
+    with pytest.raises(error, match="start"):
+        store.update_through_table(0, table, start, _tokens(1, 5), _tokens(1, 6))  # type: ignore[arg-type]
+    after = store.fetch_through_table(0, table, 3)
+    assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
+    book.release()
+
+
 def test_the_memo_is_dropped_when_the_ids_change() -> None:
     store = _store()
     book = PooledKVCache(store.pool, n_layers=1)

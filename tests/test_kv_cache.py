@@ -372,6 +372,18 @@ def test_a_state_of_arrays_that_are_not_4d_is_refused_and_changes_nothing(
     cache.book.release()
 
 
+@pytest.mark.parametrize(("offset", "error"), [(2.0, TypeError), (9, ValueError)])
+def test_a_state_offset_of_the_wrong_type_or_past_the_arrays_is_refused(
+    pool: BlockPoolAllocator, offset: object, error: type[Exception]
+) -> None:
+    cache = _one_layer(pool)
+    cache.update_and_fetch(_tokens(5, 1), _tokens(5, 2))
+    with pytest.raises(error, match="state's offset must be an int"):
+        cache.state = (_tokens(3, 3), _tokens(3, 4), offset)
+    assert cache.offset == 5
+    cache.book.release()
+
+
 def test_meta_state_round_trips_the_offset(pool: BlockPoolAllocator) -> None:
     cache = _one_layer(pool)
     cache.update_and_fetch(_tokens(7, 1), _tokens(7, 2))
@@ -442,6 +454,8 @@ def test_book_and_storage_must_share_a_pool(pool: BlockPoolAllocator) -> None:
         PoolBackedKVCache(_storage(_pool()), PooledKVCache(pool), 0)
     with pytest.raises(ValueError, match="layer"):
         PoolBackedKVCache(_storage(pool, 1), PooledKVCache(pool, n_layers=2), 1)
+    with pytest.raises(TypeError, match=r"layer must be an int, got 0\.0"):  # was a ValueError
+        PoolBackedKVCache(_storage(pool, 1), PooledKVCache(pool), 0.0)  # type: ignore[arg-type]
 
 
 # -- make_pool_backed_cache -----------------------------------------------------------------

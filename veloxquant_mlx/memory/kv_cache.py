@@ -167,13 +167,16 @@ class PoolBackedKVCache(KVCacheConventions):
                 routes the model's attention here).
 
         Raises:
+            TypeError: ``layer`` is not an int.
             ValueError: ``book`` draws from another pool than ``storage`` follows,
                 ``layer`` is outside both the storage's and the book's layers, ``table``
                 follows another book, or ``attention`` is not a mode the store serves.
         """
         if book.pool is not storage.pool:
             raise ValueError("book and storage must share one pool; got two different pools")
-        if type(layer) is not int or not 0 <= layer < min(book.n_layers, storage.n_layers):
+        if type(layer) is not int:
+            raise TypeError(f"layer must be an int, got {layer!r} ({type(layer).__name__})")
+        if not 0 <= layer < min(book.n_layers, storage.n_layers):
             raise ValueError(
                 f"layer must be in 0..{min(book.n_layers, storage.n_layers) - 1} "
                 f"(the book's and the storage's layers), got {layer!r}"

@@ -102,7 +102,7 @@ def split_state(state: object) -> tuple[mx.array, mx.array, int]:
     ``(None, None[, 0])``, an empty mlx-lm ``KVCache``'s state, means no positions.
 
     Raises:
-        TypeError: Keys or values are not MLX arrays.
+        TypeError: Keys or values are not MLX arrays, or the offset is not an int.
         ValueError: Not such a tuple, arrays that are not 4-D (a layer's
             ``(1, heads, n, head_dim)``), or an offset outside ``0 .. n``.
     """
@@ -124,7 +124,9 @@ def split_state(state: object) -> tuple[mx.array, mx.array, int]:
         )
     length = keys.shape[2]
     offset = state[2] if len(state) == 3 else length
-    if type(offset) is not int or not 0 <= offset <= length:
+    if type(offset) is not int:
+        raise TypeError(f"state's offset must be an int, got {offset!r} ({type(offset).__name__})")
+    if not 0 <= offset <= length:
         raise ValueError(f"state's offset must be an int in 0..{length}, got {offset!r}")
     return keys, values, offset
 

@@ -420,7 +420,9 @@ class MLXBlockStorage:
             mx.eval(keys, values)
         with self._lock:
             rows = self._slot_rows_locked(layer, table, this_step=True)
-            if type(start) is not int or start < 0 or start + n_new > rows.n_slots:
+            if type(start) is not int:
+                raise TypeError(f"start must be an int, got {start!r} ({type(start).__name__})")
+            if start < 0 or start + n_new > rows.n_slots:
                 raise ValueError(
                     f"positions {start!r}..{start}+{n_new} fall outside the table's "
                     f"{rows.n_slots} slots; expected 0 <= start and start + n <= {rows.n_slots}"
