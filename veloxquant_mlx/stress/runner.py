@@ -190,11 +190,14 @@ class _Run:
         worker, recorded = self.workers[index], self.recorders[index]
         try:
             while True:
-                # Recorded calls, not steps: a step may record two (a blocks_for first).
-                # The barrier action takes the events, so the count starts at 0 each window.
-                while len(recorded.events) < self._window_calls:
+                # At most window_calls steps, and no step once window_calls calls are
+                # recorded: a step records one call, two (a blocks_for first) or none (a
+                # write with nothing held). The barrier action takes the events.
+                for _ in range(self._window_calls):
                     if self._window_must_close():
                         break  # every worker sees it too: the condition never clears
+                    if len(recorded.events) >= self._window_calls:
+                        break
                     worker.step()
                 self.barrier.wait()
                 if self._stopping:
