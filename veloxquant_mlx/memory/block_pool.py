@@ -1063,29 +1063,29 @@ class BlockPoolAllocator:
             if n_used > block_size:
                 raise ValueError(f"n_used must be an int in 0..{block_size}, got {n_used}")
         new_fill: int = n_used  # for the count; the handle keeps n_used as given
-        refusal = 0  # why it is refused: _NOT_A_HANDLE, or a shared block's count
         self._lock.acquire()
         try:
             owner = handle.owner
-            if owner is not None:
-                # _is_live(), inlined: this is the per-token decode path.
-                owned = self._owner_blocks.get(owner) if isinstance(owner, int) else None
-                block_id = handle.block_id  # an exact int, or no handle: hashed by no caller
-                if owned is None or type(block_id) is not int or owned.get(block_id) is not handle:
-                    refusal = _NOT_A_HANDLE
-                elif self._shared_counts and block_id in self._shared_counts:
-                    refusal = self._shared_counts[block_id]
-                else:
-                    old_fill: int = handle.n_used  # a live handle: the pool wrote it
-                    self._stats._fragmented_count += (0 < new_fill < block_size) - (
-                        0 < old_fill < block_size
-                    )
-            if not refusal:
+            if owner is None:
                 handle.n_used = n_used
+                return
+            # _is_live(), inlined: this is the per-token decode path.
+            owned = self._owner_blocks.get(owner) if isinstance(owner, int) else None
+            block_id = handle.block_id  # an exact int, or no handle: hashed by no caller
+            if owned is None or type(block_id) is not int or owned.get(block_id) is not handle:
+                refusal = _NOT_A_HANDLE
+            elif self._shared_counts and block_id in self._shared_counts:
+                refusal = self._shared_counts[block_id]
+            else:
+                old_fill: int = handle.n_used  # a live handle: the pool wrote it
+                self._stats._fragmented_count += (0 < new_fill < block_size) - (
+                    0 < old_fill < block_size
+                )
+                handle.n_used = n_used
+                return
         finally:
             self._lock.release()
-        if refusal:  # the message's repr of a hand-built block's fields is caller code
-            raise _mark_used_refusal(handle, refusal)
+        raise _mark_used_refusal(handle, refusal)  # a hand-built block's repr is caller code
 
     def shrink(self, stream: AsGiven[str], target_free: AsGiven[int]) -> int:
         """Retire free blocks of ``stream``, highest ids first, until ``target_free`` remain.
