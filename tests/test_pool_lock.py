@@ -110,6 +110,20 @@ class WatchingRepr:
         return "<watching>"
 
 
+class WatchingInt(int):
+    """An int subclass whose hash and equality are the caller's code."""
+
+    watcher: LockWatcher
+
+    def __hash__(self) -> int:
+        self.watcher.note()
+        return int.__hash__(self)
+
+    def __eq__(self, other: object) -> bool:
+        self.watcher.note()
+        return int.__eq__(self, other)
+
+
 class WatchingId(WatchingRepr):
     """A hand-built block's id whose hash, equality and repr are the caller's code."""
 
@@ -137,6 +151,8 @@ def calls_that_run_caller_code(
     foreign = WatchingRepr(watcher)
     watching_id: Any = WatchingId(watcher)  # not an int, as the signature wants
     hand_built = block_pool.Block(watching_id, "k", owner=1)
+    subclassed_id = WatchingInt(0)
+    subclassed_id.watcher = watcher
     untyped: Any = pool  # the arguments are not what the signatures want
     return [
         lambda: pool.all_live(watching_iterable(watcher, [*live])),
@@ -149,6 +165,8 @@ def calls_that_run_caller_code(
         lambda: pool.mark_used(hand_built, 1),  # its repr in the error: unlocked
         lambda: pool.free([hand_built]),
         lambda: pool.is_live(hand_built),  # no note: refused before its id is hashed
+        lambda: pool.ref_count(subclassed_id),  # no note: looked up as a plain int
+        lambda: pool.is_shared(subclassed_id),
     ]
 
 

@@ -1211,6 +1211,8 @@ class BlockPoolAllocator:
             ValueError: ``block_id`` is negative.
         """
         require_int("block_id", block_id, minimum=0)
+        if type(block_id) is not int:  # an int subclass's hash and eq: caller code, unlocked
+            block_id = int(block_id)
         with self._lock:
             count = self._shared_counts.get(block_id)
             if count is not None:
@@ -1229,6 +1231,8 @@ class BlockPoolAllocator:
             ValueError: ``block_id`` is negative.
         """
         require_int("block_id", block_id, minimum=0)
+        if type(block_id) is not int:  # an int subclass's hash and eq: caller code, unlocked
+            block_id = int(block_id)
         with self._lock:
             return block_id in self._shared_counts
 
