@@ -167,6 +167,15 @@ def test_stress_rejects_a_bad_mix_as_a_usage_error(capsys: pytest.CaptureFixture
     assert "allocate=lots" in capsys.readouterr().err
 
 
+def test_a_mix_of_store_calls_alone_is_refused_it_would_record_no_call() -> None:
+    # Writes and gathers use blocks only pool calls hand out: a run of them alone
+    # recorded nothing, and one bounded by ops alone never ended.
+    store_only = {kind: 0 for kind in OPERATION_KINDS} | {"write": 1, "gather": 1}
+    with pytest.raises(ValueError, match="write and gather alone makes no call"):
+        OperationMix(store_only)
+    assert OperationMix(store_only | {"allocate": 1}).weights["allocate"] == 1
+
+
 # -- the checker on hand-written histories -------------------------------------------------
 
 

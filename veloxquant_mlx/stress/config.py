@@ -90,7 +90,7 @@ class OperationMix:
     """Relative weights of the kinds of call; a kind of weight 0 is never made.
 
     Invariant: every key is in :data:`OPERATION_KINDS`, every weight ``>= 0``,
-    and at least one weight is positive.
+    and a kind other than :data:`STORE_KINDS` has a positive weight.
     """
 
     weights: Mapping[str, int] = field(default_factory=lambda: dict(DEFAULT_MIX))
@@ -106,6 +106,11 @@ class OperationMix:
                 raise ValueError(f"the weight of {kind!r} must be an int >= 0, got {weight!r}")
         if not any(self.weights.values()):
             raise ValueError("at least one operation kind needs a positive weight")
+        if not any(w for kind, w in self.weights.items() if kind not in STORE_KINDS):
+            raise ValueError(  # such a run would record no call: --ops would never be reached
+                f"a mix of {' and '.join(STORE_KINDS)} alone makes no call (they use the "
+                "blocks the pool's calls hand out); expected a positive weight for a pool call"
+            )
 
     @classmethod
     def parse(cls, text: str) -> OperationMix:
