@@ -30,6 +30,13 @@ class FreeCountsBlocks(BlockPoolAllocator):
             self._stats.n_frees += max(0, len(blocks) - 1)
 
 
+class NFreeCountsOneMore(BlockPoolAllocator):
+    """``n_free`` says one block more than the stream has: wrong on a fresh pool already."""
+
+    def n_free(self, stream: str = "k") -> int:
+        return super().n_free(stream) + 1
+
+
 class FreeListIsFifo(BlockPoolAllocator):
     """Planted bug: after free(), the lowest free id is reused first, not the last freed."""
 

@@ -290,6 +290,23 @@ def test_a_counterexample_found_on_a_port_replays_on_that_port(
     assert "the port 'loads' raised" in capsys.readouterr().err
 
 
+@pytest.mark.usefixtures("in_tests")
+def test_a_counterexample_on_a_fresh_pool_replays_as_a_failure_not_as_ok(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Its trace holds no call: the replay once ran nothing and said "0 ops replayed: ok".
+    planted = "planted_bugs:NFreeCountsOneMore"
+    scope = ["--depth", "1", "--scope", SEPARATE_4.name]
+    assert cli.main(["exhaustive", "--factory", planted, *scope, "--out", str(tmp_path)]) == 1
+    trace = str(next(tmp_path.glob("counterexample-*.jsonl")))
+    capsys.readouterr()
+    assert cli.main(["replay", trace, "--factory", planted]) == 1
+    assert "FAILED: a fresh pool, before line 1:" in capsys.readouterr().err
+    assert cli.main(["replay", trace, "--driver", shlex.join([*PLANTED, planted])]) == 1
+    assert "FAILED: a fresh pool, before line 1:" in capsys.readouterr().err
+    assert cli.main(["replay", trace, "--factory", "planted_bugs:FreeCountsBlocks"]) == 0
+
+
 def test_the_exhaustive_command_passes_our_pool_through_its_driver(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -119,6 +119,17 @@ class _Target:
                 return
             engine.apply(line.op, line.call, expect=line.outcome)
 
+    def compare_fresh_pool(self) -> None:
+        """A port's fresh pool against the spec's, before any line: a counterexample found
+        there (``exhaustive`` compares it first) has no call to replay.
+
+        Raises:
+            ConformanceError: They differ.
+        """
+        engine = self.engine
+        if isinstance(engine, Lockstep) and engine.check is not Check.OUTCOMES:
+            engine.compare_observations()
+
 
 def _target(trace: Trace, on: str, port: Port | None) -> _Target:
     if on == "spec":
@@ -162,6 +173,10 @@ def replay_trace(
     target = _target(trace, on, port)
     if port is not None:
         on = f"port {port.name}"
+    try:
+        target.compare_fresh_pool()
+    except ConformanceError as failure:
+        return Verdict.VIOLATION, f"replay on {on} FAILED: a fresh pool, before line 1: {failure}"
     layers = trace.store.n_layers
     start = 0  # the position in trace.lines of the segment's first line
     where = 0  # the file line of the line being replayed
