@@ -25,7 +25,7 @@ from veloxquant_mlx.commandline import bad_input
 from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.stress import finaliser_schedules, schedules
 from veloxquant_mlx.stress.cli import config_from, memory_estimate
-from veloxquant_mlx.stress.config import OPERATION_KINDS, PROFILES, STORE_KINDS
+from veloxquant_mlx.stress.config import OPERATION_KINDS, PROFILES, STORE_KINDS, profile
 from veloxquant_mlx.testing import aliasing, driver_command, exhaustive, exhaustive_command
 from veloxquant_mlx.testing.exhaustive_command import default_max_states
 from veloxquant_mlx.testing.exhaustive_command import memory_estimate as exhaustive_memory
@@ -445,6 +445,16 @@ def test_stress_refuses_only_what_exceeds_the_machine_not_what_is_free_now(
     args = ["stress", "--profile", "nightly", "--ops", "50", "--no-progress", "--storage", "none"]
     assert cli.main([*args, "--replay-backend", "none", "--out", str(tmp_path)]) == 0
     assert "more than the 1 GiB free now" in capsys.readouterr().err  # said, not refused
+
+
+def test_a_store_left_out_counts_no_memory_in_the_stress_estimate() -> None:
+    # A 2**40-slot block size was refused as "about 5 PiB" with --storage none and
+    # --replay-backend none, which build no store: the run needs a few MiB.
+    huge = PoolConfig(block_size=2**40, n_blocks=24, grow_on_exhaustion=True, max_blocks=40)
+    without = profile("smoke").with_options(pool=huge, storage="none", replay_backend="none")
+    assert memory_estimate(without) < 2**30
+    assert memory_estimate(without.with_options(storage="numpy")) > 2**50
+    assert memory_estimate(without.with_options(replay_backend="numpy")) > 2**50
 
 
 def test_the_exhaustive_defaults_fit_an_8_gb_machine(

@@ -334,7 +334,9 @@ def memory_parts(config: StressConfig) -> tuple[int, int]:
 
     The run: the process, the shared pool and store and the replay's pool
     and store (at most ``max_blocks`` ids, or twice ``n_blocks`` when growth
-    has no cap: a guess), and the windows recorded but not yet checked. The
+    has no cap: a guess; a store that ``--storage none`` or
+    ``--replay-backend none`` leaves out counts nothing), and the windows
+    recorded but not yet checked. The
     search: one window's linearizability search holding its whole
     ``search_budget`` of configurations, which only a window far more
     concurrent than the barriers allow needs (figures: :mod:`~veloxquant_mlx.commandline.sizes`).
@@ -350,7 +352,8 @@ def memory_parts(config: StressConfig) -> tuple[int, int]:
     )
     window_calls = config.threads * config.window_ops + _OBSERVATION_CALLS
     windows = (config.max_queued_windows + 2) * window_calls * EVENT_BYTES  # + being made, checked
-    run = PROCESS_BYTES + 2 * (pool_bytes(ids) + slabs) + windows
+    stores = (config.storage != "none") + (config.replay_backend != "none")
+    run = PROCESS_BYTES + 2 * pool_bytes(ids) + stores * slabs + windows
     search = search_bytes(
         config.search_budget, n_ids=ids + config.history_len, window_calls=window_calls
     )
