@@ -13,6 +13,7 @@ behind. (Ctrl-C: ``test_commands_on_ctrl_c.py``.)
 from __future__ import annotations
 
 import json
+import os
 import shlex
 import sys
 from collections.abc import Callable, Sequence
@@ -228,6 +229,22 @@ def test_stress_refuses_an_out_it_cannot_create_and_leaves_nothing(
     refused(capsys, cli.main, stress("--out", str(blocker / "x" / "y")), "cannot be created")
     refused(capsys, cli.main, stress("--out", str(blocker)), "is a file")
     assert [path.name for path in tmp_path.iterdir()] == ["file"]
+
+
+def test_stress_refuses_an_out_whose_name_cannot_be_used_in_one_line(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    # Each was a traceback: a name past the file system's 255 bytes (OSError), bytes that
+    # are not UTF-8 (the summary failed to be written after the whole run), and a folder
+    # by a run file's name under --force (IsADirectoryError).
+    long_name = str(tmp_path / ("a" * 300))
+    refused(capsys, cli.main, stress("--out", long_name), "cannot be used: File name too long")
+    not_utf8 = os.fsdecode(bytes(tmp_path) + b"/\xff\xfe")
+    refused(capsys, cli.main, stress("--out", not_utf8), "argument --out", "in UTF-8")
+    (tmp_path / "report.json").mkdir()
+    forced = stress("--out", str(tmp_path), "--force")
+    refused(capsys, cli.main, forced, "holds a folder named 'report.json'", "files only")
+    assert [path.name for path in tmp_path.iterdir()] == ["report.json"]
 
 
 def test_stress_refuses_a_reused_out_unless_forced_and_then_keeps_no_stale_file(

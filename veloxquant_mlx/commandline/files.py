@@ -6,10 +6,12 @@
   old content or the new, never a mix, and an interrupted write leaves no
   temporary file behind.
 - :func:`out_dir_argument` is the ``argparse`` type of ``--out``: it refuses
-  an empty path (which would mean the current folder).
+  an empty path (which would mean the current folder) and one that is not
+  UTF-8 text.
 - :func:`prepare_out_dir` refuses a folder that holds an earlier run's
-  files unless ``force`` (then it deletes exactly those files), and checks
-  that the folder can be created and written before the run starts.
+  files unless ``force`` (then it deletes exactly those files, and refuses
+  a folder by one of their names), and checks that the folder can be
+  created and written before the run starts; any ``OSError`` is one line.
 - :func:`claim_new_folder` creates a default output folder that no other
   run has: two runs started in the same second get ``NAME`` and ``NAME-2``.
 
@@ -91,11 +93,18 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def out_dir_argument(text: str) -> Path:
-    """The ``argparse`` type of ``--out``: any non-empty path."""
+    """The ``argparse`` type of ``--out``: any non-empty path that is UTF-8 text (the
+    reports name it, and are written in UTF-8)."""
     if not text.strip():
         raise argparse.ArgumentTypeError(
             f"expected a folder path, got {text!r} (use '.' for the current folder)"
         )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError(
+            f"expected a folder path in UTF-8, got {text!r} (bytes that are not UTF-8)"
+        ) from None
     return Path(text)
 
 
@@ -118,13 +127,30 @@ def prepare_out_dir(
         option: The option's name, for messages.
 
     Raises:
-        BadInputError: ``folder`` is not a folder, cannot be created or written, or
+        BadInputError: ``folder`` is not a folder, cannot be created or written
+            (a name too long, say), holds a folder by the name of a run's file, or
             holds an earlier run's files and ``force`` is false. Nothing is
             created or deleted then.
     """
+    try:
+        _prepare_out_dir(folder, force=force, is_run_file=is_run_file, option=option)
+    except OSError as error:
+        reason = error.strerror or str(error)
+        raise BadInputError(f"{option} {str(folder)!r} cannot be used: {reason}") from None
+
+
+def _prepare_out_dir(
+    folder: Path, *, force: bool, is_run_file: Callable[[str], bool], option: str
+) -> None:
     if folder.exists() and not folder.is_dir():
         raise BadInputError(f"{option} {str(folder)!r} is a file; expected a folder")
     earlier = earlier_run_files(folder, is_run_file)
+    in_the_way = [path for path in earlier if path.is_dir() and not path.is_symlink()]
+    if in_the_way:
+        raise BadInputError(
+            f"{option} {str(folder)!r} holds a folder named {in_the_way[0].name!r}, a file a "
+            "run writes; expected no folder by that name (--force deletes files only)"
+        )
     if earlier and not force:
         raise BadInputError(
             f"{option} {str(folder)!r} holds an earlier run's files ({_names(earlier)}); "
