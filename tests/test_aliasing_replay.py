@@ -217,6 +217,16 @@ def test_a_bad_header_is_rejected() -> None:
         loads(dumps(trace()).replace('"block_size":2', '"block_size":0'))
 
 
+@pytest.mark.parametrize("history_len", [-1, True, 2**63, 10**30])
+def test_a_header_history_len_no_pool_can_keep_is_rejected(history_len: object) -> None:
+    # 10**30 once loaded, and the replay on a pool died in a MemoryError traceback.
+    written = json.dumps(history_len)
+    text = dumps(trace()).replace('"history_len":0', f'"history_len":{written}')
+    with pytest.raises(TraceFormatError, match='"history_len" must be an int from 0 to'):
+        loads(text)
+    assert loads(text.replace(written, str(2**63 - 1))).history_len == 2**63 - 1
+
+
 def test_a_header_with_an_unknown_key_is_rejected() -> None:
     text = dumps(trace()).replace('"version":2,', '"version":2,"colour":"red",')
     with pytest.raises(TraceFormatError, match=r"unknown key\(s\) \['colour'\]"):

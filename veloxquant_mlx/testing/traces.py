@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -518,8 +519,10 @@ def _decode_header(line: str) -> tuple[Trace, int, int | None]:
     partial, history_len = record.get("partial", False), record.get("history_len", 0)
     if type(partial) is not bool:
         raise TraceFormatError(f'header "partial" must be true or false, got {partial!r}')
-    if type(history_len) is not int or history_len < 0:
-        raise TraceFormatError(f'header "history_len" must be an int >= 0, got {history_len!r}')
+    if type(history_len) is not int or not 0 <= history_len <= sys.maxsize:
+        raise TraceFormatError(  # past sys.maxsize no pool can keep a history that long
+            f'header "history_len" must be an int from 0 to {sys.maxsize}, got {history_len!r}'
+        )
     n_lines = record.get("lines")
     if n_lines is not None and (type(n_lines) is not int or n_lines < 0):
         raise TraceFormatError(f'header "lines" must be an int >= 0, got {n_lines!r}')
