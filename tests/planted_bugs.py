@@ -30,6 +30,11 @@ class FreeCountsBlocks(BlockPoolAllocator):
             self._stats.n_frees += max(0, len(blocks) - 1)
 
 
+def not_a_pool(config: object, history_len: int) -> object:
+    """A factory whose "pool" has none of the API: every call raises AttributeError."""
+    return object()
+
+
 class NFreeCountsOneMore(BlockPoolAllocator):
     """``n_free`` says one block more than the stream has: wrong on a fresh pool already."""
 

@@ -305,6 +305,12 @@ def test_a_counterexample_on_a_fresh_pool_replays_as_a_failure_not_as_ok(
     assert cli.main(["replay", trace, "--driver", shlex.join([*PLANTED, planted])]) == 1
     assert "FAILED: a fresh pool, before line 1:" in capsys.readouterr().err
     assert cli.main(["replay", trace, "--factory", "planted_bugs:FreeCountsBlocks"]) == 0
+    capsys.readouterr()
+    # A "pool" with no API at all: once a traceback mid-replay, now the same one failure.
+    assert cli.main(["replay", trace, "--factory", "planted_bugs:not_a_pool"]) == 1
+    failed = capsys.readouterr().err
+    assert "FAILED: a fresh pool, before line 1:" in failed
+    assert "Traceback" not in failed
 
 
 def test_the_exhaustive_command_passes_our_pool_through_its_driver(
