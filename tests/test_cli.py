@@ -266,6 +266,14 @@ def test_no_progress_option_keeps_a_terminal_stderr_clean(
             "--max-blocks must be >= --n-blocks (1024), got 10",
         ),
         (["--n-blocks", "0"], "--n-blocks 0 needs --grow"),
+        (  # once silently ignored: decode lengths are geometric by default
+            ["--decode-sigma", "2"],
+            "--decode-sigma 2 has no effect with --decode-dist geometric",
+        ),
+        (
+            ["--prompt-dist", "fixed", "--prompt-sigma", "0.5"],
+            "--prompt-sigma 0.5 has no effect with --prompt-dist fixed",
+        ),
         (
             ["--prompt-mean", "5000"],
             "--prompt-mean must be < --max-seq-len (4096), got 5000",

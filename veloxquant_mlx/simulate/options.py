@@ -93,9 +93,9 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--prompt-sigma",
         type=finite_float(0, low_inclusive=True),
-        default=defaults.prompt_sigma,
+        default=None,  # so that validate() sees it was given: it shapes lognormal lengths only
         metavar="SIGMA",
-        help="shape of lognormal prompt lengths (default: %(default)s)",
+        help=f"shape of lognormal prompt lengths (default: {defaults.prompt_sigma})",
     )
     group.add_argument(
         "--decode-mean",
@@ -113,9 +113,9 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--decode-sigma",
         type=finite_float(0, low_inclusive=True),
-        default=defaults.decode_sigma,
+        default=None,  # as --prompt-sigma
         metavar="SIGMA",
-        help="shape of lognormal generated lengths (default: %(default)s)",
+        help=f"shape of lognormal generated lengths (default: {defaults.decode_sigma})",
     )
     group.add_argument(
         "--abort-fraction",
@@ -195,6 +195,13 @@ def validate(args: argparse.Namespace) -> str | None:
         return f"--max-blocks must be >= --n-blocks ({args.n_blocks}), got {args.max_blocks}"
     if args.n_blocks == 0 and not args.grow:
         return "--n-blocks 0 needs --grow (a pool with no blocks can only grow)"
+    for stream in ("prompt", "decode"):
+        sigma, dist = getattr(args, f"{stream}_sigma"), getattr(args, f"{stream}_dist")
+        if sigma is not None and dist != "lognormal":
+            return (
+                f"--{stream}-sigma {sigma:g} has no effect with --{stream}-dist {dist}; "
+                f"expected --{stream}-dist lognormal, or no --{stream}-sigma"
+            )
     if args.prompt_mean >= args.max_seq_len:
         return f"--prompt-mean must be < --max-seq-len ({args.max_seq_len}), got {args.prompt_mean}"
     try:
@@ -247,14 +254,20 @@ def pool_config_from(args: argparse.Namespace) -> PoolConfig:
 
 def workload_config_from(args: argparse.Namespace) -> WorkloadConfig:
     """The :class:`WorkloadConfig` the options describe."""
+    defaults = WorkloadConfig()
     return WorkloadConfig(
         arrival_rate=args.arrival_rate,
         prompt_mean=args.prompt_mean,
         prompt_dist=args.prompt_dist,
-        prompt_sigma=args.prompt_sigma,
+        prompt_sigma=_given_or(args.prompt_sigma, defaults.prompt_sigma),
         decode_mean=args.decode_mean,
         decode_dist=args.decode_dist,
-        decode_sigma=args.decode_sigma,
+        decode_sigma=_given_or(args.decode_sigma, defaults.decode_sigma),
         abort_fraction=args.abort_fraction,
         max_seq_len=args.max_seq_len,
     )
+
+
+def _given_or(value: float | None, default: float) -> float:
+    """An option left out (``None``) as its default."""
+    return default if value is None else value
