@@ -180,6 +180,20 @@ def test_the_command_refuses_a_compiled_allocator_in_one_line(
     assert "block_pool.COMPILED is True" in line
 
 
+@pytest.mark.parametrize(
+    "option", [["--max-preemptions", "0"], ["--granularity", "line"], ["--granularity", "lock"]]
+)
+def test_the_scope_options_are_refused_for_the_finaliser_scenario_alone(
+    capsys: pytest.CaptureFixture[str], option: list[str]
+) -> None:
+    # It runs every drop point of every schedule whatever they say: once silently ignored.
+    assert schedules_main(["--scenario", "finaliser_inside_the_lock", *option]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.strip().splitlines()
+    assert f"{option[0]} {option[1]} has no effect on finaliser_inside_the_lock alone" in line
+
+
 def progress_counts(err: str, shape: str) -> list[int]:
     """Each stderr line's count (group 1 of ``shape``); every line must have that shape."""
     matches = [re.fullmatch(shape, line) for line in err.splitlines()]

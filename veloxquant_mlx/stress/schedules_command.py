@@ -65,7 +65,13 @@ Exit status: 0 ok, 1 violation, 2 bad input, 3 inconclusive, 130 interrupted.
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``schedules``' options."""
-    parser.add_argument("--granularity", choices=("lock", "line"), default="lock")
+    parser.add_argument(
+        "--granularity",
+        choices=("lock", "line"),
+        default=None,  # "lock"; None, so that validate() sees it was given
+        help="where a thread may be preempted: at the pool's lock, or at every line "
+        "(default: lock)",
+    )
     parser.add_argument(
         "--max-preemptions",
         type=int_at_least(0),
@@ -89,11 +95,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def validate(args: argparse.Namespace) -> str | None:
-    """Refused on a compiled allocator, whose lock cannot be replaced nor its lines traced."""
+    """Refused on a compiled allocator, whose lock cannot be replaced nor its lines traced;
+    and the scope's options for the finaliser scenario alone, which has no such scope."""
     from veloxquant_mlx.stress.controlled_scheduler import (  # noqa: PLC0415
         compiled_allocator_problem,
     )
 
+    if args.scenario is not None and set(args.scenario) == {FINALISER}:
+        for option, value in (
+            ("--max-preemptions", args.max_preemptions),
+            ("--granularity", args.granularity),
+        ):
+            if value is not None:
+                return (
+                    f"{option} {value} has no effect on {FINALISER} alone, which runs every "
+                    "drop point of every schedule; expected it left out, or another --scenario"
+                )
     return compiled_allocator_problem()
 
 
@@ -120,10 +137,11 @@ def _explore_all(args: argparse.Namespace, interrupt: threading.Event) -> int:
 
     chosen = args.scenario
     bound = args.max_preemptions
+    granularity = args.granularity or "lock"
     scenarios = [s for s in SCENARIOS if chosen is None or s.name in chosen]
     if scenarios:
         scope = "every schedule" if bound is None else f"every schedule with <= {bound} preemptions"
-        print(f"granularity={args.granularity} max_preemptions={bound} ({scope})", flush=True)
+        print(f"granularity={granularity} max_preemptions={bound} ({scope})", flush=True)
         print(
             f"{'scenario':<36} {'threads':>7} {'orders':>6} {'outcomes':>8} {'seen':>4} "
             f"{'schedules':>9} exhaustive  seconds  verdict",
@@ -133,7 +151,7 @@ def _explore_all(args: argparse.Namespace, interrupt: threading.Event) -> int:
     for scenario in scenarios:
         result = explore(
             scenario,
-            granularity=args.granularity,
+            granularity=granularity,
             max_preemptions=bound,
             max_schedules=args.max_schedules,
             interrupt=interrupt,
