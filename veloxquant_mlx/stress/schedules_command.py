@@ -38,12 +38,15 @@ import argparse
 import sys
 import threading
 from collections.abc import Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 from veloxquant_mlx.commandline.interrupts import InterruptRequest, report_interrupt
 from veloxquant_mlx.commandline.values import int_at_least
 from veloxquant_mlx.commandline.verdicts import Verdict, combined
 from veloxquant_mlx.stress.schedule_scenarios import SCENARIOS
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.stress.schedules import Granularity
 
 __all__ = ["DESCRIPTION", "FINALISER", "SUMMARY", "add_arguments", "main", "run", "validate"]
 
@@ -137,7 +140,7 @@ def _explore_all(args: argparse.Namespace, interrupt: threading.Event) -> int:
 
     chosen = args.scenario
     bound = args.max_preemptions
-    granularity = args.granularity or "lock"
+    granularity: Granularity = "line" if args.granularity == "line" else "lock"
     scenarios = [s for s in SCENARIOS if chosen is None or s.name in chosen]
     if scenarios:
         scope = "every schedule" if bound is None else f"every schedule with <= {bound} preemptions"
