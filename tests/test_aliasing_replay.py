@@ -22,6 +22,7 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from veloxquant_mlx.commandline import progress
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
@@ -107,6 +108,22 @@ def test_recorded_trace_round_trips_through_a_file_and_replays(name: str, tmp_pa
     assert load(path) == recorded
     assert replay_file(path, "numpy") == len(recorded.lines)
     assert replay_file(path, "mlx") == len(recorded.lines)
+
+
+@pytest.mark.parametrize("on", ["spec", "pool", "numpy"])
+def test_a_long_replay_says_how_far_it_got(on: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 120,000 lines once replayed for minutes without a word.
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_CLOCK_EVERY", 2)
+    recorded = replay(CANNED_TRACES["stale-handles"], numpy_backend()).trace()
+    said: list[str] = []
+    verdict, _ = replay_trace(recorded, on, progress=said.append)
+    assert verdict is Verdict.OK
+    total = len(recorded.lines)
+    assert [re.sub(r", \d+ s$", "", line) for line in said] == [
+        f"{n:,} of {total:,} lines" for n in range(2, total + 1, 2)
+    ]
+    assert all(re.search(r", \d+ s$", line) for line in said)
 
 
 @settings(max_examples=25, deadline=None)

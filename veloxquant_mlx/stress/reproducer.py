@@ -26,12 +26,13 @@ safety: pure functions plus file I/O.
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final
 
 from veloxquant_mlx.commandline.files import atomic_file
+from veloxquant_mlx.commandline.progress import ProgressThrottle
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.checker import Violation
@@ -153,6 +154,7 @@ def replay_trace(
     *,
     budget: int | None = DEFAULT_BUDGET,
     port: Port | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> tuple[Verdict, str]:
     """Replay ``trace`` on the spec and ``on`` (module docstring): its verdict, and why.
 
@@ -161,6 +163,8 @@ def replay_trace(
         on: Where, besides the spec (:data:`TARGETS`).
         budget: Configurations one window's linearization may expand.
         port: With ``on="pool"``, the pool to replay on instead of ours.
+        progress: Told ``"N of M lines, S s"`` at most once per
+            :data:`~veloxquant_mlx.commandline.progress.PROGRESS_INTERVAL_S` seconds.
 
     Raises:
         ValueError: ``on`` is not one of :data:`TARGETS`, or a port with another ``on``.
@@ -178,6 +182,7 @@ def replay_trace(
     except ConformanceError as failure:
         return Verdict.VIOLATION, f"replay on {on} FAILED: a fresh pool, before line 1: {failure}"
     layers = trace.store.n_layers
+    throttle, replayed = ProgressThrottle(), 0
     start = 0  # the position in trace.lines of the segment's first line
     where = 0  # the file line of the line being replayed
     try:
@@ -195,6 +200,10 @@ def replay_trace(
                 if len(checkpoint.state.handles) - len(checkpoint.names) > _COMPACT_AFTER:
                     checkpoint = compact(checkpoint.state, checkpoint.names)
                 target.apply(line)
+                replayed += 1
+                if progress is not None and throttle.due():
+                    total = len(trace.lines)
+                    progress(f"{replayed:,} of {total:,} lines, {throttle.seconds():.0f} s")
             start += len(segment)
     except (ReplayError, ConformanceError) as failure:
         return Verdict.VIOLATION, f"replay on {on} FAILED: line {where}: {failure}"

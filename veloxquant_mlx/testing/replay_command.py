@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
@@ -159,7 +159,9 @@ def replay_paths(
     verdicts = []
     for path, trace in traces:
         try:
-            verdict, line = replay_trace(trace, on, budget=budget, port=port)
+            verdict, line = replay_trace(
+                trace, on, budget=budget, port=port, progress=_progress_of(path)
+            )
         except DriverFailure as failure:
             raise BadInputError(f"{failure} (replaying {path})") from None
         print(f"{path}: {line}", file=sys.stderr if verdict is Verdict.VIOLATION else sys.stdout)
@@ -167,6 +169,11 @@ def replay_paths(
         if verdict is Verdict.VIOLATION:
             break  # the first failure is the one to look at
     return combined(verdicts).exit_status
+
+
+def _progress_of(path: Path) -> Callable[[str], None]:
+    """Where a long replay says how far it got: a line on stderr, naming the file."""
+    return lambda text: print(f"  {path}: {text}", file=sys.stderr, flush=True)
 
 
 def _require_builds(port: Port, path: Path, trace: Trace) -> None:
