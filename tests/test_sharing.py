@@ -84,6 +84,18 @@ def test_ref_count_is_zero_for_free_retired_and_never_issued_ids() -> None:
     assert [pool.ref_count(i) for i in (0, 1, 2, 6, 7, 8, 1000)] == [2, 2, 0, 0, 0, 0, 0]
 
 
+class IdSubclass(int):
+    """An int subclass: C-INT-NOT-BOOL accepts it; the pool looks it up as a plain int."""
+
+
+def test_ref_count_and_is_shared_read_an_int_subclass_as_its_value() -> None:
+    pool, _, _ = forked_pool()
+    ids = (0, 1, 2, 1000)
+    assert [pool.ref_count(IdSubclass(i)) for i in ids] == [pool.ref_count(i) for i in ids]
+    assert [pool.ref_count(i) for i in ids] == [2, 2, 0, 0]
+    assert [pool.is_shared(IdSubclass(i)) for i in ids] == [True, True, False, False]
+
+
 @pytest.mark.parametrize(
     ("block_id", "error"), [(True, TypeError), (1.0, TypeError), ("1", TypeError), (-1, ValueError)]
 )
