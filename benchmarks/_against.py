@@ -45,9 +45,14 @@ def checked_out(revision: str) -> Iterator[Path]:
             text=True,
             check=False,
         )
-        if added.returncode != 0:
-            message = added.stderr.strip()
-            raise SystemExit(f"--against {revision}: git worktree add failed: {message}")
+        if added.returncode != 0:  # bad input: one line, status 2, as every command's
+            message = " ".join(added.stderr.split())
+            prog = Path(sys.argv[0]).name
+            print(
+                f"{prog}: error: --against {revision!r}: no such revision ({message})",
+                file=sys.stderr,
+            )
+            raise SystemExit(2)
         try:
             yield path
         finally:

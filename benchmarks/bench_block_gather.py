@@ -18,7 +18,6 @@ document. Thread safety: single-threaded.
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import statistics
@@ -28,6 +27,7 @@ from collections.abc import Callable
 
 import mlx.core as mx
 
+from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.memory.block_gather import (
     KERNEL_MIN_TOKENS,
     gather_by_kernel,
@@ -89,7 +89,7 @@ def one_context(n_tokens: int, rounds: int) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=40, help="rounds per context (default 40)")
     parser.add_argument("--contexts", type=int, nargs="+", default=list(CONTEXTS))
     options = parser.parse_args(argv)

@@ -43,6 +43,7 @@ from typing import Any
 import _against
 import _two_builds
 
+from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, block_pool
 
 SMALL_POOL = 1_024
@@ -400,7 +401,7 @@ def figure_keys(text: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats (smoke run)")
     parser.add_argument(
         "--compare", action="store_true", help="interpreted vs compiled, side by side"
@@ -427,6 +428,12 @@ def main(argv: list[str] | None = None) -> int:
         help="with --compare: a directory holding a compiled build to use",
     )
     args = parser.parse_args(argv)
+    if args.callgrind and not (args.compare or args.against):
+        parser.error("--callgrind has no effect without --compare or --against")
+    if args.compiled_site is not None and not args.compare:
+        parser.error(f"--compiled-site {str(args.compiled_site)!r} has no effect without --compare")
+    if args.compiled_site is not None and not args.compiled_site.is_dir():
+        parser.error(f"--compiled-site {str(args.compiled_site)!r} is not a folder")
     if args.against:
         ops = callgrind_ops if args.callgrind else None
         report = _against.compare_against(args.against, args.figures, 3 if args.quick else 9, ops)

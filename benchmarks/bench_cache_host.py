@@ -30,6 +30,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn
 
 import _against
 
@@ -100,12 +101,34 @@ def _worker(root: Path, context: int, steps: int) -> float:
     return float(done.stdout.split()[-1])
 
 
+class _Parser(argparse.ArgumentParser):
+    """Usage errors in one line, as the package's ``OneLineParser`` (not imported: that
+    would load this tree before a worker puts the other tree first on the path)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive(text: str) -> int:
+    """An ``argparse`` type: an int >= 1."""
+    if not text.strip().isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"expected an int >= 1, got {text!r}")
+    return int(text)
+
+
+def contexts_of(text: str) -> list[int]:
+    """``--contexts``: comma-separated ints >= 1."""
+    return [positive(part) for part in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = _Parser(description=__doc__.splitlines()[0])
     parser.add_argument("--against", metavar="REV", help="the revision to compare with")
-    parser.add_argument("--rounds", type=int, default=7, help="worker pairs per context")
-    parser.add_argument("--steps", type=int, default=300, help="decode steps per worker")
-    parser.add_argument("--contexts", default="256,4096", help="comma-separated contexts")
+    parser.add_argument("--rounds", type=positive, default=7, help="worker pairs per context")
+    parser.add_argument("--steps", type=positive, default=300, help="decode steps per worker")
+    parser.add_argument(
+        "--contexts", type=contexts_of, default="256,4096", help="comma-separated contexts"
+    )
     parser.add_argument(
         "--worker", nargs=3, metavar=("ROOT", "CONTEXT", "STEPS"), help=argparse.SUPPRESS
     )
@@ -116,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.against is None:
         parser.error("--against REV is required")
-    contexts = [int(text) for text in args.contexts.split(",")]
     with _against.checked_out(args.against) as base:
-        report = compare(base, contexts, args.rounds, args.steps)
+        report = compare(base, args.contexts, args.rounds, args.steps)
     print(json.dumps({"against": args.against, **report}, indent=2))
     return 0
 

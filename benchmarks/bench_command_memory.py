@@ -17,7 +17,6 @@ Thread safety: runs one child at a time. Linux only (``wait4``, ``ru_maxrss`` in
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -27,6 +26,7 @@ import tracemalloc
 from pathlib import Path
 from typing import Any
 
+from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.sizes import search_bytes
 from veloxquant_mlx.stress import checker as checker_module
 from veloxquant_mlx.stress.cli import memory_parts
@@ -125,7 +125,7 @@ def search_figures(budget: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="shorter runs")
     quick = parser.parse_args().quick
     with tempfile.TemporaryDirectory() as folder:

@@ -43,7 +43,6 @@ single-threaded. Runs unchanged on Metal or CUDA (no NumPy).
 
 from __future__ import annotations
 
-import argparse
 import importlib.metadata
 import json
 import math
@@ -61,6 +60,8 @@ from mlx.nn.layers.base import Module
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
+from veloxquant_mlx.commandline.bad_input import OneLineParser
+from veloxquant_mlx.commandline.values import int_at_least
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.attention_hook import (
     install_paged_attention,
@@ -450,17 +451,26 @@ def bench_memory(options: Options) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small and short: a smoke run")
-    parser.add_argument("--contexts", type=int, nargs="+", help="context lengths to decode at")
     parser.add_argument(
-        "--concurrent", type=int, default=4, help="requests decoded at once (default: 4)"
+        "--contexts", type=int_at_least(1), nargs="+", help="context lengths to decode at"
     )
-    parser.add_argument("--rounds", type=int, help="rounds per context (default: 5; quick: 2)")
-    parser.add_argument("--steps", type=int, help="tokens per round (default: 16; quick: 3)")
+    parser.add_argument(
+        "--concurrent",
+        type=int_at_least(1),
+        default=4,
+        help="requests decoded at once (default: 4)",
+    )
+    parser.add_argument(
+        "--rounds", type=int_at_least(1), help="rounds per context (default: 5; quick: 2)"
+    )
+    parser.add_argument(
+        "--steps", type=int_at_least(1), help="tokens per round (default: 16; quick: 3)"
+    )
     parser.add_argument(
         "--mlx-cache-limit-mb",
-        type=int,
+        type=int_at_least(0),
         default=4096,
         help="MLX buffer-cache limit during the decode section (default: 4096)",
     )
@@ -477,13 +487,11 @@ def main(argv: list[str] | None = None) -> int:
             arguments.contexts or ((64, 256) if quick else (256, 1024, 4096, 16384, 32768))
         ),
         concurrent=arguments.concurrent,
-        rounds=arguments.rounds or (2 if quick else 5),
-        steps_per_round=arguments.steps or (3 if quick else 16),
+        rounds=arguments.rounds if arguments.rounds is not None else (2 if quick else 5),
+        steps_per_round=arguments.steps if arguments.steps is not None else (3 if quick else 16),
         mlx_cache_limit_mb=arguments.mlx_cache_limit_mb,
         fused=not arguments.no_fused,
     )
-    if min(options.contexts) < 1 or options.concurrent < 1 or options.rounds < 1:
-        parser.error("contexts, --concurrent and --rounds must be positive")
     started = time.perf_counter()
     report: dict[str, object] = {
         "benchmark": "kv_cache",

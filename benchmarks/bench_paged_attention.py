@@ -25,16 +25,17 @@ case failed. Thread safety: single-threaded.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import mlx.core as mx
 
+from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.memory.paged_attention import (
     PagedKV,
     cuda_paged_decode_attention,
@@ -168,10 +169,14 @@ def check_speed(quick: bool) -> list[dict[str, object]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer cases")
     parser.add_argument("--json", help="write the full results to this file")
     arguments = parser.parse_args(argv)
+    if arguments.json is not None:
+        target = Path(arguments.json)
+        if not arguments.json.strip() or target.is_dir() or not target.parent.is_dir():
+            parser.error(f"--json {arguments.json!r}: expected a file path in an existing folder")
     reason = cuda_unavailable_reason()
     report: dict[str, object] = {"device": str(mx.default_device()), "cuda": reason or "available"}
     if reason is not None:

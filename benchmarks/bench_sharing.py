@@ -27,7 +27,6 @@ Thread safety: single-threaded. Complexity: dominated by the prefill.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -37,6 +36,7 @@ from collections.abc import Callable
 import bench_kv_cache as kv
 import mlx.core as mx
 
+from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, block_pool
 from veloxquant_mlx.memory.model_kv_layout import make_pool_backed_storage
 from veloxquant_mlx.memory.prompt_cache import make_pool_backed_cache
@@ -154,7 +154,7 @@ def fork_memory(prompt_tokens: int) -> dict[str, object]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer repeats, smaller prompt")
     args = parser.parse_args(argv)
     repeats, n = (3, 200) if args.quick else (9, 2_000)

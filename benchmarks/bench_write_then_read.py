@@ -43,7 +43,6 @@ it never fails). Thread safety: single-threaded.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
@@ -53,6 +52,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.memory.block_gather import gather_by_take
 from veloxquant_mlx.memory.block_table import schedule
 from veloxquant_mlx.memory.paged_attention import (
@@ -246,7 +246,7 @@ def bench_context(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer samples")
     arguments = parser.parse_args(argv)
     reason = cuda_unavailable_reason()

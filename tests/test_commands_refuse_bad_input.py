@@ -12,6 +12,7 @@ behind. (Ctrl-C: ``test_commands_on_ctrl_c.py``.)
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shlex
@@ -482,3 +483,43 @@ def test_the_exhaustive_defaults_fit_an_8_gb_machine(
     assert exhaustive.main(["--depth", "1", "--scope", "shared-4"]) == 0
     states = default_max_states(LAPTOP_BYTES)
     assert f"at most {states:,} states per scope" in capsys.readouterr().err
+
+
+# -- the benchmarks: their options too are refused in one line --------------------------------
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "fragment"),
+    [
+        ("bench_kv_cache", ["--steps", "-1"], "--steps: expected an int >= 1, got '-1'"),
+        ("bench_kv_cache", ["--mlx-cache-limit-mb", "-5"], "expected an int >= 0, got '-5'"),
+        ("bench_cache_host", ["--contexts", "junk"], "--contexts: expected an int >= 1"),
+        ("bench_block_pool", ["--callgrind"], "--callgrind has no effect without --compare"),
+        ("bench_block_pool", ["--compare", "--compiled-site", "/nonexistent"], "not a folder"),
+        ("bench_block_pool", ["--against", "no-such-rev"], "'no-such-rev': no such revision"),
+        ("bench_paged_attention", ["--json", "/proc/x/y.json"], "in an existing folder"),
+        ("bench_block_gather", ["--rounds", "0"], "--rounds and every context must be >= 1"),
+    ],
+)
+def test_a_benchmark_refuses_a_bad_option_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    script: str,
+    args: list[str],
+    fragment: str,
+) -> None:
+    # Each was a traceback, a three-line usage block, a silent default or a figure from
+    # a nonsense value (--steps -1 printed a negative throughput).
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    monkeypatch.setattr(sys, "argv", [f"{script}.py"])
+    main = importlib.import_module(script).main
+    with pytest.raises(SystemExit) as ended:
+        main(args)
+    assert ended.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    [line] = captured.err.splitlines()
+    assert line.startswith(f"{script}.py: error: ")
+    assert fragment in line
