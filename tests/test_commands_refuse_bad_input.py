@@ -303,7 +303,7 @@ def test_stress_replay_refuses_what_is_not_a_trace(
         (["--mix", " , "], "expected kind=weight items, got ' , '"),
         (["--storage", "none", "--mix", "gather=3"], "gather=3 has no effect with --storage none"),
         # Once accepted, and every worker crashed drawing from a mix with no kind left.
-        (["--storage", "none", "--mix", ONLY_STORE_CALLS], "makes no write or gather call"),
+        (["--storage", "none", "--mix", ONLY_STORE_CALLS], "write and gather alone makes no call"),
     ],
 )
 def test_stress_names_the_pool_options_that_conflict(
