@@ -232,6 +232,14 @@ def test_stress_refuses_an_out_it_cannot_create_and_leaves_nothing(
     assert [path.name for path in tmp_path.iterdir()] == ["file"]
 
 
+def test_an_empty_trace_path_is_refused_naming_it_not_the_current_folder(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # It was read as '.': ".: cannot read the trace: Is a directory".
+    refused(capsys, cli.main, ["replay", ""], "argument traces", "expected a file path, got ''")
+    refused(capsys, cli.main, ["stress", "--replay", ""], "argument --replay", "got ''")
+
+
 def test_stress_refuses_an_out_whose_name_cannot_be_used_in_one_line(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:

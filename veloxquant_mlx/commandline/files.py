@@ -5,6 +5,8 @@
   so a reader (or a Ctrl-C) never sees half a report: the target holds the
   old content or the new, never a mix, and an interrupted write leaves no
   temporary file behind.
+- :func:`file_argument` is the ``argparse`` type of a file to read: it refuses
+  an empty path, which would name the current folder.
 - :func:`out_dir_argument` is the ``argparse`` type of ``--out``: it refuses
   an empty path (which would mean the current folder) and one that is not
   UTF-8 text.
@@ -37,6 +39,7 @@ __all__ = [
     "atomic_file",
     "atomic_write_text",
     "claim_new_folder",
+    "file_argument",
     "out_dir_argument",
     "prepare_out_dir",
 ]
@@ -105,6 +108,14 @@ def out_dir_argument(text: str) -> Path:
         raise argparse.ArgumentTypeError(
             f"expected a folder path in UTF-8, got {text!r} (bytes that are not UTF-8)"
         ) from None
+    return Path(text)
+
+
+def file_argument(text: str) -> Path:
+    """The ``argparse`` type of a file to read: any non-empty path (an empty one would
+    be read as the current folder, and named ``'.'``)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"expected a file path, got {text!r}")
     return Path(text)
 
 

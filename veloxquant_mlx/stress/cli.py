@@ -31,7 +31,12 @@ from veloxquant_mlx.commandline.bad_input import (
     memory_note,
     require_fits_in_memory,
 )
-from veloxquant_mlx.commandline.files import claim_new_folder, out_dir_argument, prepare_out_dir
+from veloxquant_mlx.commandline.files import (
+    claim_new_folder,
+    file_argument,
+    out_dir_argument,
+    prepare_out_dir,
+)
 from veloxquant_mlx.commandline.interrupts import InterruptRequest, report_interrupt
 from veloxquant_mlx.commandline.sigint import exit_at_once
 from veloxquant_mlx.commandline.sizes import (
@@ -127,7 +132,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--replay",
-        type=Path,
+        type=file_argument,
         default=None,
         metavar="FILE",
         help="instead of running: replay a trace (linearized.jsonl, a violation-*.jsonl "

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from veloxquant_mlx.commandline.bad_input import BadInputError, require_fits_in_memory
+from veloxquant_mlx.commandline.files import file_argument
 from veloxquant_mlx.commandline.sizes import pool_bytes, slab_bytes
 from veloxquant_mlx.commandline.values import int_at_least
 from veloxquant_mlx.commandline.verdicts import Verdict, combined
@@ -93,7 +94,7 @@ _SHADOW_ITEMSIZE: Final = 4  # the replay's shadow copy and its reads are float3
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``replay``'s options."""
-    parser.add_argument("traces", nargs="+", type=Path, help="trace files (.jsonl)")
+    parser.add_argument("traces", nargs="+", type=file_argument, help="trace files (.jsonl)")
     parser.add_argument(
         "--on",
         "--backend",
