@@ -22,6 +22,7 @@ import pytest
 from hypothesis import Phase, given, settings
 from hypothesis import strategies as st
 
+from veloxquant_mlx import cli
 from veloxquant_mlx.commandline import progress
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
@@ -124,6 +125,26 @@ def test_a_long_replay_says_how_far_it_got(on: str, monkeypatch: pytest.MonkeyPa
         f"{n:,} of {total:,} lines" for n in range(2, total + 1, 2)
     ]
     assert all(re.search(r", \d+ s$", line) for line in said)
+
+
+@pytest.mark.parametrize(
+    "command", [["replay", "{path}", "--on", "numpy"], ["stress", "--replay", "{path}"]]
+)
+def test_the_commands_print_replay_progress_on_stderr_unless_no_progress(
+    command: list[str],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    monkeypatch.setattr(progress, "PROGRESS_INTERVAL_S", 0.0)
+    monkeypatch.setattr(progress, "PROGRESS_CLOCK_EVERY", 1)
+    path = tmp_path / "trace.jsonl"
+    save(replay(CANNED_TRACES["stale-handles"], numpy_backend()).trace(), path)
+    args = [str(path) if arg == "{path}" else arg for arg in command]
+    assert cli.main(args) == 0
+    assert f"  {path}: 1 of " in capsys.readouterr().err
+    assert cli.main([*args, "--no-progress"]) == 0
+    assert capsys.readouterr().err == ""
 
 
 @settings(max_examples=25, deadline=None)

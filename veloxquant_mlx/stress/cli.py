@@ -446,7 +446,9 @@ def run(args: argparse.Namespace) -> int:
             command line turns it into one line and status 2).
     """
     if args.replay is not None:
-        return _replay(args.replay, args.replay_backend or "mlx")
+        return _replay(
+            args.replay, args.replay_backend or "mlx", show_progress=not args.no_progress
+        )
     from veloxquant_mlx.stress.report import is_run_file, summary_text  # noqa: PLC0415
     from veloxquant_mlx.stress.runner import run_stress  # noqa: PLC0415
 
@@ -497,8 +499,9 @@ def start_line(config: StressConfig) -> str:
     )
 
 
-def _replay(path: Path, backend: str) -> int:
+def _replay(path: Path, backend: str, *, show_progress: bool) -> int:
     """``--replay FILE``: ``veloxquant-mlx replay FILE --on BACKEND`` (the spec, for "none")."""
     from veloxquant_mlx.testing.replay_command import replay_paths  # noqa: PLC0415
 
-    return replay_paths([path], "spec" if backend == "none" else backend)
+    on = "spec" if backend == "none" else backend
+    return replay_paths([path], on, show_progress=show_progress)

@@ -18,7 +18,9 @@ exist and be a trace, its store's dtype one the backend stores, and what
 replaying it allocates (the pool's books, the store's slabs, the replay's
 shadow copy) must fit in the machine's memory. Anything else is bad input:
 one line naming the file and the value, exit status 2, and nothing replayed.
-Then each trace is replayed, one line each, stopping at the first failure.
+Then each trace is replayed, one line each, stopping at the first failure;
+a replay that runs past 10 s also says how far it got on stderr, every
+10 s, unless ``--no-progress``.
 
 Verdicts (:mod:`veloxquant_mlx.commandline.verdicts`): a failing replay is a
 violation (1); a clean replay of a trace marked partial (a stress run that
@@ -110,6 +112,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="configurations one window's linearization may expand (default: %(default)s)",
     )
+    parser.add_argument(
+        "--no-progress",
+        action="store_true",
+        help="no progress lines on stderr (a replay over 10 s prints one every 10 s)",
+    )
     add_port_options(parser, "replay on")
 
 
@@ -125,7 +132,9 @@ def run(args: argparse.Namespace) -> int:
     """Replay the traces ``args`` names; the exit status (module docstring)."""
     port = port_from_options(args)
     on = args.on or ("mlx" if port is None else "pool")
-    return replay_paths(args.traces, on, budget=args.budget, port=port)
+    return replay_paths(
+        args.traces, on, budget=args.budget, port=port, show_progress=not args.no_progress
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -142,9 +151,16 @@ def _backend(on: str) -> StorageBackend[Any] | None:
 
 
 def replay_paths(
-    paths: Sequence[Path], on: str, *, budget: int | None = 200_000, port: Port | None = None
+    paths: Sequence[Path],
+    on: str,
+    *,
+    budget: int | None = 200_000,
+    port: Port | None = None,
+    show_progress: bool = True,
 ) -> int:
     """Read every trace (refusing bad input up front), replay each; the exit status.
+
+    With ``show_progress``, a replay that runs past 10 s says how far it got on stderr.
 
     Raises:
         BadInputError: A trace is not one (module docstring); ``port`` cannot build a
@@ -160,9 +176,8 @@ def replay_paths(
     verdicts = []
     for path, trace in traces:
         try:
-            verdict, line = replay_trace(
-                trace, on, budget=budget, port=port, progress=_progress_of(path)
-            )
+            progress = _progress_of(path) if show_progress else None
+            verdict, line = replay_trace(trace, on, budget=budget, port=port, progress=progress)
         except DriverFailure as failure:
             raise BadInputError(f"{failure} (replaying {path})") from None
         print(f"{path}: {line}", file=sys.stderr if verdict is Verdict.VIOLATION else sys.stdout)
