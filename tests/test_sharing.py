@@ -85,7 +85,14 @@ def test_ref_count_is_zero_for_free_retired_and_never_issued_ids() -> None:
 
 
 class IdSubclass(int):
-    """An int subclass: C-INT-NOT-BOOL accepts it; the pool looks it up as a plain int."""
+    """An int subclass (C-INT-NOT-BOOL accepts it) whose own methods lie about its value:
+    the pool reads the value itself."""
+
+    def __int__(self) -> int:
+        return -7
+
+    def __lt__(self, other: object) -> bool:
+        return False
 
 
 def test_ref_count_and_is_shared_read_an_int_subclass_as_its_value() -> None:
@@ -94,6 +101,9 @@ def test_ref_count_and_is_shared_read_an_int_subclass_as_its_value() -> None:
     assert [pool.ref_count(IdSubclass(i)) for i in ids] == [pool.ref_count(i) for i in ids]
     assert [pool.ref_count(i) for i in ids] == [2, 2, 0, 0]
     assert [pool.is_shared(IdSubclass(i)) for i in ids] == [True, True, False, False]
+    for read in (pool.ref_count, pool.is_shared):  # its __lt__ says it is not below 0
+        with pytest.raises(ValueError, match="block_id must be an int >= 0, got -3"):
+            read(IdSubclass(-3))
 
 
 @pytest.mark.parametrize(

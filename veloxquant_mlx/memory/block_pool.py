@@ -154,6 +154,15 @@ def _mark_used_refusal(block: Block, refusal: int) -> ValueError:
     )
 
 
+def _plain_int(value: AsGiven[int]) -> AsGiven[int]:
+    """An ``int`` subclass's value as a plain ``int`` (``bool`` and non-ints unchanged, for
+    the caller's checks): its own ``__hash__``, ``__eq__``, ``__lt__`` or ``__int__`` are
+    caller code, which must never run under the lock nor stand in for its value."""
+    if type(value) is int or not isinstance(value, int) or isinstance(value, bool):
+        return value
+    return int.__int__(value)
+
+
 def _items_of(blocks: Iterable[_Item]) -> Sequence[_Item]:
     """``blocks`` itself if an exact list or tuple, else a tuple of its items.
 
@@ -1210,9 +1219,8 @@ class BlockPoolAllocator:
             TypeError: ``block_id`` is not an int.
             ValueError: ``block_id`` is negative.
         """
+        block_id = _plain_int(block_id)
         require_int("block_id", block_id, minimum=0)
-        if type(block_id) is not int:  # an int subclass's hash and eq: caller code, unlocked
-            block_id = int(block_id)
         with self._lock:
             count = self._shared_counts.get(block_id)
             if count is not None:
@@ -1230,9 +1238,8 @@ class BlockPoolAllocator:
             TypeError: ``block_id`` is not an int.
             ValueError: ``block_id`` is negative.
         """
+        block_id = _plain_int(block_id)
         require_int("block_id", block_id, minimum=0)
-        if type(block_id) is not int:  # an int subclass's hash and eq: caller code, unlocked
-            block_id = int(block_id)
         with self._lock:
             return block_id in self._shared_counts
 
