@@ -24,12 +24,18 @@ import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import _two_builds
 
 #: The two sides of the comparison, in report order.
 SIDES = ("base", "this")
+
+
+def refuse(message: str) -> NoReturn:
+    """Bad input, as every command says it: one line on stderr, exit status 2."""
+    print(f"{Path(sys.argv[0]).name}: error: {message}", file=sys.stderr)
+    raise SystemExit(2)
 
 
 @contextmanager
@@ -45,14 +51,9 @@ def checked_out(revision: str) -> Iterator[Path]:
             text=True,
             check=False,
         )
-        if added.returncode != 0:  # bad input: one line, status 2, as every command's
+        if added.returncode != 0:
             message = " ".join(added.stderr.split())
-            prog = Path(sys.argv[0]).name
-            print(
-                f"{prog}: error: --against {revision!r}: no such revision ({message})",
-                file=sys.stderr,
-            )
-            raise SystemExit(2)
+            refuse(f"--against {revision!r}: git worktree add failed: {message}")
         try:
             yield path
         finally:
@@ -63,7 +64,7 @@ def base_tree(path: Path, revision: str) -> _two_builds.Tree:
     """REV's checkout as a worker tree, its compiled build made by its own benchmark code."""
     bench_dir = path / "benchmarks"
     if not (bench_dir / "_two_builds.py").exists():
-        raise SystemExit(f"--against {revision}: it has no benchmarks/_two_builds.py to run")
+        refuse(f"--against {revision!r}: it has no benchmarks/_two_builds.py to run")
     print(f"building {revision}'s compiled allocator (a minute or two) ...", file=sys.stderr)
     probe = f"import sys; sys.path.insert(0, {str(bench_dir)!r}); import _two_builds; "
     result = subprocess.run(

@@ -419,7 +419,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--figures",
         type=figure_keys,
-        default=[figure.key for figure in FIGURES],
+        default=None,
         help="with --against: comma-separated figure keys (default: all)",
     )
     parser.add_argument(
@@ -428,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         help="with --compare: a directory holding a compiled build to use",
     )
     args = parser.parse_args(argv)
+    if args.figures is not None and not args.against:
+        parser.error("--figures has no effect without --against")
+    if args.compare and args.against:
+        parser.error("--compare has no effect with --against, which measures both builds")
     if args.callgrind and not (args.compare or args.against):
         parser.error("--callgrind has no effect without --compare or --against")
     if args.compiled_site is not None and not args.compare:
@@ -436,7 +440,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--compiled-site {str(args.compiled_site)!r} is not a folder")
     if args.against:
         ops = callgrind_ops if args.callgrind else None
-        report = _against.compare_against(args.against, args.figures, 3 if args.quick else 9, ops)
+        figures = args.figures or [figure.key for figure in FIGURES]
+        report = _against.compare_against(args.against, figures, 3 if args.quick else 9, ops)
     elif args.compare:
         report = compare(args.quick, args.callgrind, args.compiled_site)
     else:
