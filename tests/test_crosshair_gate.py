@@ -79,7 +79,7 @@ def load(path: Path) -> ModuleType:
     return module
 
 
-@pytest.mark.slow(seconds=58)
+@pytest.mark.slow(seconds=76)
 def test_crosshair_finds_a_stale_handle_planted_in_the_allocator(tmp_path: Path) -> None:
     planted = plant(
         tmp_path,
@@ -93,7 +93,9 @@ def test_crosshair_finds_a_stale_handle_planted_in_the_allocator(tmp_path: Path)
     # Measured on the 2-core machine (CPU seconds of the whole check): before sharing it
     # found this one after 25-27 s; with sharing in the spec and pool, after 36-38 s, and a
     # 40 s budget missed it once (CrossHair's search order moves with the code it sees).
-    result = crosshair_check(planted, "replay_agrees_with_spec", budget=90)
+    # After the pool's refusals moved out of its lock (2026-12-03) the test took 76 s on a
+    # quiet machine, and a 90 s budget missed it once on a loaded one: 180 s.
+    result = crosshair_check(planted, "replay_agrees_with_spec", budget=180)
 
     report = result.stdout + result.stderr
     assert result.returncode == 1, report
