@@ -268,21 +268,46 @@ def test_an_error_class_of_the_ports_own_is_a_deviation_through_a_driver_too(
     assert "COUNTEREXAMPLE" in capsys.readouterr().out
 
 
+def counterexample_found_on(
+    port: str, depth: int, out: Path, capsys: pytest.CaptureFixture[str]
+) -> str:
+    """The trace file of the counterexample ``exhaustive`` must find on ``port``."""
+    scope = ["--depth", str(depth), "--scope", SEPARATE_4.name]
+    assert cli.main(["exhaustive", "--factory", port, *scope, "--out", str(out)]) == 1
+    capsys.readouterr()
+    return str(next(out.glob("counterexample-*.jsonl")))
+
+
+def replay_fails_on(port: str, trace: str, said: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``replay`` of ``trace`` fails on ``port``, in process and through its driver."""
+    for how in (["--factory", port], ["--driver", shlex.join([*PLANTED, port])]):
+        assert cli.main(["replay", trace, *how]) == 1
+        assert said in capsys.readouterr().err
+
+
 @pytest.mark.usefixtures("in_tests")
-def test_a_counterexample_found_on_a_port_replays_on_that_port(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("planted", "depth", "said"),
+    [
+        ("planted_bugs:FreeCountsBlocks", 2, "(stats.n_frees is 2; the spec predicts 1)"),
+        # Its trace holds no call: the replay once ran nothing and said "0 ops: ok".
+        ("planted_bugs:NFreeCountsOneMore", 1, "FAILED: a fresh pool, before line 1:"),
+    ],
+)
+def test_a_counterexample_found_on_a_port_fails_its_replay_on_that_port(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], planted: str, depth: int, said: str
 ) -> None:
     # Once a counterexample replayed "ok" everywhere: replay could not run a port.
+    trace = counterexample_found_on(planted, depth, tmp_path, capsys)
+    replay_fails_on(planted, trace, said, capsys)
+
+
+@pytest.mark.usefixtures("in_tests")
+def test_a_port_counterexample_replays_ok_on_our_pool_and_refuses_what_cannot_run_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     planted = "planted_bugs:FreeCountsBlocks"
-    scope = ["--depth", "2", "--scope", SEPARATE_4.name]
-    assert cli.main(["exhaustive", "--factory", planted, *scope, "--out", str(tmp_path)]) == 1
-    trace = str(next(tmp_path.glob("counterexample-*.jsonl")))
-    capsys.readouterr()
-    assert cli.main(["replay", trace, "--factory", planted]) == 1
-    assert "(stats.n_frees is 2; the spec predicts 1)" in capsys.readouterr().err
-    driven = shlex.join([*PLANTED, planted])
-    assert cli.main(["replay", trace, "--driver", driven]) == 1
-    assert "(stats.n_frees is 2; the spec predicts 1)" in capsys.readouterr().err
+    trace = counterexample_found_on(planted, 2, tmp_path, capsys)
     assert cli.main(["replay", trace, "--on", "pool"]) == 0  # our pool agrees with the spec
     assert cli.main(["replay", trace, "--factory", planted, "--on", "mlx"]) == 2
     assert "--factory replays on that port beside the spec" in capsys.readouterr().err
@@ -291,22 +316,13 @@ def test_a_counterexample_found_on_a_port_replays_on_that_port(
 
 
 @pytest.mark.usefixtures("in_tests")
-def test_a_counterexample_on_a_fresh_pool_replays_as_a_failure_not_as_ok(
+def test_a_fresh_pool_counterexample_passes_a_sound_fresh_pool_and_fails_a_non_pool(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Its trace holds no call: the replay once ran nothing and said "0 ops replayed: ok".
-    planted = "planted_bugs:NFreeCountsOneMore"
-    scope = ["--depth", "1", "--scope", SEPARATE_4.name]
-    assert cli.main(["exhaustive", "--factory", planted, *scope, "--out", str(tmp_path)]) == 1
-    trace = str(next(tmp_path.glob("counterexample-*.jsonl")))
-    capsys.readouterr()
-    assert cli.main(["replay", trace, "--factory", planted]) == 1
-    assert "FAILED: a fresh pool, before line 1:" in capsys.readouterr().err
-    assert cli.main(["replay", trace, "--driver", shlex.join([*PLANTED, planted])]) == 1
-    assert "FAILED: a fresh pool, before line 1:" in capsys.readouterr().err
+    trace = counterexample_found_on("planted_bugs:NFreeCountsOneMore", 1, tmp_path, capsys)
     assert cli.main(["replay", trace, "--factory", "planted_bugs:FreeCountsBlocks"]) == 0
     capsys.readouterr()
-    # A "pool" with no API at all: once a traceback mid-replay, now the same one failure.
+    # A "pool" with no API at all: once a traceback mid-replay, now one failure line.
     assert cli.main(["replay", trace, "--factory", "planted_bugs:not_a_pool"]) == 1
     failed = capsys.readouterr().err
     assert "FAILED: a fresh pool, before line 1:" in failed
