@@ -154,13 +154,14 @@ def _mark_used_refusal(block: Block, refusal: int) -> ValueError:
     )
 
 
-def _plain_int(value: AsGiven[int]) -> AsGiven[int]:
-    """An ``int`` subclass's value as a plain ``int`` (``bool`` and non-ints unchanged, for
-    the caller's checks): its own ``__hash__``, ``__eq__``, ``__lt__`` or ``__int__`` are
-    caller code, which must never run under the lock nor stand in for its value."""
-    if type(value) is int or not isinstance(value, int) or isinstance(value, bool):
-        return value
-    return int.__int__(value)
+def _plain_int(value: AsGiven[int]) -> int:
+    """An ``int`` subclass's value as a plain ``int``, checked ``>= 0`` again: its own
+    ``__hash__``, ``__eq__``, ``__lt__`` or ``__int__`` are caller code, which must never
+    run under the lock nor stand in for its value. The caller ran ``require_int``."""
+    plain = int.__int__(value)
+    if plain < 0:
+        raise ValueError(f"block_id must be an int >= 0, got {plain!r}")
+    return plain
 
 
 def _items_of(blocks: Iterable[_Item]) -> Sequence[_Item]:
@@ -1219,8 +1220,9 @@ class BlockPoolAllocator:
             TypeError: ``block_id`` is not an int.
             ValueError: ``block_id`` is negative.
         """
-        block_id = _plain_int(block_id)
         require_int("block_id", block_id, minimum=0)
+        if type(block_id) is not int:  # an int subclass: its own value, not its methods'
+            block_id = _plain_int(block_id)
         with self._lock:
             count = self._shared_counts.get(block_id)
             if count is not None:
@@ -1238,8 +1240,9 @@ class BlockPoolAllocator:
             TypeError: ``block_id`` is not an int.
             ValueError: ``block_id`` is negative.
         """
-        block_id = _plain_int(block_id)
         require_int("block_id", block_id, minimum=0)
+        if type(block_id) is not int:  # an int subclass: its own value, not its methods'
+            block_id = _plain_int(block_id)
         with self._lock:
             return block_id in self._shared_counts
 
