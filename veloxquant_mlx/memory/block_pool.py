@@ -154,11 +154,15 @@ def _mark_used_refusal(block: Block, refusal: int) -> ValueError:
     )
 
 
-def _plain_int(value: AsGiven[int]) -> int:
-    """An ``int`` subclass's value as a plain ``int``, checked ``>= 0`` again: its own
-    ``__hash__``, ``__eq__``, ``__lt__`` or ``__int__`` are caller code, which must never
-    run under the lock nor stand in for its value. The caller ran ``require_int``."""
-    plain = int.__int__(value)
+def _require_block_id(block_id: AsGiven[int]) -> AsGiven[int]:
+    """``block_id`` if it is an ``int >= 0`` (``require_int``'s errors otherwise), as a
+    plain ``int``: an ``int`` subclass's own ``__hash__``, ``__eq__``, ``__lt__`` or
+    ``__int__`` are caller code, which must never run under the lock nor stand in for
+    its value, so its value is read and checked again."""
+    require_int("block_id", block_id, minimum=0)
+    if type(block_id) is int:
+        return block_id
+    plain = int.__int__(block_id)
     if plain < 0:
         raise ValueError(f"block_id must be an int >= 0, got {plain!r}")
     return plain
@@ -1220,9 +1224,7 @@ class BlockPoolAllocator:
             TypeError: ``block_id`` is not an int.
             ValueError: ``block_id`` is negative.
         """
-        require_int("block_id", block_id, minimum=0)
-        if type(block_id) is not int:  # an int subclass: its own value, not its methods'
-            block_id = _plain_int(block_id)
+        block_id = _require_block_id(block_id)
         with self._lock:
             count = self._shared_counts.get(block_id)
             if count is not None:
@@ -1240,9 +1242,7 @@ class BlockPoolAllocator:
             TypeError: ``block_id`` is not an int.
             ValueError: ``block_id`` is negative.
         """
-        require_int("block_id", block_id, minimum=0)
-        if type(block_id) is not int:  # an int subclass: its own value, not its methods'
-            block_id = _plain_int(block_id)
+        block_id = _require_block_id(block_id)
         with self._lock:
             return block_id in self._shared_counts
 
