@@ -152,6 +152,40 @@ def test_a_table_of_another_pool_is_refused() -> None:
     book.release()
 
 
+def _call_without_a_table(store: MLXBlockStorage, method: str) -> object:
+    no_table: DeviceBlockTable = None  # type: ignore[assignment]
+    if method == "fetch":
+        return store.fetch_through_table(0, no_table, 3)
+    if method == "update":
+        return store.update_through_table(0, no_table, 0, _tokens(1, 5), _tokens(1, 6))
+    return store.attend_through_table(0, no_table, 3, _tokens(1, 7), 1.0)
+
+
+@pytest.mark.parametrize("method", ["fetch", "update", "attend"])
+def test_a_table_argument_that_is_no_table_is_a_type_error_naming_it(method: str) -> None:
+    # It used to be a bare AttributeError: 'NoneType' object has no attribute 'require_live'.
+    store = _store()
+    book = PooledKVCache(store.pool, n_layers=N_LAYERS)
+    book.append(3)
+    table = DeviceBlockTable(book)
+    before = store.fetch_through_table(0, table, 3)
+    expected = r"^table must be a DeviceBlockTable, got None \(NoneType\)$"
+    with pytest.raises(TypeError, match=expected):
+        _call_without_a_table(store, method)
+    after = store.fetch_through_table(0, table, 3)
+    assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
+    book.release()
+
+
+def test_queries_that_are_not_an_array_are_a_type_error_naming_them() -> None:
+    store = _store()
+    book = PooledKVCache(store.pool, n_layers=N_LAYERS)
+    book.append(3)
+    with pytest.raises(TypeError, match=r"^queries must be an mlx.core.array, got list$"):
+        store.attend_through_table(0, DeviceBlockTable(book), 3, [1.0], 1.0)  # type: ignore[arg-type]
+    book.release()
+
+
 @pytest.mark.parametrize(
     ("start", "error"), [(1.0, TypeError), (True, TypeError), (-1, ValueError), (9, ValueError)]
 )

@@ -123,3 +123,16 @@ def test_mlx_store_refuses_tokens_it_would_have_to_cast(tokens: mx.array) -> Non
     with pool_unchanged(pool, owners=[1], handles=[block]), refused:
         store.write(0, block, 1, tokens)
     assert store.gather(0, [block], 2).reshape(-1).tolist() == [1.5, 2.5]
+
+
+@pytest.mark.parametrize("store_class", [MLXBlockStorage, NumpyBlockStorage])
+@pytest.mark.parametrize("method", ["gather", "gather_heads"])
+def test_a_gather_of_no_sequence_is_a_type_error_naming_blocks(
+    store_class: type[MLXBlockStorage] | type[NumpyBlockStorage], method: str
+) -> None:
+    # It used to say only "'NoneType' object is not iterable", naming no argument.
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=2, separate_kv=False))
+    store = store_class(pool, n_layers=1, n_kv_heads=1, head_dim=1)
+    expected = r"^blocks must be a sequence of Block handles, got None \(NoneType\)$"
+    with pool_unchanged(pool), pytest.raises(TypeError, match=expected):
+        getattr(store, method)(0, None, 0)

@@ -94,6 +94,20 @@ def require_writable(pool: CheckedBlockPool[Block], block: Block, action: str) -
         )
 
 
+def block_list_of(blocks: Sequence[Block]) -> list[Block]:
+    """``blocks`` as a list (its items as given); a ``TypeError`` naming the argument if it
+    cannot be iterated (a ``None`` where a sequence of blocks belongs, say)."""
+    try:
+        return list(blocks)
+    except TypeError:
+        if hasattr(type(blocks), "__iter__"):
+            raise  # iterable: the error came from the iteration itself
+        raise TypeError(
+            f"blocks must be a sequence of Block handles, got {blocks!r} "
+            f"({type(blocks).__name__})"
+        ) from None
+
+
 def require_all_live(pool: CheckedBlockPool[Block], blocks: Sequence[Block]) -> None:
     """Refuse unless every item of ``blocks`` is a live handle: one pool lock, not one each."""
     if pool.all_live(blocks):

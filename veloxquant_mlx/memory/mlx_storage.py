@@ -101,6 +101,7 @@ import mlx.core as mx
 
 from veloxquant_mlx.memory import block_gather
 from veloxquant_mlx.memory._storage_checks import (
+    block_list_of,
     copy_layers,
     next_capacity,
     require_all_live,
@@ -353,7 +354,7 @@ class MLXBlockStorage:
             ValueError: A block is not a live handle of the pool, ``layer`` is out of
                 range, or ``n_tokens`` is outside ``0 .. len(blocks) * block_size``.
         """
-        block_list = list(blocks)
+        block_list = block_list_of(blocks)
         require_n_tokens(n_tokens, len(block_list) * self._block_size)
         heads, head_dim = self._slot_shape
         with self._lock:
@@ -391,8 +392,9 @@ class MLXBlockStorage:
 
         Raises:
             TypeError, ValueError: Tokens of another dtype or shape than the store's,
-                positions outside the table's blocks, a layer out of range, or a
-                table of another pool. Nothing changes.
+                positions outside the table's blocks, a layer out of range, a table
+                of another pool, or one that is not a ``DeviceBlockTable``. Nothing
+                changes.
             StaleBlockTableError: A block of the table was freed or moved behind its back.
             RuntimeError: A ``lazy_writes`` store called from another thread.
         """
@@ -459,6 +461,7 @@ class MLXBlockStorage:
         Raises:
             ValueError: ``n_tokens`` beyond the table's slots, a layer out of range, or
                 a table of another pool.
+            TypeError: A table that is not a ``DeviceBlockTable``.
             StaleBlockTableError: A block of the table was freed or moved behind its back.
             RuntimeError: A ``lazy_writes`` store called from another thread.
         """
@@ -480,10 +483,13 @@ class MLXBlockStorage:
         Raises:
             ValueError: ``n_tokens`` not in ``1 ..`` the table's slots, queries of
                 another shape, a layer out of range, or a table of another pool.
-            TypeError: Queries of another dtype than the store's.
+            TypeError: Queries that are not an ``mx.array`` of the store's dtype, or a
+                table that is not a ``DeviceBlockTable``.
             StaleBlockTableError: A block of the table was freed or moved behind its back.
             RuntimeError: A ``lazy_writes`` store called from another thread.
         """
+        if not isinstance(queries, mx.array):
+            raise TypeError(f"queries must be an mlx.core.array, got {type(queries).__name__}")
         heads, head_dim = self._slot_shape
         shape = tuple(queries.shape)
         if (
@@ -560,10 +566,17 @@ class MLXBlockStorage:
             require_layer(layer, len(self._slabs))
         if self._lazy_writes and self._owning_thread is not threading.current_thread():
             self._use_data_locked()  # binds the store, or refuses this thread
-        if this_step:
-            table.require_live_this_step()
-        else:
-            table.require_live()
+        try:
+            if this_step:
+                table.require_live_this_step()
+            else:
+                table.require_live()
+        except AttributeError:
+            if type(table) is DeviceBlockTable:
+                raise  # a fault inside the table, not a wrong argument
+            raise TypeError(
+                f"table must be a DeviceBlockTable, got {table!r} ({type(table).__name__})"
+            ) from None
         rows = table.memo(self)
         if type(rows) is not SlotRows or rows.capacity != self._capacity:
             # The table is new to this store, its ids changed, or another request's call

@@ -44,6 +44,7 @@ import numpy as np
 import numpy.typing as npt
 
 from veloxquant_mlx.memory._storage_checks import (
+    block_list_of,
     copy_layers,
     next_capacity,
     require_all_live,
@@ -239,7 +240,7 @@ class NumpyBlockStorage:
 
     def _take(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> npt.NDArray[np.generic]:
         """Check a gather's arguments; a copy of ``blocks``' rows of ``layer``, in order."""
-        block_list = list(blocks)
+        block_list = block_list_of(blocks)
         require_n_tokens(n_tokens, len(block_list) * self._block_size)
         with self._lock:
             require_layer(layer, len(self._slabs))
