@@ -194,8 +194,9 @@ def decode_round(model: Module, requests: list[Caches], steps: int) -> tuple[flo
     (``mx.async_eval``) as soon as its graph is built and the previous step's
     tokens are waited for only then, so building step ``t + 1`` overlaps the
     device running step ``t``. Each request's graph is scheduled before the
-    next request's is built (a server loop does the same): a write then never
-    waits on another request's unscheduled read of the same slab.
+    next request's is built (a server loop does the same). A pool-backed write
+    still copies its whole slab when a gather scheduled before it has not run
+    yet (the README says why, and what waiting for the gather cost instead).
 
     Returns:
         Aggregate tokens per second, and host microseconds per token spent
