@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import mlx.core as mx
 import pytest
+from threads import in_thread
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.block_table import DeviceBlockTable, StaleBlockTableError
@@ -174,6 +175,28 @@ def test_a_table_argument_that_is_no_table_is_a_type_error_naming_it(method: str
         _call_without_a_table(store, method)
     after = store.fetch_through_table(0, table, 3)
     assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
+    book.release()
+
+
+def test_a_refused_table_from_another_thread_leaves_a_lazy_store_unbound() -> None:
+    # The store used to bind itself to the calling thread before looking at the table.
+    store = _store(lazy_writes=True)
+    error = in_thread("other", lambda: _call_without_a_table(store, "fetch"))
+    assert isinstance(error, TypeError) and "table must be a DeviceBlockTable" in str(error)
+    store.sync()  # still this thread's to take: binding it to "other" would refuse this
+
+
+class _FaultyTable(DeviceBlockTable):
+    def require_live(self) -> None:
+        raise AttributeError("a fault inside the table")
+
+
+def test_a_tables_own_attribute_error_is_not_reported_as_a_wrong_argument() -> None:
+    store = _store()
+    book = PooledKVCache(store.pool, n_layers=N_LAYERS)
+    book.append(3)
+    with pytest.raises(AttributeError, match=r"^a fault inside the table$"):
+        store.fetch_through_table(0, _FaultyTable(book), 3)
     book.release()
 
 

@@ -9,6 +9,7 @@ make sense for one backend (memory really released, no view of a slab).
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -17,7 +18,7 @@ import pytest
 from conftest import pool_unchanged
 
 from veloxquant_mlx.memory._storage_checks import next_capacity
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
 from veloxquant_mlx.memory.storage import BlockStorage
@@ -136,3 +137,22 @@ def test_a_gather_of_no_sequence_is_a_type_error_naming_blocks(
     expected = r"^blocks must be a sequence of Block handles, got None \(NoneType\)$"
     with pool_unchanged(pool), pytest.raises(TypeError, match=expected):
         getattr(store, method)(0, None, 0)
+
+
+def _blocks_then_a_fault(block: Block) -> Iterator[Block]:
+    yield block
+    raise TypeError("the caller's own fault, while its items are read")
+
+
+class _NotIterable:
+    __iter__ = None
+
+
+def test_a_gather_names_blocks_only_when_they_cannot_be_iterated() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=2, separate_kv=False))
+    store = MLXBlockStorage(pool, n_layers=1, n_kv_heads=1, head_dim=1)
+    [block] = pool.allocate("kv", 2, owner=1)
+    with pytest.raises(TypeError, match=r"^the caller's own fault, while its items are read$"):
+        store.gather(0, _blocks_then_a_fault(block), 0)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"^blocks must be a sequence of Block handles, got <"):
+        store.gather(0, _NotIterable(), 0)  # type: ignore[arg-type]

@@ -95,17 +95,16 @@ def require_writable(pool: CheckedBlockPool[Block], block: Block, action: str) -
 
 
 def block_list_of(blocks: Sequence[Block]) -> list[Block]:
-    """``blocks`` as a list (its items as given); a ``TypeError`` naming the argument if it
-    cannot be iterated (a ``None`` where a sequence of blocks belongs, say)."""
+    """``blocks`` as a list (its items as given); a ``TypeError`` naming the argument if
+    iterating it cannot start (a ``None`` where a sequence of blocks belongs, say). An
+    error raised while its items are read is the caller's own and passes unchanged."""
     try:
-        return list(blocks)
+        items = iter(blocks)
     except TypeError:
-        if hasattr(type(blocks), "__iter__"):
-            raise  # iterable: the error came from the iteration itself
         raise TypeError(
-            f"blocks must be a sequence of Block handles, got {blocks!r} "
-            f"({type(blocks).__name__})"
+            f"blocks must be a sequence of Block handles, got {blocks!r} ({type(blocks).__name__})"
         ) from None
+    return list(items)
 
 
 def require_all_live(pool: CheckedBlockPool[Block], blocks: Sequence[Block]) -> None:

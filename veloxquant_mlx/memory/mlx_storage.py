@@ -565,6 +565,7 @@ class MLXBlockStorage:
         if type(layer) is not int or not 0 <= layer < len(self._slabs):
             require_layer(layer, len(self._slabs))
         if self._lazy_writes and self._owning_thread is not threading.current_thread():
+            _require_table(table)  # first: a refused call must not bind the store
             self._use_data_locked()  # binds the store, or refuses this thread
         try:
             if this_step:
@@ -572,11 +573,8 @@ class MLXBlockStorage:
             else:
                 table.require_live()
         except AttributeError:
-            if type(table) is DeviceBlockTable:
-                raise  # a fault inside the table, not a wrong argument
-            raise TypeError(
-                f"table must be a DeviceBlockTable, got {table!r} ({type(table).__name__})"
-            ) from None
+            _require_table(table)  # a wrong argument is named; a table's own fault is not
+            raise
         rows = table.memo(self)
         if type(rows) is not SlotRows or rows.capacity != self._capacity:
             # The table is new to this store, its ids changed, or another request's call
@@ -686,6 +684,12 @@ class MLXBlockStorage:
     def _zeros(self, n_blocks: int) -> mx.array:
         rows = n_blocks * self._block_size
         return mx.zeros((1, self._heads, rows, self._head_dim), dtype=self._dtype)
+
+
+def _require_table(table: object) -> None:
+    """Refuse anything but a :class:`DeviceBlockTable` (or subclass) by name."""
+    if not isinstance(table, DeviceBlockTable):
+        raise TypeError(f"table must be a DeviceBlockTable, got {table!r} ({type(table).__name__})")
 
 
 def publish(*arrays: mx.array) -> None:

@@ -104,6 +104,12 @@ class BlockStorage(Protocol[ArrayT]):
     def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> ArrayT:
         """The first ``n_tokens`` slots of ``blocks`` in ``layer``, in order, as one array
         of shape ``(n_tokens, n_kv_heads, head_dim)``; never changed by later writes.
+
+        Raises:
+            TypeError: ``blocks`` is not a sequence of ``Block`` handles, or ``n_tokens``
+                not an int.
+            ValueError: A block is not a live handle of the pool, ``layer`` is out of
+                range, or ``n_tokens`` is outside ``0 .. len(blocks) * block_size``.
         """
         ...
 
