@@ -511,6 +511,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("bench_block_pool", ["--against", "HEAD", "--compare"], "--compare has no effect with"),
         ("bench_paged_attention", ["--json", "/proc/x/y.json"], "in an existing folder"),
         ("bench_block_gather", ["--rounds", "0"], "--rounds and every context must be >= 1"),
+        ("bench_slab_copy", ["--requests", "0"], "--requests: expected an int >= 1, got '0'"),
     ],
 )
 def test_a_benchmark_refuses_a_bad_option_in_one_line(
