@@ -80,32 +80,37 @@ class Requests:
             cache.release()
 
 
+def decode_step(way: str, requests: Requests, previous: list[mx.array]) -> list[mx.array]:
+    """One step of every request, decoded ``way``; what a pipelined step leaves pending."""
+    results = []
+    for index in range(len(requests.caches)):
+        result = requests.read_one(index)
+        if way == "evaluated":
+            mx.eval(result)
+        else:
+            schedule(result)
+        results.append(result)
+    if way == "pipelined":
+        mx.eval(previous)
+        return results
+    mx.eval(results)
+    return []
+
+
 def one_way(way: str, requests: Requests, steps: int) -> dict[str, float]:
     """Median milliseconds a step and peak megabytes above the start, decoding ``way``."""
-    previous: list[mx.array] = []
+    pending: list[mx.array] = []
+    for _ in range(WARM_UP_STEPS):
+        pending = decode_step(way, requests, pending)
+    mx.eval(pending)
+    mx.reset_peak_memory()
+    in_use = mx.get_active_memory()
     seconds: list[float] = []
-    for step in range(WARM_UP_STEPS + steps):
-        if step == WARM_UP_STEPS:
-            mx.eval(previous)
-            mx.reset_peak_memory()
-            in_use = mx.get_active_memory()
+    for _ in range(steps):
         started = time.perf_counter()
-        results = []
-        for index in range(len(requests.caches)):
-            result = requests.read_one(index)
-            if way == "evaluated":
-                mx.eval(result)
-            else:
-                schedule(result)
-            results.append(result)
-        if way == "pipelined":
-            mx.eval(previous)
-            previous = results
-        else:
-            mx.eval(results)
-        if step >= WARM_UP_STEPS:
-            seconds.append(time.perf_counter() - started)
-    mx.eval(previous)
+        pending = decode_step(way, requests, pending)
+        seconds.append(time.perf_counter() - started)
+    mx.eval(pending)
     return {
         "ms_per_step": statistics.median(seconds) * 1e3,
         "peak_mb_above_start": (mx.get_peak_memory() - in_use) / 1e6,
@@ -113,11 +118,11 @@ def one_way(way: str, requests: Requests, steps: int) -> dict[str, float]:
 
 
 def one_count(n_requests: int, context: int, steps: int) -> dict[str, object]:
-    """Every way for ``n_requests`` requests, each on a fresh store."""
+    """Every way for ``n_requests`` requests, each on a fresh store (all of one size)."""
     row: dict[str, object] = {"requests": n_requests}
     for way in WAYS:
         requests = Requests(n_requests, context, steps)
-        row["slab_mb"] = requests.store.resident_bytes() / 1e6
+        row.setdefault("slab_mb", requests.store.resident_bytes() / 1e6)
         figures = one_way(way, requests, steps)
         requests.release()
         row[way] = figures

@@ -143,9 +143,9 @@ def test_a_planted_bug_is_reported_with_a_shortest_failing_sequence(
     assert shorter is None or len(shorter.operations) >= len(shortest)
 
 
-def test_a_reported_sequence_replays_to_the_same_failure() -> None:
-    # The sequence the exhaustive check reports for this bug, as the test above pins it
-    # (exploring again here took 40 s of CI for the same answer).
+def test_the_sequence_reported_for_the_fifo_bug_replays_to_the_same_failure() -> None:
+    # The sequence the exhaustive check reports for this bug, as the planted-bug test
+    # above pins it (exploring again here took 40 s of CI for the same answer).
     reported: list[Operation] = next(
         shortest for bug, _, shortest in PLANTED_BUGS if bug is FreeListIsFifo
     )
