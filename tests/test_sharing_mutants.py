@@ -23,7 +23,7 @@ from veloxquant_mlx.memory.block_pool import (
 )
 from veloxquant_mlx_spec import transitions
 from veloxquant_mlx_spec.invariants import broken_invariants
-from veloxquant_mlx_spec.model import NotAList, PoolState, SpecConfig, new_pool
+from veloxquant_mlx_spec.model import Err, ErrorKind, NotAList, PoolState, SpecConfig, new_pool
 
 SHARING_HELP_TEXT = {
     "shared_blocks": "Blocks checked out to more than one owner.",
@@ -292,6 +292,17 @@ def test_the_spec_lets_make_writable_grow_the_pool_to_exactly_max_blocks() -> No
     assert (state.handles[2].block_id, state.next_block_id, state.counters.n_grown) == (2, 3, 1)
 
 
+
+def test_every_refused_make_writable_counts_one_more_exhaustion() -> None:
+    pool = make_pool(n_blocks=2)  # one block a stream, no growth
+    pool.allocate("k", 4, owner=1)
+    shared = pool.fork(1, 2)
+    for expected in (1, 2):  # the second from 1: a counter set to 1 would stay there
+        with pytest.raises(BlockPoolExhaustedError, match="make_writable"):
+            pool.make_writable(shared[0])
+        assert pool.stats.n_exhausted == expected
+
+
 # ---- the spec's sharing errors ---------------------------------------------------------
 
 
@@ -380,3 +391,15 @@ def test_the_spec_takes_the_id_make_writable_grows_onto_off_the_retired_set() ->
     assert isinstance(moved, int), moved
     assert (state.handles[moved].block_id, state.retired) == (1, frozenset())
     assert broken_invariants(state) == ()
+
+
+def test_the_spec_counts_every_refused_make_writable_as_one_more_exhaustion() -> None:
+    state, held = transitions.allocate(spec_state(n_blocks=2), "k", 4, 1)
+    assert isinstance(held, tuple), held
+    state, shared = transitions.share(state, held, 2)
+    assert isinstance(shared, tuple), shared
+    for expected in (1, 2):
+        state, refused = transitions.make_writable(state, shared[0])
+        assert isinstance(refused, Err) and refused.kind is ErrorKind.EXHAUSTED, refused
+        assert state.counters.n_exhausted == expected
+
