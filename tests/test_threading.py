@@ -128,12 +128,30 @@ def assert_pool_matches_tallies(pool: BlockPoolAllocator, tallies: list[WorkerTa
     pool.check_invariants()
 
 
+def blocks_no_interleaving_can_exhaust() -> int:
+    """Blocks a stream needs so that no interleaving of the churning workers exhausts it.
+
+    Each worker's calls are fixed by its seed, so its alone run's peak holding
+    (every stream counted) is the most it can hold at any moment of a threaded
+    run: the sum of the peaks is enough for either stream, whatever the order.
+    Sizing the pool by a guess (8 blocks a thread) was not enough: the peaks sum
+    to more, and slow interleavings (under a tracer) met an exhaustion.
+    """
+    peaks = 0
+    for index in range(N_THREADS):
+        alone = make_pool(block_size=4, n_blocks=4096, history_len=0)
+        churn(alone, index, WorkerTally())
+        peaks += alone.stats.peak_blocks_in_use
+    return peaks
+
+
 def test_threads_churning_a_roomy_pool_conserve_blocks_and_count_every_call() -> None:
-    pool = make_pool(block_size=4, n_blocks=N_THREADS * 8, history_len=0)
+    n_blocks = 2 * blocks_no_interleaving_can_exhaust()  # each stream gets half
+    pool = make_pool(block_size=4, n_blocks=n_blocks, history_len=0)
     tallies = run_in_threads(lambda index, tally: churn(pool, index, tally))
     assert sum(t.exhausted for t in tallies) == 0
     assert_pool_matches_tallies(pool, tallies)
-    assert pool.stats.n_blocks == N_THREADS * 8
+    assert pool.stats.n_blocks == n_blocks
 
 
 def test_threads_contending_for_a_tight_pool_count_exhaustion_exactly() -> None:
