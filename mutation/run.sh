@@ -1,9 +1,14 @@
 #!/usr/bin/env bash
 # Mutation testing of the block pool allocator and its executable spec: the one command.
 #
-#   mutation/run.sh            fresh run of every mutant, then the score (exit 1 below 95%)
-#   mutation/run.sh --resume   continue an interrupted run, keeping mutants/
-#   mutation/run.sh NAME...    re-test the named mutants (globs allowed), keeping mutants/
+#   mutation/run.sh              fresh run of every mutant, then the score (exit 1 below 95%)
+#   mutation/run.sh --resume     continue an interrupted run, keeping mutants/
+#   mutation/run.sh --continue   a new mutants/ from mutation/ledger.json's verdicts (those
+#                                of unchanged functions), then the mutants without one
+#   mutation/run.sh NAME...      re-test the named mutants (globs allowed), keeping mutants/
+#
+# Every mode saves the verdicts to mutation/ledger.json at the end, interrupted or not.
+# A run that leaves mutants unchecked exits 3 (inconclusive), never 0.
 #
 # Configuration lives in pyproject.toml [tool.mutmut]; see mutation/README.md.
 # Environment: MUTATION_WORKERS (default 2), MUTATION_MIN_SCORE (default 95).
@@ -22,6 +27,7 @@ export VELOXQUANT_HYPOTHESIS_PROFILE=mutation
 case "${1:-}" in
     "") rm -rf mutants; args=() ;;
     --resume) args=() ;;
+    --continue) rm -rf mutants; "$bin/python" mutation/ledger.py restore; args=() ;;
     *) args=("$@") ;;
 esac
 
@@ -31,6 +37,9 @@ if [[ -t 1 ]]; then
 else
     show_progress() { tr '\r' '\n' | grep -v '^[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏] ' || true; }
 fi
+
+save_ledger() { "$bin/python" mutation/ledger.py save || true; }
+trap save_ledger EXIT
 
 start=$SECONDS
 "$bin/mutmut" run --max-children "${MUTATION_WORKERS:-2}" ${args[@]+"${args[@]}"} | show_progress

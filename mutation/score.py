@@ -5,10 +5,12 @@ every mutated file, how many mutants were killed out of how many, then the
 total. A mutant counts as killed when a test failed (``killed``) or the
 tests stopped finishing (``timeout``: the mutant made them hang).
 
-Exits non-zero when the score is below ``--min-score``, when any mutant was
-left unchecked (an interrupted run), or when a mutant that was not killed is
-missing from ``mutation/SURVIVORS.md``: every survivor is either explained
-there as equivalent or killed by a new test.
+Exits 1 when the score is below ``--min-score`` or when a mutant that was
+not killed is missing from ``mutation/SURVIVORS.md`` (every survivor is
+either explained there as equivalent or killed by a new test). A run that
+left mutants unchecked (interrupted, or spread over several sessions
+through ``mutation/ledger.py``) is inconclusive, never a pass: it also
+prints the score of the mutants checked so far and exits 3.
 
 Usage: ``python mutation/score.py [--min-score 95]`` from the repository root.
 """
@@ -85,8 +87,6 @@ def main() -> int:
         if status not in DETECTED
     }
     unchecked = sorted(name for name, status in not_detected.items() if status == "not checked")
-    if unchecked:
-        problems.append(f"{len(unchecked)} mutants not checked (interrupted run?)")
     documented = SURVIVORS_FILE.read_text() if SURVIVORS_FILE.exists() else ""
     undocumented = sorted(
         name
@@ -97,6 +97,8 @@ def main() -> int:
         print(f"  not in {SURVIVORS_FILE}: {name} ({not_detected[name]})")
     if undocumented:
         problems.append(f"{len(undocumented)} surviving mutants not listed in {SURVIVORS_FILE}")
+    if unchecked:
+        return _inconclusive(problems, detected, total - len(unchecked), len(unchecked))
     if score < args.min_score:
         problems.append(f"score {score:.2f}% is below the target {args.min_score:.2f}%")
 
@@ -104,6 +106,25 @@ def main() -> int:
     for problem in problems:
         print(f"FAIL: {problem}", file=sys.stderr)
     return 1 if problems else 0
+
+
+def _inconclusive(problems: list[str], detected: int, checked: int, n_unchecked: int) -> int:
+    """Report a run with unchecked mutants: exit 1 for another problem, else 3."""
+    so_far = 100.0 * detected / checked if checked else 0.0
+    print(
+        f"mutation score so far: {detected}/{checked} checked = {so_far:.2f}%; "
+        f"{n_unchecked} mutants not checked yet, so no verdict on the whole"
+    )
+    for problem in problems:
+        print(f"FAIL: {problem}", file=sys.stderr)
+    if problems:
+        return 1
+    print(
+        f"INCONCLUSIVE: {n_unchecked} mutants not checked (interrupted run; "
+        "mutation/run.sh --continue goes on)",
+        file=sys.stderr,
+    )
+    return 3
 
 
 if __name__ == "__main__":
