@@ -4,23 +4,29 @@ be spread over several sessions.
 A full run of ``mutation/run.sh`` takes hours here and about 110 minutes on 16
 cores, more than one sitting of either. mutmut keeps its verdicts in
 ``mutants/**/*.py.meta``, which git ignores, so an interrupted run is lost
-with its machine. ``save`` copies every decided verdict, with mutmut's hash
-of each mutated function's source, into ``mutation/ledger.json``;
-``restore`` writes them back as meta files into an empty ``mutants/``,
-before mutmut generates the mutants. mutmut then keeps a verdict only where
-the function's hash is still the same (its own rule for a changed function),
-so a verdict never outlives the code it was found on, and ``mutmut run``
+with its machine. ``save`` merges every decided verdict, with mutmut's hash
+of its function's source, into ``mutation/ledger.json``; ``restore`` writes
+them back as meta files into an empty ``mutants/``, before mutmut generates
+the mutants. mutmut then keeps a verdict only where the function's hash is
+still the same (its own rule for a changed function), and ``mutmut run``
 tests only the mutants without one.
 
-What the hash does not see: a change to the tests, or to a function that a
-mutated function calls. A killed mutant's verdict stays as it was; a test
-change that weakens a test is the case to run from scratch for
-(``mutation/run.sh`` without ``--continue``).
+What the hash does not see: the tests, and everything outside the function
+itself (a module constant, a function it calls). ``restore`` warns when the
+tests changed since the ledger's commit; a killed verdict stays as it was,
+so after a test was weakened run from scratch (``mutation/run.sh`` without
+``--continue``, which saves with ``--replace``). A change to mutmut's
+configuration (``[tool.mutmut]``: the pytest arguments, the test selection,
+the timeouts) makes ``restore`` refuse, as mutmut itself then re-tests
+everything. Statuses that are not verdicts (a check interrupted by the user,
+a worker killed) are not kept.
 
 Usage, from the repository root::
 
-    python mutation/ledger.py save       # mutants/ -> mutation/ledger.json
-    python mutation/ledger.py restore    # mutation/ledger.json -> an empty mutants/
+    python mutation/ledger.py save [--replace]   # mutants/ -> mutation/ledger.json
+    python mutation/ledger.py restore            # mutation/ledger.json -> an empty mutants/
+
+Exit status: 0 done (or nothing to restore), 2 refused (the message says why).
 
 Complexity: O(mutants). Thread safety: a command; one at a time per checkout.
 """
@@ -31,78 +37,172 @@ import argparse
 import json
 import subprocess
 import sys
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TypedDict
+
+from mutmut.configuration import config
+from mutmut.stats import status_by_exit_code
+from mutmut.utils.format_utils import mangled_name_from_mutant_name
 
 LEDGER = Path("mutation/ledger.json")
 MUTANTS = Path("mutants")
-FORMAT = 1
+FORMAT = 2
 _SEPARATOR = "__mutmut_"
+#: Statuses that say how a check ended, not what the tests said of the mutant.
+NOT_VERDICTS = frozenset({"check was interrupted by user", "segfault", "not checked"})
+_UTF8 = "utf-8"  # method names hold "ǁ"
 
 
-def ledger_of(mutants: Path) -> dict[str, Any]:
-    """The decided verdicts under ``mutants``, per mutated file and function.
+class FunctionVerdicts(TypedDict):
+    """One mutated function: mutmut's hash of its source, and exit code by mutant number."""
 
-    ``{"format": 1, "files": {path: {"module": m, "functions": {f: {"hash": h,
-    "exit_codes": {n: code}}}}}}``, where mutant ``n`` of function ``f`` is
-    mutmut's ``{m}.{f}__mutmut_{n}``. A function with no decided mutant is left out.
-    """
-    files: dict[str, Any] = {}
-    for meta_path in sorted(mutants.rglob("*.py.meta")):
-        meta = json.loads(meta_path.read_text())
-        hashes: dict[str, str] = meta["hash_by_function_name"]
-        module = ""
-        functions: dict[str, Any] = {}
-        for key, code in meta["exit_code_by_key"].items():
-            if code is None:
-                continue
-            mangled, number = key.rsplit(_SEPARATOR, 1)
-            module, _, function = mangled.rpartition(".")
-            entry = functions.setdefault(function, {"hash": hashes[function], "exit_codes": {}})
-            entry["exit_codes"][number] = code
-        if functions:
-            source = str(meta_path.relative_to(mutants).with_suffix(""))
-            files[source] = {"module": module, "functions": functions}
-    return {"format": FORMAT, "commit": _head(), "files": files}
+    hash: str
+    exit_codes: dict[str, int]
 
 
-def write_meta_files(ledger: dict[str, Any], mutants: Path) -> int:
-    """Write ``ledger``'s verdicts as mutmut meta files under ``mutants``; return how many.
+class FileVerdicts(TypedDict):
+    """One mutated file: the module prefix of its mutant names, and its functions."""
 
-    Raises:
-        ValueError: ``ledger`` is not of this format.
-    """
-    if ledger.get("format") != FORMAT:
-        raise ValueError(
-            f"{LEDGER} has format {ledger.get('format')!r}; expected {FORMAT} "
-            "(written by this script's save)"
+    module: str
+    functions: dict[str, FunctionVerdicts]
+
+
+class Ledger(TypedDict):
+    """The whole ledger: where it was saved, mutmut's configuration, and the verdicts."""
+
+    format: int
+    commit: str | None
+    config_fingerprint: dict[str, str]
+    files: dict[str, FileVerdicts]
+
+
+class MetaFile(TypedDict):
+    """What this script reads of a mutmut meta file (``mutants/<source>.meta``)."""
+
+    exit_code_by_key: dict[str, int | None]
+    hash_by_function_name: dict[str, str]
+
+
+class LedgerRefusedError(Exception):
+    """A save or restore that would lose or misplace verdicts; its message says why."""
+
+
+def verdicts_of_meta(meta: MetaFile) -> tuple[FileVerdicts, dict[str, str]]:
+    """The decided verdicts of one meta file, and its hash of every function."""
+    hashes = meta["hash_by_function_name"]
+    record = FileVerdicts(module="", functions={})
+    for key, code in meta["exit_code_by_key"].items():
+        if code is None or status_by_exit_code[code] in NOT_VERDICTS:
+            continue
+        module, _, function = mangled_name_from_mutant_name(key).rpartition(".")
+        number = key.rpartition(_SEPARATOR)[2]
+        record["module"] = module
+        entry = record["functions"].setdefault(
+            function, FunctionVerdicts(hash=hashes[function], exit_codes={})
         )
+        entry["exit_codes"][number] = code
+    return record, hashes
+
+
+def merged(old: FileVerdicts | None, new: FileVerdicts, hashes: Mapping[str, str]) -> FileVerdicts:
+    """``new``'s verdicts over ``old``'s, for the functions ``hashes`` (the current meta
+    file's) still has with the hash ``old`` recorded; a changed or gone function's are
+    dropped."""
+    functions: dict[str, FunctionVerdicts] = {}
+    old_functions = old["functions"] if old is not None else {}
+    for function, source_hash in hashes.items():
+        codes: dict[str, int] = {}
+        kept = old_functions.get(function)
+        if kept is not None and kept["hash"] == source_hash:
+            codes.update(kept["exit_codes"])
+        if function in new["functions"]:
+            codes.update(new["functions"][function]["exit_codes"])
+        if codes:
+            functions[function] = FunctionVerdicts(hash=source_hash, exit_codes=codes)
+    module = new["module"] or (old["module"] if old is not None else "")
+    return FileVerdicts(module=module, functions=functions)
+
+
+def updated_ledger(
+    old: Ledger | None,
+    mutants: Path,
+    fingerprint: dict[str, str],
+    is_mutated: Callable[[str], bool],
+) -> Ledger:
+    """``old`` with the verdicts under ``mutants`` merged in (``old`` may be ``None``).
+
+    Only files that ``is_mutated`` accepts are kept. Raises:
+        LedgerRefusedError: ``old`` was saved under another mutmut configuration.
+    """
+    if old is not None and old["config_fingerprint"] != fingerprint:
+        raise LedgerRefusedError(
+            f"{LEDGER} was saved under another [tool.mutmut] configuration, whose verdicts "
+            "mutmut would not keep: save with --replace (after a run from scratch)"
+        )
+    files = {
+        source: record
+        for source, record in (old["files"] if old is not None else {}).items()
+        if is_mutated(source)
+    }
+    for meta_path in sorted(mutants.rglob("*.py.meta")):
+        source = str(meta_path.relative_to(mutants).with_suffix(""))
+        if not is_mutated(source):
+            continue
+        meta: MetaFile = json.loads(meta_path.read_text(encoding=_UTF8))
+        new, hashes = verdicts_of_meta(meta)
+        files[source] = merged(files.get(source), new, hashes)
+    files = {source: record for source, record in files.items() if record["functions"]}
+    return Ledger(format=FORMAT, commit=None, config_fingerprint=fingerprint, files=files)
+
+
+def write_meta_files(ledger: Ledger, mutants: Path, is_mutated: Callable[[str], bool]) -> int:
+    """Write ``ledger``'s verdicts of mutated files as meta files under ``mutants``;
+    return how many verdicts."""
     count = 0
     for source, record in ledger["files"].items():
+        if not is_mutated(source):
+            continue
         exit_codes: dict[str, int] = {}
-        hashes: dict[str, str] = {}
         for function, entry in record["functions"].items():
-            hashes[function] = entry["hash"]
             for number, code in entry["exit_codes"].items():
                 exit_codes[f"{record['module']}.{function}{_SEPARATOR}{number}"] = code
-        meta_path = mutants / f"{source}.meta"
-        meta_path.parent.mkdir(parents=True, exist_ok=True)
         meta = {
             "exit_code_by_key": exit_codes,
-            "hash_by_function_name": hashes,
+            "hash_by_function_name": {f: e["hash"] for f, e in record["functions"].items()},
             "type_check_error_by_key": {},
             "durations_by_key": {},
             "estimated_durations_by_key": {},
         }
-        meta_path.write_text(json.dumps(meta, indent=1))
+        meta_path = mutants / f"{source}.meta"
+        meta_path.parent.mkdir(parents=True, exist_ok=True)
+        meta_path.write_text(json.dumps(meta, indent=1), encoding=_UTF8)
         count += len(exit_codes)
     return count
 
 
-def ledger_text(ledger: dict[str, Any]) -> str:
+def read_ledger(path: Path) -> Ledger:
+    """The ledger at ``path``. Raises:
+    LedgerRefusedError: It is not a ledger of this format."""
+    try:
+        ledger: Ledger = json.loads(path.read_text(encoding=_UTF8))
+        found = ledger.get("format")
+    except (ValueError, AttributeError) as error:
+        raise LedgerRefusedError(
+            f"{path} is not a ledger (JSON object) this script reads: {error}"
+        ) from None
+    if found != FORMAT:
+        raise LedgerRefusedError(
+            f"{path} has format {found!r}; expected {FORMAT} (written by this script's save)"
+        )
+    return ledger
+
+
+def ledger_text(ledger: Ledger) -> str:
     """``ledger`` as JSON with one line per function (mutants in number order), so a
     later save's diff shows which functions' verdicts changed."""
-    lines = ["{", f' "format": {ledger["format"]},', f' "commit": {json.dumps(ledger["commit"])},']
+    head = {key: value for key, value in ledger.items() if key != "files"}
+    lines = ["{"] + [f" {json.dumps(key)}: {json.dumps(value)}," for key, value in head.items()]
     lines.append(' "files": {')
     files = sorted(ledger["files"].items())
     for file_index, (source, record) in enumerate(files):
@@ -121,51 +221,90 @@ def ledger_text(ledger: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _head() -> str | None:
-    done = subprocess.run(["git", "rev-parse", "HEAD"], check=False, capture_output=True, text=True)
-    return done.stdout.strip() if done.returncode == 0 else None
-
-
-def _save() -> int:
-    ledger = ledger_of(MUTANTS)
-    if not ledger["files"]:
-        print(f"no decided mutant under {MUTANTS}/; {LEDGER} left as it was", file=sys.stderr)
-        return 2
-    LEDGER.write_text(ledger_text(ledger))
-    n = sum(
+def count_verdicts(ledger: Ledger) -> int:
+    """How many mutants ``ledger`` has a verdict for."""
+    return sum(
         len(entry["exit_codes"])
         for record in ledger["files"].values()
         for entry in record["functions"].values()
     )
-    print(f"{LEDGER}: {n} verdicts saved")
+
+
+def _git(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", *args], check=False, capture_output=True, text=True)
+
+
+def _commit() -> str | None:
+    """HEAD, with ``+changes`` when the tests or the mutated code differ from it."""
+    head = _git("rev-parse", "HEAD")
+    if head.returncode != 0:
+        return None
+    dirty = _git("diff", "--quiet", "HEAD", "--", "tests", "spec", "veloxquant_mlx")
+    return head.stdout.strip() + ("+changes" if dirty.returncode == 1 else "")
+
+
+def _save(replace: bool) -> int:
+    settings = config()
+    old = None if replace or not LEDGER.exists() else read_ledger(LEDGER)
+    ledger = updated_ledger(old, MUTANTS, settings.config_fingerprint(), settings.should_mutate)
+    if not ledger["files"]:
+        raise LedgerRefusedError(
+            f"no decided mutant under {MUTANTS}/ nor in {LEDGER}; nothing saved"
+        )
+    ledger["commit"] = _commit()
+    LEDGER.write_text(ledger_text(ledger), encoding=_UTF8)
+    how = "those under mutants/ only" if old is None else "mutants/ merged into the ledger"
+    print(f"{LEDGER}: {count_verdicts(ledger)} verdicts saved ({how})")
     return 0
 
 
 def _restore() -> int:
     if MUTANTS.exists():
-        print(
+        raise LedgerRefusedError(
             f"{MUTANTS}/ exists; expected none (mutmut checks a verdict's function hash "
-            "only while it generates the mutants): remove it first",
-            file=sys.stderr,
+            "only while it generates the mutants): remove it first"
         )
-        return 2
     if not LEDGER.exists():
-        print(f"no {LEDGER}: nothing to restore", file=sys.stderr)
+        print(f"no {LEDGER}: nothing to restore")
         return 0
-    try:
-        count = write_meta_files(json.loads(LEDGER.read_text()), MUTANTS)
-    except (ValueError, KeyError, AttributeError) as error:
-        print(f"{LEDGER} is not a ledger this script reads: {error}", file=sys.stderr)
-        return 2
+    settings = config()
+    ledger = read_ledger(LEDGER)
+    if ledger["config_fingerprint"] != settings.config_fingerprint():
+        raise LedgerRefusedError(
+            f"{LEDGER} was saved under another [tool.mutmut] configuration; mutmut would "
+            "re-test every mutant: run from scratch (mutation/run.sh)"
+        )
+    _warn_if_tests_changed(ledger["commit"])
+    count = write_meta_files(ledger, MUTANTS, settings.should_mutate)
     print(f"{LEDGER}: {count} verdicts restored into {MUTANTS}/ (kept where unchanged)")
     return 0
+
+
+def _warn_if_tests_changed(commit: str | None) -> None:
+    if commit is None:
+        return
+    changed = _git("diff", "--quiet", commit.removesuffix("+changes"), "--", "tests")
+    if changed.returncode == 1 or commit.endswith("+changes"):
+        print(
+            f"note: tests/ changed since the ledger's commit {commit}; its killed verdicts "
+            "stand (run from scratch if a test got weaker)"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("save", "restore"))
+    parser.add_argument(
+        "--replace",
+        action="store_true",
+        help="save: write only the verdicts under mutants/ (after a run from scratch)",
+    )
     args = parser.parse_args(argv)
-    return _save() if args.action == "save" else _restore()
+    try:
+        return _save(args.replace) if args.action == "save" else _restore()
+    except LedgerRefusedError as refusal:
+        print(f"ledger.py {args.action}: {refusal}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

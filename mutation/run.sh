@@ -7,8 +7,10 @@
 #                                of unchanged functions), then the mutants without one
 #   mutation/run.sh NAME...      re-test the named mutants (globs allowed), keeping mutants/
 #
-# Every mode saves the verdicts to mutation/ledger.json at the end, interrupted or not.
-# A run that leaves mutants unchecked exits 3 (inconclusive), never 0.
+# At the end, finished or stopped by Ctrl-C, every mode merges the verdicts into
+# mutation/ledger.json (the run from scratch replaces them); after a SIGKILL, run
+# `python mutation/ledger.py save` by hand. A run that leaves mutants unchecked exits 3
+# (inconclusive), never 0.
 #
 # Configuration lives in pyproject.toml [tool.mutmut]; see mutation/README.md.
 # Environment: MUTATION_WORKERS (default 2), MUTATION_MIN_SCORE (default 95).
@@ -24,8 +26,9 @@ fi
 # Derandomised, unshrunk Hypothesis runs: every mutant sees the same examples.
 export VELOXQUANT_HYPOTHESIS_PROFILE=mutation
 
+ledger_args=()
 case "${1:-}" in
-    "") rm -rf mutants; args=() ;;
+    "") rm -rf mutants; args=(); ledger_args=(--replace) ;;
     --resume) args=() ;;
     --continue) rm -rf mutants; "$bin/python" mutation/ledger.py restore; args=() ;;
     *) args=("$@") ;;
@@ -38,7 +41,7 @@ else
     show_progress() { tr '\r' '\n' | grep -v '^[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏] ' || true; }
 fi
 
-save_ledger() { "$bin/python" mutation/ledger.py save || true; }
+save_ledger() { "$bin/python" mutation/ledger.py save ${ledger_args[@]+"${ledger_args[@]}"} || true; }
 trap save_ledger EXIT
 
 start=$SECONDS

@@ -5,12 +5,18 @@ every mutated file, how many mutants were killed out of how many, then the
 total. A mutant counts as killed when a test failed (``killed``) or the
 tests stopped finishing (``timeout``: the mutant made them hang).
 
-Exits 1 when the score is below ``--min-score`` or when a mutant that was
-not killed is missing from ``mutation/SURVIVORS.md`` (every survivor is
-either explained there as equivalent or killed by a new test). A run that
-left mutants unchecked (interrupted, or spread over several sessions
-through ``mutation/ledger.py``) is inconclusive, never a pass: it also
-prints the score of the mutants checked so far and exits 3.
+Exit status:
+
+- 0: every mutant checked, the score at least ``--min-score``, and every
+  mutant not killed listed in ``mutation/SURVIVORS.md`` (explained there as
+  equivalent, or killed since by a new test);
+- 1: a mutant not killed is missing from ``SURVIVORS.md``, or the score is
+  below ``--min-score`` (with mutants unchecked: even if all of them were
+  killed); this comes before 3;
+- 2: no results under ``mutants/``;
+- 3: inconclusive, never a pass: mutants are left unchecked (an interrupted
+  run, or one spread over sessions through ``mutation/ledger.py``); the score
+  of those checked so far is printed.
 
 Usage: ``python mutation/score.py [--min-score 95]`` from the repository root.
 """
@@ -98,6 +104,12 @@ def main() -> int:
     if undocumented:
         problems.append(f"{len(undocumented)} surviving mutants not listed in {SURVIVORS_FILE}")
     if unchecked:
+        best = 100.0 * (detected + len(unchecked)) / total
+        if best < args.min_score:
+            problems.append(
+                f"even with every unchecked mutant killed the score, {best:.2f}%, would be "
+                f"below the target {args.min_score:.2f}%"
+            )
         return _inconclusive(problems, detected, total - len(unchecked), len(unchecked))
     if score < args.min_score:
         problems.append(f"score {score:.2f}% is below the target {args.min_score:.2f}%")
@@ -120,8 +132,8 @@ def _inconclusive(problems: list[str], detected: int, checked: int, n_unchecked:
     if problems:
         return 1
     print(
-        f"INCONCLUSIVE: {n_unchecked} mutants not checked (interrupted run; "
-        "mutation/run.sh --continue goes on)",
+        f"INCONCLUSIVE: {n_unchecked} mutants not checked (mutation/run.sh --resume goes "
+        "on with this mutants/, --continue from mutation/ledger.json)",
         file=sys.stderr,
     )
     return 3

@@ -1,67 +1,144 @@
-"""mutation/ledger.py: the verdicts it saves are the ones it writes back, and only those."""
+"""mutation/ledger.py and mutation/score.py: verdicts kept across sessions, and what a
+partial run reports."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
-LEDGER_SCRIPT = Path(__file__).resolve().parent.parent / "mutation" / "ledger.py"
+MUTATION = Path(__file__).resolve().parent.parent / "mutation"
 
 
-def load_ledger_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("mutation_ledger", LEDGER_SCRIPT)
+def load_script(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"mutation_{name}", MUTATION / f"{name}.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-ledger_module = load_ledger_module()
+ledger_module = load_script("ledger")
+score_module = load_script("score")
 
 POOL = "veloxquant_mlx/memory/block_pool.py"
+PREFIX = "veloxquant_mlx.memory.block_pool."
 METHOD = "xǁBlockPoolAllocatorǁallocate"
-EXIT_CODES: dict[str, int | None] = {
-    f"veloxquant_mlx.memory.block_pool.{METHOD}__mutmut_1": 1,
-    f"veloxquant_mlx.memory.block_pool.{METHOD}__mutmut_2": 0,
-    f"veloxquant_mlx.memory.block_pool.{METHOD}__mutmut_10": None,
-    "veloxquant_mlx.memory.block_pool.x__require_block_id__mutmut_3": 36,
-    "veloxquant_mlx.memory.block_pool.x_untried__mutmut_1": None,
-}
-POOL_META = {
-    "exit_code_by_key": EXIT_CODES,
-    "hash_by_function_name": {METHOD: "aaa", "x__require_block_id": "bbb", "x_untried": "ccc"},
-    "type_check_error_by_key": {},
-    "durations_by_key": {},
-    "estimated_durations_by_key": {},
-}
+FINGERPRINT = {"test_execution": "e", "test_selection": "s"}
 
 
-def write_meta(root: Path, source: str, meta: dict[str, object]) -> None:
-    path = root / f"{source}.meta"
-    path.parent.mkdir(parents=True)
-    path.write_text(json.dumps(meta))
+def every_file(source: str) -> bool:
+    return True
 
 
-def test_restored_meta_files_hold_exactly_the_decided_verdicts_with_their_hashes(
-    tmp_path: Path,
-) -> None:
-    write_meta(tmp_path / "before", POOL, POOL_META)
-    ledger = ledger_module.ledger_of(tmp_path / "before")
-    written = json.loads(ledger_module.ledger_text(ledger))
-    assert written == ledger
-    count = ledger_module.write_meta_files(written, tmp_path / "after")
-    restored = json.loads((tmp_path / "after" / f"{POOL}.meta").read_text())
-    decided = {key: code for key, code in EXIT_CODES.items() if code is not None}
+def write_meta(root: Path, exit_codes: dict[str, int | None], hashes: dict[str, str]) -> None:
+    path = root / "mutants" / f"{POOL}.meta"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "exit_code_by_key": exit_codes,
+        "hash_by_function_name": hashes,
+        "type_check_error_by_key": {},
+        "durations_by_key": {},
+        "estimated_durations_by_key": {},
+    }
+    path.write_text(json.dumps(meta), encoding="utf-8")
+
+
+def read_meta(root: Path) -> dict[str, object]:
+    meta: dict[str, object] = json.loads((root / f"{POOL}.meta").read_text(encoding="utf-8"))
+    return meta
+
+
+def test_restored_meta_files_hold_exactly_the_verdicts_with_their_hashes(tmp_path: Path) -> None:
+    codes: dict[str, int | None] = {
+        f"{PREFIX}{METHOD}__mutmut_1": 1,  # killed
+        f"{PREFIX}{METHOD}__mutmut_2": 0,  # survived
+        f"{PREFIX}{METHOD}__mutmut_3": 2,  # interrupted by the user: not a verdict
+        f"{PREFIX}{METHOD}__mutmut_10": None,
+        f"{PREFIX}x__require_block_id__mutmut_3": 36,  # timeout
+        f"{PREFIX}x_killed_worker__mutmut_1": -9,  # not a verdict either
+    }
+    hashes = {METHOD: "aaa", "x__require_block_id": "bbb", "x_killed_worker": "ccc"}
+    write_meta(tmp_path, codes, hashes)
+    ledger = ledger_module.updated_ledger(None, tmp_path / "mutants", FINGERPRINT, every_file)
+    reread = json.loads(ledger_module.ledger_text(ledger))
+    assert reread == ledger
+    count = ledger_module.write_meta_files(reread, tmp_path / "restored", every_file)
+    restored = read_meta(tmp_path / "restored")
     assert count == 3
-    assert restored["exit_code_by_key"] == decided
+    assert restored["exit_code_by_key"] == {
+        f"{PREFIX}{METHOD}__mutmut_1": 1,
+        f"{PREFIX}{METHOD}__mutmut_2": 0,
+        f"{PREFIX}x__require_block_id__mutmut_3": 36,
+    }
     assert restored["hash_by_function_name"] == {METHOD: "aaa", "x__require_block_id": "bbb"}
 
 
-def test_a_ledger_of_another_format_is_refused_by_name(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="has format 2; expected 1"):
-        ledger_module.write_meta_files({"format": 2, "files": {}}, tmp_path)
-    assert not any(tmp_path.iterdir())
+def test_a_save_keeps_the_ledgers_verdicts_of_unchanged_functions_and_drops_the_others(
+    tmp_path: Path,
+) -> None:
+    first = {f"{PREFIX}{METHOD}__mutmut_1": 1, f"{PREFIX}x_changed__mutmut_1": 1}
+    write_meta(
+        tmp_path,
+        {**first, f"{PREFIX}{METHOD}__mutmut_2": None},
+        {METHOD: "aaa", "x_changed": "old"},
+    )
+    old = ledger_module.updated_ledger(None, tmp_path / "mutants", FINGERPRINT, every_file)
+    # A later session ran one more mutant of the unchanged method; x_changed's source changed.
+    later = {f"{PREFIX}{METHOD}__mutmut_1": None, f"{PREFIX}{METHOD}__mutmut_2": 0}
+    write_meta(
+        tmp_path,
+        {**later, f"{PREFIX}x_changed__mutmut_1": None},
+        {METHOD: "aaa", "x_changed": "new"},
+    )
+    ledger = ledger_module.updated_ledger(old, tmp_path / "mutants", FINGERPRINT, every_file)
+    functions = ledger["files"][POOL]["functions"]
+    assert functions == {METHOD: {"hash": "aaa", "exit_codes": {"1": 1, "2": 0}}}
+
+
+def test_a_ledger_of_another_configuration_or_format_is_refused_by_name(tmp_path: Path) -> None:
+    write_meta(tmp_path, {f"{PREFIX}{METHOD}__mutmut_1": 1}, {METHOD: "aaa"})
+    old = ledger_module.updated_ledger(None, tmp_path / "mutants", FINGERPRINT, every_file)
+    with pytest.raises(ledger_module.LedgerRefusedError, match="saved under another"):
+        ledger_module.updated_ledger(old, tmp_path / "mutants", {"other": "x"}, every_file)
+    (tmp_path / "ledger.json").write_text('{"format": 1, "files": {}}', encoding="utf-8")
+    with pytest.raises(ledger_module.LedgerRefusedError, match="has format 1; expected 2"):
+        ledger_module.read_ledger(tmp_path / "ledger.json")
+
+
+#: 20 killed mutants beside the cases' own: one survivor among 21 still scores 95.2%.
+KILLED = {str(n): 1 for n in range(10, 30)}
+
+
+@pytest.mark.parametrize(
+    ("codes", "listed", "expected"),
+    [
+        ({"3": 0}, True, 0),  # all checked, the survivor listed
+        ({"3": 0}, False, 1),  # a survivor missing from SURVIVORS.md
+        ({"3": None}, True, 3),  # unchecked: inconclusive
+        ({"3": None, "4": 0, "5": 0}, True, 1),  # 21/23 at best: below 95% whatever comes
+        (None, True, 2),  # no results
+    ],
+)
+def test_score_exit_status_says_pass_fail_or_inconclusive(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    codes: dict[str, int | None] | None,
+    listed: bool,
+    expected: int,
+) -> None:
+    every = {} if codes is None else {**KILLED, **codes}
+    write_meta(tmp_path, {f"{PREFIX}{METHOD}__mutmut_{n}": c for n, c in every.items()}, {})
+    survivors = tmp_path / "mutation" / "SURVIVORS.md"
+    survivors.parent.mkdir()
+    listed_names = ["4", "5"] + (["3"] if listed else [])
+    survivors.write_text(
+        "".join(f"`{PREFIX}{METHOD}__mutmut_{n}`\n" for n in listed_names), encoding="utf-8"
+    )
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "argv", ["score.py"])
+    assert score_module.main() == expected

@@ -292,6 +292,8 @@ def test_the_spec_lets_make_writable_grow_the_pool_to_exactly_max_blocks() -> No
     assert (state.handles[2].block_id, state.next_block_id, state.counters.n_grown) == (2, 3, 1)
 
 
+# ---- a refused make_writable: what it counts --------------------------------------------
+
 
 def test_every_refused_make_writable_counts_one_more_exhaustion() -> None:
     pool = make_pool(n_blocks=2)  # one block a stream, no growth
@@ -394,12 +396,8 @@ def test_the_spec_takes_the_id_make_writable_grows_onto_off_the_retired_set() ->
 
 
 def test_the_spec_counts_every_refused_make_writable_as_one_more_exhaustion() -> None:
-    state, held = transitions.allocate(spec_state(n_blocks=2), "k", 4, 1)
-    assert isinstance(held, tuple), held
-    state, shared = transitions.share(state, held, 2)
-    assert isinstance(shared, tuple), shared
+    state = spec_shared()  # the k stream's one block, shared by handles 0 and 1
     for expected in (1, 2):
-        state, refused = transitions.make_writable(state, shared[0])
+        state, refused = transitions.make_writable(state, 1)
         assert isinstance(refused, Err) and refused.kind is ErrorKind.EXHAUSTED, refused
         assert state.counters.n_exhausted == expected
-

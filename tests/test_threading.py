@@ -131,16 +131,18 @@ def assert_pool_matches_tallies(pool: BlockPoolAllocator, tallies: list[WorkerTa
 def blocks_no_interleaving_can_exhaust() -> int:
     """Blocks a stream needs so that no interleaving of the churning workers exhausts it.
 
-    Each worker's calls are fixed by its seed, so its alone run's peak holding
-    (every stream counted) is the most it can hold at any moment of a threaded
-    run: the sum of the peaks is enough for either stream, whatever the order.
+    Each worker's calls are fixed by its seed, so as long as no call is refused
+    it holds at every moment what it held at the same point of a run alone, at
+    most that run's peak (every stream counted). The sum of the peaks is then
+    enough for either stream whatever the order, so no call is refused.
     Sizing the pool by a guess (8 blocks a thread) was not enough: the peaks sum
     to more, and slow interleavings (under a tracer) met an exhaustion.
     """
     peaks = 0
     for index in range(N_THREADS):
-        alone = make_pool(block_size=4, n_blocks=4096, history_len=0)
-        churn(alone, index, WorkerTally())
+        alone, tally = make_pool(block_size=4, n_blocks=4096, history_len=0), WorkerTally()
+        churn(alone, index, tally)
+        assert tally.exhausted == 0  # the premise: the alone run was refused nothing
         peaks += alone.stats.peak_blocks_in_use
     return peaks
 
