@@ -512,6 +512,7 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("bench_paged_attention", ["--json", "/proc/x/y.json"], "in an existing folder"),
         ("bench_block_gather", ["--rounds", "0"], "--rounds and every context must be >= 1"),
         ("bench_slab_copy", ["--requests", "0"], "--requests: expected an int >= 1, got '0'"),
+        ("bench_read_by_runs", ["--contexts", "100"], "must exceed --decoded 256, got 100"),
     ],
 )
 def test_a_benchmark_refuses_a_bad_option_in_one_line(
