@@ -12,7 +12,9 @@ then ``decoded`` one at a time beside ``--neighbours`` other requests
 decoding on the same fixed pool, whose new blocks interleave with its own
 (alone on a fresh fixed pool, a request's blocks are all consecutive):
 
-- ``gather``: the store's read (``gather_by_take``) and MLX's fused SDPA;
+- ``gather``: the store's take path (``gather_by_take``; on CUDA at 8K
+  positions and more the store uses its gather kernel instead) and MLX's
+  ``scaled_dot_product_attention`` (on the CPU, MLX's unfused fallback);
 - ``buffer_slice``: what ``KVCache`` does, SDPA over a slice of a contiguous
   buffer (the lower bound of a read without a copy);
 - ``runs``: a prototype of the idea, not the store's code: runs of at least
@@ -20,16 +22,21 @@ decoding on the same fixed pool, whose new blocks interleave with its own
   as slices, the other blocks with one ``mx.take``; attention is two matmuls a
   piece and one softmax over the joined scores (no mask: a decode step).
 
-Per context: the median milliseconds of each, the runs found, and the largest
-difference of ``runs`` from ``gather`` (the run stops with exit 1 if it is
-above 1e-4: a figure of a wrong result would mean nothing). Nothing else
-passes or fails; issue 9's note reads these figures.
+Per context: the median milliseconds of each (the block entries and runs
+are built once, outside the timing, as the store keeps them between steps),
+the runs found, and the relative error ``|runs - gather| / |gather|``.
+Before any timing, a relative error of 1e-5 or more (NaN included; one
+position left out is 1e-3 or more at 32K and 128K) stops the run: a figure
+of a wrong result would mean nothing. The default contexts are not whole
+blocks, so the last block is cut. Nothing else passes or fails; issue 9's
+note reads these figures.
 
-    python benchmarks/bench_read_by_runs.py                        # 4K and 32K
-    python benchmarks/bench_read_by_runs.py --contexts 8192 --decoded 1024
+    python benchmarks/bench_read_by_runs.py                        # about 4K and 32K
+    python benchmarks/bench_read_by_runs.py --contexts 8200 --decoded 1024
 
-Progress goes to stderr, one JSON document to stdout. Thread safety:
-single-threaded.
+Progress goes to stderr, one JSON document to stdout. Exit status: 0
+figures printed, 1 the prototype's result is wrong (no figures), 2 bad
+input. Thread safety: single-threaded.
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import json
+import math
 import statistics
 import sys
 import time
@@ -52,19 +60,30 @@ from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 
 KV_HEADS, QUERY_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 8, 64, 16
-TOLERANCE = 1e-4
+#: Largest relative error of a correct read (float32 sums in another order: about 4e-7).
+TOLERANCE = 1e-5
 SCALE = HEAD_DIM**-0.5
 
 
 @dataclass(frozen=True)
 class Layout:
-    """One request's blocks in a slab: the slab, its entries and the runs found."""
+    """One request's blocks in a slab: the slab, its key and value block ids, its positions."""
 
     slab: mx.array  # (1, KV_HEADS, capacity * BLOCK_SIZE, HEAD_DIM)
     capacity: int
     key_ids: list[int]
     value_ids: list[int]
     n_tokens: int
+
+
+@dataclass(frozen=True)
+class RunPlan:
+    """How ``read_by_runs`` reads a layout: its runs ``(first block, length)``, the other
+    blocks (in block order) and their slab entries."""
+
+    runs: list[tuple[int, int]]
+    rest: list[int]
+    rest_entries: mx.array | None
 
 
 def lay_out(context: int, decoded: int, neighbours: int) -> Layout:
@@ -86,6 +105,16 @@ def lay_out(context: int, decoded: int, neighbours: int) -> Layout:
     for book in books:
         book.release()
     return Layout(slab, capacity, keys, values, context)
+
+
+def slab_entries(layout: Layout, blocks: list[int]) -> mx.array:
+    """The slab entries ``(2, KV_HEADS, len(blocks))`` of the request's blocks at indices
+    ``blocks``, keys then values, as ``SlotRows`` keeps them (evaluated)."""
+    ids = [[layout.key_ids[i] for i in blocks], [layout.value_ids[i] for i in blocks]]
+    heads = mx.arange(KV_HEADS, dtype=mx.int32)[None, :, None] * layout.capacity
+    entries = heads + mx.array(ids, dtype=mx.int32)[:, None, :]
+    mx.eval(entries)
+    return entries
 
 
 def runs_of(layout: Layout, min_run: int) -> tuple[list[tuple[int, int]], list[int]]:
@@ -110,13 +139,16 @@ def runs_of(layout: Layout, min_run: int) -> tuple[list[tuple[int, int]], list[i
     return runs, rest
 
 
-def read_by_gather(layout: Layout, queries: mx.array) -> mx.array:
-    """The store's read (``gather_by_take``, as the store calls it), then SDPA."""
-    entries = mx.array([layout.key_ids, layout.value_ids], dtype=mx.int32)
-    heads = mx.arange(KV_HEADS, dtype=mx.int32)[None, :, None] * layout.capacity
+def plan_runs(layout: Layout, min_run: int) -> RunPlan:
+    runs, rest = runs_of(layout, min_run)
+    return RunPlan(runs, rest, slab_entries(layout, rest) if rest else None)
+
+
+def read_by_gather(layout: Layout, entries: mx.array, queries: mx.array) -> mx.array:
+    """The store's take path (``gather_by_take``, as the store calls it), then SDPA."""
     keys, values = gather_by_take(
         layout.slab,
-        heads + entries[:, None, :],
+        entries,
         layout.n_tokens,
         n_kv_heads=KV_HEADS,
         capacity=layout.capacity,
@@ -126,39 +158,40 @@ def read_by_gather(layout: Layout, queries: mx.array) -> mx.array:
     return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=SCALE)
 
 
-def pieces(layout: Layout, min_run: int) -> tuple[list[mx.array], list[mx.array]]:
+def pieces(layout: Layout, plan: RunPlan) -> tuple[list[mx.array], list[mx.array]]:
     """Keys and values of every position, as slices of runs and one take of the rest."""
-    runs, rest = runs_of(layout, min_run)
     keys: list[mx.array] = []
     values: list[mx.array] = []
-    for first, length in runs:
+    for first, length in plan.runs:
         n = min(length * BLOCK_SIZE, layout.n_tokens - first * BLOCK_SIZE)
         key_row = layout.key_ids[first] * BLOCK_SIZE
         value_row = layout.value_ids[first] * BLOCK_SIZE
         keys.append(layout.slab[:, :, key_row : key_row + n])
         values.append(layout.slab[:, :, value_row : value_row + n])
-    if rest:
-        ids = [[layout.key_ids[i] for i in rest], [layout.value_ids[i] for i in rest]]
-        heads = mx.arange(KV_HEADS, dtype=mx.int32)[None, :, None] * layout.capacity
+    if plan.rest_entries is not None:
         unused = len(layout.key_ids) * BLOCK_SIZE - layout.n_tokens  # of the last block
-        n = len(rest) * BLOCK_SIZE - (unused if rest[-1] == len(layout.key_ids) - 1 else 0)
-        got = gather_by_take(
+        last_is_rest = plan.rest[-1] == len(layout.key_ids) - 1
+        n = len(plan.rest) * BLOCK_SIZE - (unused if last_is_rest else 0)
+        rest_keys, rest_values = gather_by_take(
             layout.slab,
-            heads + mx.array(ids, dtype=mx.int32)[:, None, :],
+            plan.rest_entries,
             n,
             n_kv_heads=KV_HEADS,
             capacity=layout.capacity,
             block_size=BLOCK_SIZE,
             head_dim=HEAD_DIM,
         )
-        keys.append(got[0])
-        values.append(got[1])
+        keys.append(rest_keys)
+        values.append(rest_values)
     return keys, values
 
 
-def read_by_runs(layout: Layout, queries: mx.array, min_run: int) -> mx.array:
-    """Attention over the pieces: one softmax over the joined scores, no copy of a run."""
-    keys, values = pieces(layout, min_run)
+def read_by_runs(layout: Layout, plan: RunPlan, queries: mx.array) -> mx.array:
+    """Attention over the pieces: one softmax over the joined scores, no copy of a run.
+
+    Query head ``i`` reads KV head ``i // (QUERY_HEADS // KV_HEADS)``, as MLX's
+    attention does; the order of the pieces does not matter (no mask)."""
+    keys, values = pieces(layout, plan)
     grouped = queries.reshape(1, KV_HEADS, QUERY_HEADS // KV_HEADS, HEAD_DIM) * SCALE
     scores = [grouped @ key.swapaxes(-1, -2) for key in keys]
     weights = mx.softmax(mx.concatenate(scores, axis=-1), axis=-1, precise=True)
@@ -173,6 +206,13 @@ def read_by_runs(layout: Layout, queries: mx.array, min_run: int) -> mx.array:
     return out.reshape(1, QUERY_HEADS, 1, HEAD_DIM)
 
 
+def relative_error(out: mx.array, ref: mx.array) -> float:
+    """``|out - ref| / |ref|``."""
+    error = (mx.linalg.norm((out - ref).reshape(-1)) / mx.linalg.norm(ref.reshape(-1))).item()
+    assert isinstance(error, float), error  # a float32 array's item
+    return error
+
+
 def median_ms(read: Callable[[], mx.array], repeats: int) -> float:
     """Median milliseconds of evaluating ``read()``, after one warm-up."""
     mx.eval(read())  # warm-up
@@ -184,42 +224,50 @@ def median_ms(read: Callable[[], mx.array], repeats: int) -> float:
     return statistics.median(seconds) * 1e3
 
 
-def one_context(context: int, options: argparse.Namespace) -> tuple[dict[str, object], float]:
-    """The figures at ``context``, and the largest difference of ``runs`` from ``gather``."""
-    min_run, repeats = options.min_run, options.repeats
+def one_context(context: int, options: argparse.Namespace) -> dict[str, object] | None:
+    """The figures at ``context``; ``None`` (after saying why) if ``runs`` reads wrong."""
     layout = lay_out(context, options.decoded, options.neighbours)
+    entries = slab_entries(layout, list(range(len(layout.key_ids))))
+    plan = plan_runs(layout, options.min_run)
     queries = mx.random.normal((1, QUERY_HEADS, 1, HEAD_DIM), key=mx.random.key(1))
+    # A KVCache-like buffer, with room for the 256 positions KVCache grows by.
     buffer = mx.random.normal((1, KV_HEADS, context + 256, HEAD_DIM), key=mx.random.key(2))
     mx.eval(queries, buffer)
-    difference = mx.abs(read_by_runs(layout, queries, min_run) - read_by_gather(layout, queries))
-    largest = difference.max().item()
-    assert isinstance(largest, float), largest  # a float32 array's item
-    runs, rest = runs_of(layout, min_run)
+    error = relative_error(
+        read_by_runs(layout, plan, queries), read_by_gather(layout, entries, queries)
+    )
+    if math.isnan(error) or error >= TOLERANCE:
+        print(
+            f"context {context}: the runs read differs from the gather by {error:.3g} "
+            f"(relative; expected < {TOLERANCE:g}), so no figures",
+            file=sys.stderr,
+        )
+        return None
+    repeats = options.repeats
+    held = buffer[:, :, :context]
     row: dict[str, object] = {
         "context": context,
-        "runs": len(runs),
-        "blocks_in_runs": sum(length for _, length in runs),
-        "blocks_taken": len(rest),
-        "largest_difference": largest,
+        "runs": len(plan.runs),
+        "blocks_in_runs": sum(length for _, length in plan.runs),
+        "blocks_taken": len(plan.rest),
+        "relative_error": error,
         "ms": {
-            "gather": median_ms(lambda: read_by_gather(layout, queries), repeats),
+            "gather": median_ms(lambda: read_by_gather(layout, entries, queries), repeats),
             "buffer_slice": median_ms(
-                lambda: mx.fast.scaled_dot_product_attention(
-                    queries, buffer[:, :, :context], buffer[:, :, :context], scale=SCALE
-                ),
+                lambda: mx.fast.scaled_dot_product_attention(queries, held, held, scale=SCALE),
                 repeats,
             ),
-            "runs": median_ms(lambda: read_by_runs(layout, queries, min_run), repeats),
+            "runs": median_ms(lambda: read_by_runs(layout, plan, queries), repeats),
         },
     }
     print(f"context {context}: {row}", file=sys.stderr, flush=True)
-    return row, largest
+    return row
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument(
-        "--contexts", type=int_at_least(2), nargs="+", default=[4096, 32768], help="positions"
+        "--contexts", type=int_at_least(1), nargs="+", default=[4100, 32770], help="positions"
     )
     parser.add_argument(
         "--decoded",
@@ -240,10 +288,16 @@ def main(argv: list[str] | None = None) -> int:
     options = parser.parse_args(argv)
     short = [c for c in options.contexts if c <= options.decoded]
     if short:
-        parser.error(f"every context must exceed --decoded {options.decoded}, got {short[0]}")
+        parser.error(
+            f"--contexts: every context must exceed --decoded {options.decoded}, got {short[0]}"
+        )
     mx.set_cache_limit(8 << 30)  # as bench_kv_cache.py: freed buffers are reused, not faulted in
-    measured = [one_context(context, options) for context in options.contexts]
-    rows = [row for row, _ in measured]
+    rows = []
+    for context in options.contexts:
+        row = one_context(context, options)
+        if row is None:
+            return 1
+        rows.append(row)
     document = {
         "benchmark": "read_by_runs",
         "mlx": importlib.metadata.version("mlx"),
@@ -260,12 +314,6 @@ def main(argv: list[str] | None = None) -> int:
         "by_context": rows,
     }
     print(json.dumps(document, indent=2))
-    wrong = [
-        c for c, (_, largest) in zip(options.contexts, measured, strict=True) if largest > TOLERANCE
-    ]
-    if wrong:
-        print(f"runs differ from gather by more than {TOLERANCE} at {wrong}", file=sys.stderr)
-        return 1
     return 0
 
 
