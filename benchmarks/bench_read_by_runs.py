@@ -140,6 +140,7 @@ def runs_of(layout: Layout, min_run: int) -> tuple[list[tuple[int, int]], list[i
 
 
 def plan_runs(layout: Layout, min_run: int) -> RunPlan:
+    """The runs of ``layout`` and the entries of its other blocks, built once."""
     runs, rest = runs_of(layout, min_run)
     return RunPlan(runs, rest, slab_entries(layout, rest) if rest else None)
 

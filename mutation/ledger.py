@@ -50,7 +50,7 @@ MUTANTS = Path("mutants")
 FORMAT = 2
 _SEPARATOR = "__mutmut_"
 #: Statuses that say how a check ended, not what the tests said of the mutant.
-NOT_VERDICTS = frozenset({"check was interrupted by user", "segfault", "not checked"})
+NOT_VERDICTS = frozenset({"check was interrupted by user", "segfault"})
 _UTF8 = "utf-8"  # method names hold "ǁ"
 
 
@@ -88,8 +88,8 @@ class LedgerRefusedError(Exception):
     """A save or restore that would lose or misplace verdicts; its message says why."""
 
 
-def verdicts_of_meta(meta: MetaFile) -> tuple[FileVerdicts, dict[str, str]]:
-    """The decided verdicts of one meta file, and its hash of every function."""
+def verdicts_of_meta(meta: MetaFile) -> FileVerdicts:
+    """The decided verdicts of one meta file (``None``: not tried yet)."""
     hashes = meta["hash_by_function_name"]
     record = FileVerdicts(module="", functions={})
     for key, code in meta["exit_code_by_key"].items():
@@ -102,7 +102,7 @@ def verdicts_of_meta(meta: MetaFile) -> tuple[FileVerdicts, dict[str, str]]:
             function, FunctionVerdicts(hash=hashes[function], exit_codes={})
         )
         entry["exit_codes"][number] = code
-    return record, hashes
+    return record
 
 
 def merged(old: FileVerdicts | None, new: FileVerdicts, hashes: Mapping[str, str]) -> FileVerdicts:
@@ -150,8 +150,8 @@ def updated_ledger(
         if not is_mutated(source):
             continue
         meta: MetaFile = json.loads(meta_path.read_text(encoding=_UTF8))
-        new, hashes = verdicts_of_meta(meta)
-        files[source] = merged(files.get(source), new, hashes)
+        new = verdicts_of_meta(meta)
+        files[source] = merged(files.get(source), new, meta["hash_by_function_name"])
     files = {source: record for source, record in files.items() if record["functions"]}
     return Ledger(format=FORMAT, commit=None, config_fingerprint=fingerprint, files=files)
 
