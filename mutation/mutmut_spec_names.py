@@ -22,6 +22,10 @@ from __future__ import annotations
 
 from mutmut.mutation import trampoline
 
+# The mutation runs' other plugin comes in through this one, so that [tool.mutmut]'s
+# pytest arguments, part of mutmut's configuration fingerprint, stay as they are.
+pytest_plugins = ["mutation.fastest_first"]
+
 IMPORTED_PREFIX = "veloxquant_mlx_spec."
 ON_DISK_PREFIX = "spec.veloxquant_mlx_spec."
 
