@@ -34,6 +34,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import mlx.core as mx
+from _accuracy import relative_error
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.memory.paged_attention import (
@@ -70,18 +71,6 @@ def paged_case(
     key_ids, value_ids = order[:n_blocks], order[n_blocks : 2 * n_blocks]
     mx.eval(queries, slab, key_ids, value_ids)
     return queries, PagedKV(slab, key_ids, value_ids)
-
-
-def relative_error(out: mx.array, ref: mx.array) -> float:
-    """``|out - ref| / |ref|``, in float32."""
-    diff = (out.astype(mx.float32) - ref).reshape(-1)
-    return scalar(mx.linalg.norm(diff)) / scalar(mx.linalg.norm(ref.reshape(-1)))
-
-
-def scalar(array: mx.array) -> float:
-    value = array.item()
-    assert isinstance(value, float)
-    return value
 
 
 def check_correctness(quick: bool) -> list[dict[str, object]]:

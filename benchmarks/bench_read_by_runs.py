@@ -52,6 +52,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+from _accuracy import relative_error
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.values import int_at_least
@@ -205,13 +206,6 @@ def read_by_runs(layout: Layout, plan: RunPlan, queries: mx.array) -> mx.array:
     for part, value in zip(parts[1:], values[1:], strict=True):
         out = out + part @ value
     return out.reshape(1, QUERY_HEADS, 1, HEAD_DIM)
-
-
-def relative_error(out: mx.array, ref: mx.array) -> float:
-    """``|out - ref| / |ref|``."""
-    error = (mx.linalg.norm((out - ref).reshape(-1)) / mx.linalg.norm(ref.reshape(-1))).item()
-    assert isinstance(error, float), error  # a float32 array's item
-    return error
 
 
 def median_ms(read: Callable[[], mx.array], repeats: int) -> float:
