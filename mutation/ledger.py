@@ -1,8 +1,8 @@
 """The mutation ledger: mutmut's verdicts kept in the repository, so that a full run can
 be spread over several sessions.
 
-A full run of ``mutation/run.sh`` takes hours here and about 110 minutes on 16
-cores, more than one sitting of either. mutmut keeps its verdicts in
+A full run of ``mutation/run.sh`` takes most of an hour here (7 minutes on 16
+cores), and a sitting may end before it does. mutmut keeps its verdicts in
 ``mutants/**/*.py.meta``, which git ignores, so an interrupted run is lost
 with its machine. ``save`` merges every decided verdict, with mutmut's hash
 of its function's source, into ``mutation/ledger.json``; ``restore`` writes
@@ -21,9 +21,19 @@ the timeouts) makes ``restore`` refuse, as mutmut itself then re-tests
 everything. Statuses that are not verdicts (a check interrupted by the user,
 a worker killed) are not kept.
 
+mutmut's hash is of the function's ``ast.dump``, which differs between Python
+versions (3.12 added fields), so every function of a run made under 3.12 looks
+changed to mutmut under 3.11. The ledger records the Python version of its
+hashes (``save --python`` names another than this one, e.g. for meta files
+fetched from the GPU machine); ``restore`` under another version refuses, as
+does a merging ``save`` of meta files from another version. ``save`` also
+refuses meta files whose every hash differs from this Python's hash of the
+source as it is: a run made under another version, not named with
+``--python``.
+
 Usage, from the repository root::
 
-    python mutation/ledger.py save [--replace]   # mutants/ -> mutation/ledger.json
+    python mutation/ledger.py save [--replace] [--python 3.12]   # mutants/ -> ledger.json
     python mutation/ledger.py restore            # mutation/ledger.json -> an empty mutants/
 
 Exit status: 0 done (or nothing to restore), 2 refused (the message says why).
@@ -35,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import subprocess
 import sys
 from collections.abc import Callable, Mapping
@@ -42,12 +53,15 @@ from pathlib import Path
 from typing import TypedDict
 
 from mutmut.configuration import config
+from mutmut.mutation.file_mutation import compute_function_hashes
 from mutmut.stats import status_by_exit_code
 from mutmut.utils.format_utils import mangled_name_from_mutant_name
 
+from veloxquant_mlx.commandline.bad_input import OneLineParser
+
 LEDGER = Path("mutation/ledger.json")
 MUTANTS = Path("mutants")
-FORMAT = 2
+FORMAT = 3
 _SEPARATOR = "__mutmut_"
 #: Statuses that say how a check ended, not what the tests said of the mutant.
 NOT_VERDICTS = frozenset({"check was interrupted by user", "segfault"})
@@ -74,6 +88,7 @@ class Ledger(TypedDict):
     format: int
     commit: str | None
     config_fingerprint: dict[str, str]
+    hash_python: str  # the Python version whose ast.dump the hashes are of, e.g. "3.11"
     files: dict[str, FileVerdicts]
 
 
@@ -124,21 +139,35 @@ def merged(old: FileVerdicts | None, new: FileVerdicts, hashes: Mapping[str, str
     return FileVerdicts(module=module, functions=functions)
 
 
+def this_python() -> str:
+    """This interpreter's version as the ledger records it, e.g. ``"3.11"``."""
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
 def updated_ledger(
     old: Ledger | None,
     mutants: Path,
     fingerprint: dict[str, str],
     is_mutated: Callable[[str], bool],
+    hash_python: str,
 ) -> Ledger:
-    """``old`` with the verdicts under ``mutants`` merged in (``old`` may be ``None``).
+    """``old`` with the verdicts under ``mutants`` (hashed under Python ``hash_python``)
+    merged in (``old`` may be ``None``).
 
     Only files that ``is_mutated`` accepts are kept. Raises:
-        LedgerRefusedError: ``old`` was saved under another mutmut configuration.
+        LedgerRefusedError: ``old`` was saved under another mutmut configuration, or
+            its hashes are another Python version's (merging would drop every verdict).
     """
     if old is not None and old["config_fingerprint"] != fingerprint:
         raise LedgerRefusedError(
             f"{LEDGER} was saved under another [tool.mutmut] configuration, whose verdicts "
             "mutmut would not keep: save with --replace (after a run from scratch)"
+        )
+    if old is not None and old["hash_python"] != hash_python:
+        raise LedgerRefusedError(
+            f"{LEDGER}'s hashes are Python {old['hash_python']}'s and mutants/'s are Python "
+            f"{hash_python}'s, so merging would drop every verdict: save with --replace "
+            "(after a run from scratch)"
         )
     files = {
         source: record
@@ -153,7 +182,32 @@ def updated_ledger(
         new = verdicts_of_meta(meta)
         files[source] = merged(files.get(source), new, meta["hash_by_function_name"])
     files = {source: record for source, record in files.items() if record["functions"]}
-    return Ledger(format=FORMAT, commit=None, config_fingerprint=fingerprint, files=files)
+    return Ledger(
+        format=FORMAT,
+        commit=None,
+        config_fingerprint=fingerprint,
+        hash_python=hash_python,
+        files=files,
+    )
+
+
+def hashes_of_another_python(root: Path, mutants: Path, is_mutated: Callable[[str], bool]) -> bool:
+    """Whether every function hash in ``mutants``' meta files differs from this Python's
+    hash of the same function in the sources under ``root`` (at least one compared).
+
+    A changed source changes some hashes; all of them differing means that the run
+    was made under another Python version."""
+    compared = differing = 0
+    for meta_path in sorted(mutants.rglob("*.py.meta")):
+        source = str(meta_path.relative_to(mutants).with_suffix(""))
+        if not is_mutated(source) or not (root / source).is_file():
+            continue
+        meta: MetaFile = json.loads(meta_path.read_text(encoding=_UTF8))
+        here = compute_function_hashes((root / source).read_text(encoding=_UTF8))
+        for function, source_hash in meta["hash_by_function_name"].items():
+            compared += 1
+            differing += here.get(function) != source_hash
+    return compared > 0 and differing == compared
 
 
 def write_meta_files(ledger: Ledger, mutants: Path, is_mutated: Callable[[str], bool]) -> int:
@@ -243,10 +297,19 @@ def _commit() -> str | None:
     return head.stdout.strip() + ("+changes" if dirty.returncode == 1 else "")
 
 
-def _save(replace: bool) -> int:
+def _save(replace: bool, hash_python: str) -> int:
     settings = config()
+    if hash_python == this_python() and hashes_of_another_python(
+        Path("."), MUTANTS, settings.should_mutate
+    ):
+        raise LedgerRefusedError(
+            f"every function hash in {MUTANTS}/ differs from Python {hash_python}'s hash of "
+            "the sources: a run made under another Python version? name it with --python"
+        )
     old = None if replace or not LEDGER.exists() else read_ledger(LEDGER)
-    ledger = updated_ledger(old, MUTANTS, settings.config_fingerprint(), settings.should_mutate)
+    ledger = updated_ledger(
+        old, MUTANTS, settings.config_fingerprint(), settings.should_mutate, hash_python
+    )
     if not ledger["files"]:
         raise LedgerRefusedError(
             f"no decided mutant under {MUTANTS}/ nor in {LEDGER}; nothing saved"
@@ -274,6 +337,12 @@ def _restore() -> int:
             f"{LEDGER} was saved under another [tool.mutmut] configuration; mutmut would "
             "re-test every mutant: run from scratch (mutation/run.sh)"
         )
+    if ledger["hash_python"] != this_python():
+        raise LedgerRefusedError(
+            f"{LEDGER}'s hashes are Python {ledger['hash_python']}'s, and mutmut under "
+            f"{this_python()} would re-test every mutant: continue under Python "
+            f"{ledger['hash_python']}, or run from scratch (mutation/run.sh)"
+        )
     _warn_if_tests_changed(ledger["commit"])
     count = write_meta_files(ledger, MUTANTS, settings.should_mutate)
     print(f"{LEDGER}: {count} verdicts restored into {MUTANTS}/ (kept where unchanged)")
@@ -291,17 +360,34 @@ def _warn_if_tests_changed(commit: str | None) -> None:
         )
 
 
+def python_version(text: str) -> str:
+    """``--python``'s value: ``MAJOR.MINOR``, as :func:`this_python` writes it."""
+    if re.fullmatch(r"[0-9]+\.[0-9]+", text) is None:
+        raise argparse.ArgumentTypeError(f"expected a Python version such as 3.12, got {text!r}")
+    return text
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("action", choices=("save", "restore"))
     parser.add_argument(
         "--replace",
         action="store_true",
         help="save: write only the verdicts under mutants/ (after a run from scratch)",
     )
+    parser.add_argument(
+        "--python",
+        default=this_python(),
+        type=python_version,
+        metavar="X.Y",
+        help="save: the Python version mutmut ran under, if not this one "
+        f"({this_python()}), e.g. 3.12 for the GPU machine's meta files",
+    )
     args = parser.parse_args(argv)
     try:
-        return _save(args.replace) if args.action == "save" else _restore()
+        if args.action == "save":
+            return _save(args.replace, args.python)
+        return _restore()
     except LedgerRefusedError as refusal:
         print(f"ledger.py {args.action}: {refusal}", file=sys.stderr)
         return 2

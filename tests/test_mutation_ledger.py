@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
+from mutmut.mutation.file_mutation import compute_function_hashes
 
 MUTATION = Path(__file__).resolve().parent.parent / "mutation"
 
@@ -64,7 +66,9 @@ def test_restored_meta_files_hold_exactly_the_verdicts_with_their_hashes(tmp_pat
     }
     hashes = {METHOD: "aaa", "x__require_block_id": "bbb", "x_killed_worker": "ccc"}
     write_meta(tmp_path, codes, hashes)
-    ledger = ledger_module.updated_ledger(None, tmp_path / "mutants", FINGERPRINT, every_file)
+    ledger = ledger_module.updated_ledger(
+        None, tmp_path / "mutants", FINGERPRINT, every_file, "3.11"
+    )
     reread = json.loads(ledger_module.ledger_text(ledger))
     assert reread == ledger
     count = ledger_module.write_meta_files(reread, tmp_path / "restored", every_file)
@@ -87,7 +91,7 @@ def test_a_save_keeps_the_ledgers_verdicts_of_unchanged_functions_and_drops_the_
         {**first, f"{PREFIX}{METHOD}__mutmut_2": None},
         {METHOD: "aaa", "x_changed": "old"},
     )
-    old = ledger_module.updated_ledger(None, tmp_path / "mutants", FINGERPRINT, every_file)
+    old = ledger_module.updated_ledger(None, tmp_path / "mutants", FINGERPRINT, every_file, "3.11")
     # A later session ran one more mutant of the unchanged method; x_changed's source changed.
     later = {f"{PREFIX}{METHOD}__mutmut_1": None, f"{PREFIX}{METHOD}__mutmut_2": 0}
     write_meta(
@@ -95,19 +99,93 @@ def test_a_save_keeps_the_ledgers_verdicts_of_unchanged_functions_and_drops_the_
         {**later, f"{PREFIX}x_changed__mutmut_1": None},
         {METHOD: "aaa", "x_changed": "new"},
     )
-    ledger = ledger_module.updated_ledger(old, tmp_path / "mutants", FINGERPRINT, every_file)
+    ledger = ledger_module.updated_ledger(
+        old, tmp_path / "mutants", FINGERPRINT, every_file, "3.11"
+    )
     functions = ledger["files"][POOL]["functions"]
     assert functions == {METHOD: {"hash": "aaa", "exit_codes": {"1": 1, "2": 0}}}
 
 
 def test_a_ledger_of_another_configuration_or_format_is_refused_by_name(tmp_path: Path) -> None:
     write_meta(tmp_path, {f"{PREFIX}{METHOD}__mutmut_1": 1}, {METHOD: "aaa"})
-    old = ledger_module.updated_ledger(None, tmp_path / "mutants", FINGERPRINT, every_file)
+    old = ledger_module.updated_ledger(None, tmp_path / "mutants", FINGERPRINT, every_file, "3.11")
     with pytest.raises(ledger_module.LedgerRefusedError, match="saved under another"):
-        ledger_module.updated_ledger(old, tmp_path / "mutants", {"other": "x"}, every_file)
+        ledger_module.updated_ledger(old, tmp_path / "mutants", {"other": "x"}, every_file, "3.11")
     (tmp_path / "ledger.json").write_text('{"format": 1, "files": {}}', encoding="utf-8")
-    with pytest.raises(ledger_module.LedgerRefusedError, match="has format 1; expected 2"):
+    with pytest.raises(ledger_module.LedgerRefusedError, match="has format 1; expected 3"):
         ledger_module.read_ledger(tmp_path / "ledger.json")
+
+
+def test_a_merge_of_hashes_of_another_python_version_is_refused_by_name(tmp_path: Path) -> None:
+    write_meta(tmp_path, {f"{PREFIX}{METHOD}__mutmut_1": 1}, {METHOD: "aaa"})
+    old = ledger_module.updated_ledger(None, tmp_path / "mutants", FINGERPRINT, every_file, "3.12")
+    assert old["hash_python"] == "3.12"
+    with pytest.raises(
+        ledger_module.LedgerRefusedError, match=r"Python 3\.12's and mutants/'s are Python 3\.11's"
+    ):
+        ledger_module.updated_ledger(old, tmp_path / "mutants", FINGERPRINT, every_file, "3.11")
+
+
+SOURCE = "def f(x):\n    return x + 1\n\n\ndef g(x):\n    return x - 1\n"
+
+
+@pytest.mark.parametrize(
+    ("recorded", "of_another_python"),
+    [
+        ({"x_f": "this", "x_g": "this"}, False),  # this Python's hashes of these sources
+        ({"x_f": "this", "x_g": "other"}, False),  # g changed since the run
+        ({"x_f": "other", "x_g": "other"}, True),  # every hash differs: another Python's
+        ({}, False),  # nothing to compare
+    ],
+)
+def test_meta_files_whose_every_hash_differs_from_this_pythons_are_told_apart(
+    tmp_path: Path, recorded: dict[str, str], of_another_python: bool
+) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "mod.py").write_text(SOURCE, encoding="utf-8")
+    here = compute_function_hashes(SOURCE)
+    hashes = {name: here[name] if which == "this" else "0" * 12 for name, which in recorded.items()}
+    meta = tmp_path / "mutants" / "pkg" / "mod.py.meta"
+    meta.parent.mkdir(parents=True)
+    meta.write_text(
+        json.dumps({"exit_code_by_key": {}, "hash_by_function_name": hashes}), encoding="utf-8"
+    )
+    found = ledger_module.hashes_of_another_python(tmp_path, tmp_path / "mutants", every_file)
+    assert found is of_another_python
+
+
+def test_restore_under_another_python_than_the_hashes_refuses_and_writes_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "pyproject.toml").write_text(
+        (MUTATION.parent / "pyproject.toml").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    monkeypatch.chdir(tmp_path)
+    write_meta(tmp_path, {f"{PREFIX}{METHOD}__mutmut_1": 1}, {METHOD: "aaa"})
+    fingerprint = ledger_module.config().config_fingerprint()
+    ledger = ledger_module.updated_ledger(
+        None, tmp_path / "mutants", fingerprint, every_file, "3.99"
+    )
+    (tmp_path / "mutation").mkdir()
+    (tmp_path / "mutation" / "ledger.json").write_text(
+        ledger_module.ledger_text(ledger), encoding="utf-8"
+    )
+    shutil.rmtree(tmp_path / "mutants")
+    assert ledger_module.main(["restore"]) == 2
+    error = capsys.readouterr().err
+    assert f"hashes are Python 3.99's, and mutmut under {ledger_module.this_python()}" in error
+    assert not (tmp_path / "mutants").exists()
+
+
+def test_a_python_version_that_is_not_one_is_refused_on_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        ledger_module.main(["save", "--python", "3.x"])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert "expected a Python version such as 3.12, got '3.x'" in error
 
 
 #: 20 killed mutants beside the cases' own: one survivor among 21 still scores 95.2%.
