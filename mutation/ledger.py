@@ -1,8 +1,9 @@
 """The mutation ledger: mutmut's verdicts kept in the repository, so that a full run can
 be spread over several sessions.
 
-A full run of ``mutation/run.sh`` takes most of an hour here (7 minutes on 16
-cores), and a sitting may end before it does. mutmut keeps its verdicts in
+A full run of ``mutation/run.sh`` takes most of an hour here (7 minutes with
+``mutmut run --max-children 16`` on 16 cores), and a sitting may end before it
+does. mutmut keeps its verdicts in
 ``mutants/**/*.py.meta``, which git ignores, so an interrupted run is lost
 with its machine. ``save`` merges every decided verdict, with mutmut's hash
 of its function's source, into ``mutation/ledger.json``; ``restore`` writes
@@ -22,23 +23,25 @@ everything. Statuses that are not verdicts (a check interrupted by the user,
 a worker killed) are not kept.
 
 mutmut's hash is of the function's ``ast.dump``, which differs between Python
-versions (3.12 added fields), so every function of a run made under 3.12 looks
-changed to mutmut under 3.11. The ledger records the Python version of its
-hashes (``save --python`` names another than this one, e.g. for meta files
-fetched from the GPU machine); ``restore`` under another version refuses, as
-does a merging ``save`` of meta files from another version. ``save`` also
-refuses meta files whose every hash differs from this Python's hash of the
-source as it is: a run made under another version, not named with
-``--python``.
+versions (3.12 added fields), and it is taken when mutmut generates the
+mutants: every function of a ``mutants/`` generated under 3.12 looks changed
+to mutmut under 3.11. The ledger records the Python version of its hashes
+(``save --python`` names another than this one, e.g. for a ``mutants/``
+generated on the GPU machine); ``restore`` under another version refuses, as
+does a merging ``save`` across versions. ``save`` also refuses a meta file
+whose hashes cannot be the named version's: none equal to this Python's hash
+of the source while it names this version, or all of them while it names
+another.
 
 Usage, from the repository root::
 
-    python mutation/ledger.py save [--replace] [--python 3.12]   # mutants/ -> ledger.json
-    python mutation/ledger.py restore            # mutation/ledger.json -> an empty mutants/
+    python mutation/ledger.py save [--replace] [--python X.Y]  # mutants/ -> the ledger
+    python mutation/ledger.py restore                          # the ledger -> a new mutants/
 
 Exit status: 0 done (or nothing to restore), 2 refused (the message says why).
 
-Complexity: O(mutants). Thread safety: a command; one at a time per checkout.
+Complexity: O(mutants), plus parsing the mutated sources once on ``save``. Thread
+safety: a command; one at a time per checkout.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TypedDict
+from typing import NamedTuple, TypedDict
 
 from mutmut.configuration import config
 from mutmut.mutation.file_mutation import compute_function_hashes
@@ -83,7 +86,10 @@ class FileVerdicts(TypedDict):
 
 
 class Ledger(TypedDict):
-    """The whole ledger: where it was saved, mutmut's configuration, and the verdicts."""
+    """The whole ledger: where it was saved, mutmut's configuration, and the verdicts.
+
+    Invariant: every hash in ``files`` is of Python ``hash_python``'s ``ast.dump``.
+    """
 
     format: int
     commit: str | None
@@ -165,9 +171,10 @@ def updated_ledger(
         )
     if old is not None and old["hash_python"] != hash_python:
         raise LedgerRefusedError(
-            f"{LEDGER}'s hashes are Python {old['hash_python']}'s and mutants/'s are Python "
-            f"{hash_python}'s, so merging would drop every verdict: save with --replace "
-            "(after a run from scratch)"
+            f"{LEDGER}'s hashes are Python {old['hash_python']}'s and this save's Python "
+            f"{hash_python}'s: merging would drop every verdict of the ledger. Name the "
+            f"Python that generated {MUTANTS}/ with --python, or save with --replace "
+            "after a run from scratch"
         )
     files = {
         source: record
@@ -191,23 +198,53 @@ def updated_ledger(
     )
 
 
-def hashes_of_another_python(root: Path, mutants: Path, is_mutated: Callable[[str], bool]) -> bool:
-    """Whether every function hash in ``mutants``' meta files differs from this Python's
-    hash of the same function in the sources under ``root`` (at least one compared).
+class FileHashes(NamedTuple):
+    """How one meta file's function hashes compare with this Python's hashes of the
+    sources as they are now."""
 
-    A changed source changes some hashes; all of them differing means that the run
-    was made under another Python version."""
-    compared = differing = 0
+    source: str
+    compared: int
+    equal: int
+
+
+def compare_hashes(
+    root: Path, mutants: Path, is_mutated: Callable[[str], bool]
+) -> list[FileHashes]:
+    """Per meta file under ``mutants`` whose source under ``root`` exists: how many
+    function hashes were compared, and how many equal this Python's.
+
+    A changed source changes some of a file's hashes; all of them differing means that
+    its mutants were generated under another Python (``ast.dump`` differs), and all of
+    them equal that they were generated under this one's version."""
+    found = []
     for meta_path in sorted(mutants.rglob("*.py.meta")):
         source = str(meta_path.relative_to(mutants).with_suffix(""))
         if not is_mutated(source) or not (root / source).is_file():
-            continue
+            continue  # a file no longer mutated, or gone: its verdicts are dropped anyway
         meta: MetaFile = json.loads(meta_path.read_text(encoding=_UTF8))
         here = compute_function_hashes((root / source).read_text(encoding=_UTF8))
-        for function, source_hash in meta["hash_by_function_name"].items():
-            compared += 1
-            differing += here.get(function) != source_hash
-    return compared > 0 and differing == compared
+        hashes = meta["hash_by_function_name"]
+        equal = sum(here.get(function) == value for function, value in hashes.items())
+        found.append(FileHashes(source, len(hashes), equal))
+    return found
+
+
+def require_hashes_of(hash_python: str, files: list[FileHashes]) -> None:
+    """Refuse meta files that cannot be ``hash_python``'s: with this Python's version,
+    a file whose every hash differs from this Python's; with another, a file whose every
+    hash equals this Python's. Raises:
+        LedgerRefusedError: Naming the first such file and its counts."""
+    ours = hash_python == this_python()
+    for file in files:
+        if file.compared == 0 or (file.equal > 0 if ours else file.equal < file.compared):
+            continue
+        what = "none" if ours else "all"
+        raise LedgerRefusedError(
+            f"{what} of the {file.compared} function hashes of {MUTANTS}/{file.source}.meta "
+            f"equal Python {this_python()}'s hash of the source, so its mutants were not "
+            f"generated under Python {hash_python}: name the Python that generated "
+            f"{MUTANTS}/ with --python X.Y (or, if the sources changed since, run again)"
+        )
 
 
 def write_meta_files(ledger: Ledger, mutants: Path, is_mutated: Callable[[str], bool]) -> int:
@@ -247,7 +284,8 @@ def read_ledger(path: Path) -> Ledger:
         ) from None
     if found != FORMAT:
         raise LedgerRefusedError(
-            f"{path} has format {found!r}; expected {FORMAT} (written by this script's save)"
+            f"{path} has format {found!r}; expected {FORMAT} (written by this script's save): "
+            "run from scratch (mutation/run.sh), whose save --replace writes this format"
         )
     return ledger
 
@@ -299,13 +337,7 @@ def _commit() -> str | None:
 
 def _save(replace: bool, hash_python: str) -> int:
     settings = config()
-    if hash_python == this_python() and hashes_of_another_python(
-        Path("."), MUTANTS, settings.should_mutate
-    ):
-        raise LedgerRefusedError(
-            f"every function hash in {MUTANTS}/ differs from Python {hash_python}'s hash of "
-            "the sources: a run made under another Python version? name it with --python"
-        )
+    require_hashes_of(hash_python, compare_hashes(Path("."), MUTANTS, settings.should_mutate))
     old = None if replace or not LEDGER.exists() else read_ledger(LEDGER)
     ledger = updated_ledger(
         old, MUTANTS, settings.config_fingerprint(), settings.should_mutate, hash_python
@@ -361,10 +393,11 @@ def _warn_if_tests_changed(commit: str | None) -> None:
 
 
 def python_version(text: str) -> str:
-    """``--python``'s value: ``MAJOR.MINOR``, as :func:`this_python` writes it."""
+    """``--python``'s value as :func:`this_python` writes it (``03.012`` -> ``3.12``)."""
     if re.fullmatch(r"[0-9]+\.[0-9]+", text) is None:
         raise argparse.ArgumentTypeError(f"expected a Python version such as 3.12, got {text!r}")
-    return text
+    major, minor = text.split(".")
+    return f"{int(major)}.{int(minor)}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -377,16 +410,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--python",
-        default=this_python(),
         type=python_version,
         metavar="X.Y",
-        help="save: the Python version mutmut ran under, if not this one "
-        f"({this_python()}), e.g. 3.12 for the GPU machine's meta files",
+        help="save: the Python version under which mutmut generated mutants/ (it hashes "
+        f"the functions then), if not this one ({this_python()}); e.g. 3.12 for "
+        "mutants/ generated on the GPU machine",
     )
     args = parser.parse_args(argv)
+    if args.action == "restore" and (args.python is not None or args.replace):
+        parser.error("restore takes no --python nor --replace (they are save's)")
     try:
         if args.action == "save":
-            return _save(args.replace, args.python)
+            return _save(args.replace, args.python or this_python())
         return _restore()
     except LedgerRefusedError as refusal:
         print(f"ledger.py {args.action}: {refusal}", file=sys.stderr)

@@ -10,7 +10,8 @@
 # At the end, finished or stopped by Ctrl-C, every mode merges the verdicts into
 # mutation/ledger.json (the run from scratch replaces them); after a SIGKILL, run
 # `python mutation/ledger.py save` by hand. A run that leaves mutants unchecked exits 3
-# (inconclusive), never 0.
+# (inconclusive), never 0; one whose ledger could not be saved exits 4 (the message
+# says why), and --continue whose ledger cannot be restored exits 2 and runs nothing.
 #
 # Configuration lives in pyproject.toml [tool.mutmut]; see mutation/README.md.
 # Environment: MUTATION_WORKERS (default 2), MUTATION_MIN_SCORE (default 95).
@@ -30,7 +31,18 @@ ledger_args=()
 case "${1:-}" in
     "") rm -rf mutants; args=(); ledger_args=(--replace) ;;
     --resume) args=() ;;
-    --continue) rm -rf mutants; "$bin/python" mutation/ledger.py restore; args=() ;;
+    --continue)
+        # mutants/ goes only once the ledger is restored: a refusal leaves it as it was.
+        rm -rf mutants.previous
+        if [[ -e mutants ]]; then mv mutants mutants.previous; fi
+        if ! "$bin/python" mutation/ledger.py restore; then
+            rm -rf mutants
+            if [[ -e mutants.previous ]]; then mv mutants.previous mutants; fi
+            echo "run.sh: nothing run; mutants/ is as it was" >&2
+            exit 2
+        fi
+        rm -rf mutants.previous
+        args=() ;;
     *) args=("$@") ;;
 esac
 
@@ -41,7 +53,15 @@ else
     show_progress() { tr '\r' '\n' | grep -v '^[⠋⠙⠹⠸⠼⠴⠦⠧⠇⠏] ' || true; }
 fi
 
-save_ledger() { "$bin/python" mutation/ledger.py save ${ledger_args[@]+"${ledger_args[@]}"} || true; }
+# A refused save is said, and turns a run that would exit 0 into exit 4; a failure's own
+# status stays.
+save_ledger() {
+    local status=$?
+    if ! "$bin/python" mutation/ledger.py save ${ledger_args[@]+"${ledger_args[@]}"}; then
+        echo "run.sh: the ledger was not saved; this run's verdicts are only in mutants/" >&2
+        if ((status == 0)); then exit 4; fi
+    fi
+}
 trap save_ledger EXIT
 
 start=$SECONDS

@@ -121,37 +121,80 @@ def test_a_merge_of_hashes_of_another_python_version_is_refused_by_name(tmp_path
     old = ledger_module.updated_ledger(None, tmp_path / "mutants", FINGERPRINT, every_file, "3.12")
     assert old["hash_python"] == "3.12"
     with pytest.raises(
-        ledger_module.LedgerRefusedError, match=r"Python 3\.12's and mutants/'s are Python 3\.11's"
+        ledger_module.LedgerRefusedError, match=r"Python 3\.12's and this save's Python 3\.11's"
     ):
         ledger_module.updated_ledger(old, tmp_path / "mutants", FINGERPRINT, every_file, "3.11")
 
 
 SOURCE = "def f(x):\n    return x + 1\n\n\ndef g(x):\n    return x - 1\n"
+THIS = "this"  # a hash as this Python computes it from SOURCE
+OTHER = "0" * 12  # a hash this Python never computes from SOURCE
+
+
+def project_with_meta(root: Path, kinds: dict[str, str], *, with_source: bool = True) -> None:
+    """A scratch project: this pyproject, SOURCE as the allocator's file, and a meta file
+    of one killed mutant per function, whose hashes are this Python's or not."""
+    (root / "pyproject.toml").write_text(
+        (MUTATION.parent / "pyproject.toml").read_text(encoding="utf-8"), encoding="utf-8"
+    )
+    if with_source:
+        (root / POOL).parent.mkdir(parents=True, exist_ok=True)
+        (root / POOL).write_text(SOURCE, encoding="utf-8")
+    here = compute_function_hashes(SOURCE)
+    hashes = {name: here[name] if kind == THIS else OTHER for name, kind in kinds.items()}
+    write_meta(root, {f"{PREFIX}{name}__mutmut_1": 1 for name in kinds}, hashes)
+
+
+def saved(root: Path) -> dict[str, object]:
+    ledger: dict[str, object] = json.loads((root / "mutation" / "ledger.json").read_text())
+    return ledger
+
+
+#: The meta file's hashes (this Python's or not), save's options, and the refusal if any.
+SaveCase = tuple[dict[str, str], list[str], str | None]
 
 
 @pytest.mark.parametrize(
-    ("recorded", "of_another_python"),
+    "case",
     [
-        ({"x_f": "this", "x_g": "this"}, False),  # this Python's hashes of these sources
-        ({"x_f": "this", "x_g": "other"}, False),  # g changed since the run
-        ({"x_f": "other", "x_g": "other"}, True),  # every hash differs: another Python's
-        ({}, False),  # nothing to compare
+        ({"x_f": THIS, "x_g": THIS}, [], None),
+        ({"x_f": THIS, "x_g": OTHER}, [], None),  # g changed since mutants/ was made
+        ({"x_f": OTHER, "x_g": OTHER}, [], "none of the 2 function hashes"),
+        ({"x_f": OTHER, "x_g": OTHER}, ["--python", "3.12"], None),
+        ({"x_f": THIS, "x_g": OTHER}, ["--python", "3.12"], None),
+        ({"x_f": THIS, "x_g": THIS}, ["--python", "3.12"], "all of the 2 function hashes"),
     ],
 )
-def test_meta_files_whose_every_hash_differs_from_this_pythons_are_told_apart(
-    tmp_path: Path, recorded: dict[str, str], of_another_python: bool
+def test_save_records_the_python_of_the_hashes_and_refuses_meta_files_of_another(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    case: SaveCase,
 ) -> None:
-    (tmp_path / "pkg").mkdir()
-    (tmp_path / "pkg" / "mod.py").write_text(SOURCE, encoding="utf-8")
-    here = compute_function_hashes(SOURCE)
-    hashes = {name: here[name] if which == "this" else "0" * 12 for name, which in recorded.items()}
-    meta = tmp_path / "mutants" / "pkg" / "mod.py.meta"
-    meta.parent.mkdir(parents=True)
-    meta.write_text(
-        json.dumps({"exit_code_by_key": {}, "hash_by_function_name": hashes}), encoding="utf-8"
-    )
-    found = ledger_module.hashes_of_another_python(tmp_path, tmp_path / "mutants", every_file)
-    assert found is of_another_python
+    kinds, argv, refusal = case
+    project_with_meta(tmp_path, kinds)
+    (tmp_path / "mutation").mkdir()
+    monkeypatch.chdir(tmp_path)
+    status = ledger_module.main(["save", "--replace", *argv])
+    if refusal is None:
+        assert status == 0
+        expected = argv[1] if argv else ledger_module.this_python()
+        assert saved(tmp_path)["hash_python"] == expected
+    else:
+        assert status == 2
+        error = capsys.readouterr().err
+        assert f"{refusal} of mutants/{POOL}.meta" in error
+        assert "--python X.Y" in error
+        assert not (tmp_path / "mutation" / "ledger.json").exists()
+
+
+def test_save_skips_the_hash_check_of_a_file_whose_source_is_gone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    project_with_meta(tmp_path, {"x_f": OTHER}, with_source=False)
+    (tmp_path / "mutation").mkdir()
+    monkeypatch.chdir(tmp_path)
+    assert ledger_module.main(["save", "--replace"]) == 0
 
 
 def test_restore_under_another_python_than_the_hashes_refuses_and_writes_nothing(
@@ -186,6 +229,23 @@ def test_a_python_version_that_is_not_one_is_refused_on_one_line(
     error = capsys.readouterr().err
     assert error.count("\n") == 1
     assert "expected a Python version such as 3.12, got '3.x'" in error
+
+
+@pytest.mark.parametrize(("given", "recorded"), [("3.12", "3.12"), ("03.012", "3.12")])
+def test_a_python_version_is_recorded_as_major_dot_minor(given: str, recorded: str) -> None:
+    assert ledger_module.python_version(given) == recorded
+
+
+@pytest.mark.parametrize("option", [["--python", "3.12"], ["--replace"]])
+def test_restore_refuses_saves_options_on_one_line(
+    option: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        ledger_module.main(["restore", *option])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1
+    assert "restore takes no --python nor --replace" in error
 
 
 #: 20 killed mutants beside the cases' own: one survivor among 21 still scores 95.2%.
