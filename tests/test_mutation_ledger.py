@@ -221,8 +221,9 @@ def test_restore_under_another_python_than_the_hashes_refuses_and_writes_nothing
 
 
 def test_a_python_version_that_is_not_one_is_refused_on_one_line(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # were the option taken, nothing is written in the checkout
     with pytest.raises(SystemExit) as exit_info:
         ledger_module.main(["save", "--python", "3.x"])
     assert exit_info.value.code == 2
@@ -238,8 +239,12 @@ def test_a_python_version_is_recorded_as_major_dot_minor(given: str, recorded: s
 
 @pytest.mark.parametrize("option", [["--python", "3.12"], ["--replace"]])
 def test_restore_refuses_saves_options_on_one_line(
-    option: list[str], capsys: pytest.CaptureFixture[str]
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    option: list[str],
 ) -> None:
+    monkeypatch.chdir(tmp_path)  # were the options taken, nothing is written in the checkout
     with pytest.raises(SystemExit) as exit_info:
         ledger_module.main(["restore", *option])
     assert exit_info.value.code == 2
