@@ -51,7 +51,7 @@ import json
 import re
 import subprocess
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import NamedTuple, TypedDict
 
@@ -145,6 +145,15 @@ def merged(old: FileVerdicts | None, new: FileVerdicts, hashes: Mapping[str, str
     return FileVerdicts(module=module, functions=functions)
 
 
+def meta_files(mutants: Path, is_mutated: Callable[[str], bool]) -> Iterator[tuple[str, MetaFile]]:
+    """Each meta file under ``mutants`` of a file ``is_mutated`` accepts, in path order,
+    with its source's path (``mutants/a/b.py.meta`` is ``a/b.py``'s)."""
+    for meta_path in sorted(mutants.rglob("*.py.meta")):
+        source = str(meta_path.relative_to(mutants).with_suffix(""))
+        if is_mutated(source):
+            yield source, json.loads(meta_path.read_text(encoding=_UTF8))
+
+
 def this_python() -> str:
     """This interpreter's version as the ledger records it, e.g. ``"3.11"``."""
     return f"{sys.version_info.major}.{sys.version_info.minor}"
@@ -181,11 +190,7 @@ def updated_ledger(
         for source, record in (old["files"] if old is not None else {}).items()
         if is_mutated(source)
     }
-    for meta_path in sorted(mutants.rglob("*.py.meta")):
-        source = str(meta_path.relative_to(mutants).with_suffix(""))
-        if not is_mutated(source):
-            continue
-        meta: MetaFile = json.loads(meta_path.read_text(encoding=_UTF8))
+    for source, meta in meta_files(mutants, is_mutated):
         new = verdicts_of_meta(meta)
         files[source] = merged(files.get(source), new, meta["hash_by_function_name"])
     files = {source: record for source, record in files.items() if record["functions"]}
@@ -217,11 +222,9 @@ def compare_hashes(
     its mutants were generated under another Python (``ast.dump`` differs), and all of
     them equal that they were generated under this one's version."""
     found = []
-    for meta_path in sorted(mutants.rglob("*.py.meta")):
-        source = str(meta_path.relative_to(mutants).with_suffix(""))
-        if not is_mutated(source) or not (root / source).is_file():
-            continue  # a file no longer mutated, or gone: its verdicts are dropped anyway
-        meta: MetaFile = json.loads(meta_path.read_text(encoding=_UTF8))
+    for source, meta in meta_files(mutants, is_mutated):
+        if not (root / source).is_file():
+            continue  # a source gone since: its verdicts are dropped at the next restore
         here = compute_function_hashes((root / source).read_text(encoding=_UTF8))
         hashes = meta["hash_by_function_name"]
         equal = sum(here.get(function) == value for function, value in hashes.items())
