@@ -37,8 +37,7 @@ once race inside MLX 0.32, see ``mlx_storage.publish``).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
-from typing import Final
+from typing import Final, NamedTuple
 
 import mlx.core as mx
 
@@ -48,14 +47,15 @@ from veloxquant_mlx.memory.block_table import DeviceBlockTable, schedule
 __all__ = ["RowRun", "SlotRows", "StepRows"]
 
 
-@dataclass(frozen=True)
-class RowRun:
+class RowRun(NamedTuple):
     """Positions ``first .. first + length - 1`` of a write, and the slab row of each
     stream where they start (one block holds them all).
 
     Host integers, so the write is a static slice update: on MLX's CUDA back-end a
     slice update at an ``mx.array`` start index (``DynamicSliceUpdate``) copied the
-    whole slab at every write, a cost that grew with the pool.
+    whole slab at every write, a cost that grew with the pool. A named tuple, not a
+    frozen dataclass: one is made per decode step, and a tuple is built in less than
+    half the time.
     """
 
     first: int
@@ -64,9 +64,9 @@ class RowRun:
     value_row: int
 
 
-@dataclass(frozen=True)
-class StepRows:
-    """One step's pieces: where its new positions go, and which blocks it reads.
+class StepRows(NamedTuple):
+    """One step's pieces: where its new positions go, and which blocks it reads (a
+    named tuple for the reason :class:`RowRun` is one).
 
     Attributes:
         writes: One :class:`RowRun` per block the new positions touch (one for a
@@ -143,6 +143,13 @@ class SlotRows:
         return StepRows(self._runs(start, n_new), read, end)
 
     def _runs(self, start: int, n_new: int) -> tuple[RowRun, ...]:
+        block_size = self._block_size
+        index, slot = divmod(start, block_size)
+        if 0 < n_new <= block_size - slot:  # in one block, as every decode step
+            key_row = _start_row(self._key_blocks[index], slot, block_size)
+            return (
+                RowRun(0, n_new, key_row, _start_row(self._value_blocks[index], slot, block_size)),
+            )
         runs: list[RowRun] = []
         done = 0
         while done < n_new:
