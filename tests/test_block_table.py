@@ -241,3 +241,21 @@ def test_the_memo_is_dropped_when_the_ids_change() -> None:
     table.require_live()
     assert table.memo(owner) is None
     book.release()
+
+
+def test_the_step_memo_is_given_only_while_the_step_is_checked() -> None:
+    store = _store()
+    book = PooledKVCache(store.pool, n_layers=2)
+    table = DeviceBlockTable(book)
+    book.append(1, layer=0)
+    table.require_live_this_step()
+    owner = object()
+    table.remember(owner, "rows")
+    assert (table.memo_this_step(owner), table.memo_this_step(object())) == ("rows", None)
+    book.append(1, layer=1)  # a later layer of the same step: the extent stays
+    assert table.memo_this_step(owner) == "rows"
+    book.append(1, layer=0)  # the next step: unchecked until require_live_this_step
+    assert (table.memo_this_step(owner), table.memo(owner)) == (None, "rows")
+    table.require_live_this_step()
+    assert table.memo_this_step(owner) == "rows"
+    book.release()

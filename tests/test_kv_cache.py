@@ -420,10 +420,22 @@ def test_a_wrong_shape_is_refused_before_anything_changes(pool: BlockPoolAllocat
     cache.book.release()
 
 
+class _LooksLikeAnArray:
+    """Has an array's shape and the store's dtype, and is no array."""
+
+    shape = (1, HEADS, 1, HEAD_DIM)
+    dtype = mx.float32
+
+
 @pytest.mark.parametrize(
     ("keys", "named"),
-    [(None, "NoneType"), (np.zeros((1, HEADS, 1, HEAD_DIM), np.float32), "ndarray")],
-    ids=["None", "numpy"],
+    [
+        (None, "NoneType"),
+        (np.zeros((1, HEADS, 1, HEAD_DIM), np.float32), "ndarray"),
+        # The store trusts the cache's check (decode_through_table): only arrays pass it.
+        (_LooksLikeAnArray(), "_LooksLikeAnArray"),
+    ],
+    ids=["None", "numpy", "duck-typed"],
 )
 def test_what_is_no_mlx_array_is_refused_by_its_type(
     pool: BlockPoolAllocator, keys: object, named: str

@@ -30,8 +30,8 @@ Complexity (``k`` = blocks of the request): :meth:`require_live` O(1)
 while neither the book nor the pool's count of such calls moved (two attribute reads
 and one ``pool.stats`` snapshot, one pool lock); after the book added ``a``
 blocks with no free anywhere, O(a) amortised, since the ids array grows by
-concatenation; after any free or move, O(k) once. :meth:`memo` and :meth:`remember`
-O(1).
+concatenation; after any free or move, O(k) once. :meth:`memo`, :meth:`memo_this_step` and
+:meth:`remember` O(1).
 
 Thread safety: like the book, a table belongs to one request and is used
 from one thread at a time; the pool it asks locks itself. A block freed by
@@ -199,6 +199,23 @@ class DeviceBlockTable:
         One entry is kept.
         """
         return self._memo_value if owner is self._memo_key else None
+
+    def memo_this_step(self, owner: object) -> object:
+        """:meth:`memo`, while :meth:`require_live_this_step` would return at once (the
+        book's extent and blocks are what the last check saw); else ``None``.
+
+        The decode path's one call for every layer of a step after the first: a store
+        that gets its value back needs neither the check nor the lookup. On ``None``
+        it makes both as usual.
+        """
+        book = self._book
+        if (
+            owner is self._memo_key
+            and book.extent_version == self._checked_extent
+            and book.table_version == self._checked_version
+        ):
+            return self._memo_value
+        return None
 
     def remember(self, owner: object, value: MemoT) -> MemoT:
         """Keep ``value`` for ``owner`` until the ids change (or another owner's value

@@ -236,7 +236,7 @@ class PoolBackedKVCache(KVCacheConventions):
             BlockPoolExhaustedError: The pool has too few free blocks; nothing changed.
         """
         dtype = self._dtype
-        try:
+        if type(keys) is mx.array and type(values) is mx.array:
             shape = keys.shape
             fits = (
                 len(shape) == 4
@@ -247,7 +247,7 @@ class PoolBackedKVCache(KVCacheConventions):
                 and keys.dtype == dtype
                 and values.dtype == dtype
             )  # the decode path: one test; _require_update says what is wrong otherwise
-        except AttributeError:  # not arrays
+        else:
             fits = False
         if fits:
             n_tokens: int = shape[2]
@@ -268,7 +268,8 @@ class PoolBackedKVCache(KVCacheConventions):
         try:
             store, table = self._table_store, self._table
             if store is not None and table is not None:
-                return store.update_through_table(layer, table, start, keys, values)
+                # Checked above, before the book changed: the store need not check again.
+                return store.decode_through_table(layer, table, start, keys, values)
             if n_tokens:
                 write_positions(self._storage, book, layer, start, keys=keys, values=values)
             return gather_positions(self._storage, book, layer, start + n_tokens)
