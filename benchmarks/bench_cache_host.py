@@ -9,13 +9,18 @@ of its outputs happen outside the timing.
 
     python benchmarks/bench_cache_host.py --against e5d3e36      # about two minutes
     python benchmarks/bench_cache_host.py --against main --rounds 9 --contexts 256,4096
+    git archive aa602e6 | tar -x -C /tmp/base     # where the history is not at hand:
+    python benchmarks/bench_cache_host.py --against-tree /tmp/base   # (the GPU machine)
 
 ``--against REV`` checks REV out into a temporary git worktree
-(``_against.checked_out``); each round runs one worker process per tree,
-which goes first flipping every round, so the machine's other load falls on
-both alike. A worker measures the tree it is given (its source first on the
-path). The report gives, per context, the median over rounds of each tree's
-median step, and this / REV. Nothing passes or fails.
+(``_against.checked_out``); ``--against-tree DIR`` takes a checkout made
+elsewhere. Each round runs one worker process per tree, which goes first
+flipping every round, so the machine's other load falls on both alike. A
+worker measures the tree it is given (its source first on the path). The
+report gives, per context, the median over rounds of each tree's median
+step, and this / base; and the same for the first layer's call of a step
+and for each later layer's (the first carries the step's own work: the
+book's growth, the liveness check, the step's rows). Nothing passes or fails.
 
 Thread safety: single-threaded. Complexity: rounds x contexts x 2 worker
 processes, each a prompt of the context and ``--steps`` decode steps.
@@ -35,11 +40,14 @@ from typing import NoReturn
 import _against
 
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
+#: What a worker reports, in microseconds: a whole step's calls, the first layer's, a later one's.
+FIGURES = ("step", "first_layer", "later_layer")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(root: Path, context: int, steps: int) -> float:
-    """Median host microseconds of one decode step of the tree at ``root`` (a worker)."""
+def measure(root: Path, context: int, steps: int) -> dict[str, float]:
+    """Median host microseconds of one decode step of the tree at ``root``, of its first
+    layer's call and of a later layer's (a worker)."""
     sys.path[:0] = [str(root), str(root / "spec")]
     import mlx.core as mx  # after the tree is put first on the path
 
@@ -56,14 +64,22 @@ def measure(root: Path, context: int, steps: int) -> float:
     mx.eval([layer.update_and_fetch(prompt, prompt) for layer in cache])
     token = mx.ones((1, HEADS, 1, HEAD_DIM), mx.float16)
     mx.eval(token)
-    seconds = []
+    calls: list[list[float]] = []  # per step, each layer's call in seconds
     for _ in range(steps):
-        start = time.thread_time()
-        out = [layer.update_and_fetch(token, token) for layer in cache]
-        seconds.append(time.thread_time() - start)
+        out, times = [], []
+        for layer in cache:
+            start = time.thread_time()
+            out.append(layer.update_and_fetch(token, token))
+            times.append(time.thread_time() - start)
+        calls.append(times)
         mx.eval(out)
         del out  # freed here, not inside the next step's timing
-    return statistics.median(seconds[steps // 10 :]) * 1e6
+    kept = calls[steps // 10 :]  # the first steps warm up
+    return {
+        "step": statistics.median(sum(times) for times in kept) * 1e6,
+        "first_layer": statistics.median(times[0] for times in kept) * 1e6,
+        "later_layer": statistics.median(t for times in kept for t in times[1:]) * 1e6,
+    }
 
 
 def compare(base: Path, contexts: list[int], rounds: int, steps: int) -> dict[str, object]:
@@ -71,34 +87,38 @@ def compare(base: Path, contexts: list[int], rounds: int, steps: int) -> dict[st
     trees = {"base": base, "this": REPO_ROOT}
     rows = []
     for context in contexts:
-        samples: dict[str, list[float]] = {name: [] for name in trees}
+        samples: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for round_ in range(rounds):
             order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
             for name in order:
                 samples[name].append(_worker(trees[name], context, steps))
-        base_us, this_us = (statistics.median(samples[name]) for name in trees)
-        rows.append(
-            {
-                "context": context,
-                "base_us_per_step": round(base_us, 1),
-                "this_us_per_step": round(this_us, 1),
-                "this_over_base": round(this_us / base_us, 3),
-                "samples": {name: [round(x, 1) for x in xs] for name, xs in samples.items()},
-            }
-        )
-        print(
-            f"context {context}: base {base_us:.1f} us, this {this_us:.1f} us per step, "
-            f"this/base {this_us / base_us:.3f}",
-            file=sys.stderr,
-            flush=True,
-        )
+        row: dict[str, object] = {"context": context}
+        for figure in FIGURES:
+            base_us, this_us = (
+                statistics.median(sample[figure] for sample in samples[name]) for name in trees
+            )
+            row[f"base_us_per_{figure}"] = round(base_us, 1)
+            row[f"this_us_per_{figure}"] = round(this_us, 1)
+            row[f"this_over_base_{figure}"] = round(this_us / base_us, 3)
+            print(
+                f"context {context}, {figure.replace('_', ' ')}: base {base_us:.1f} us, "
+                f"this {this_us:.1f} us, this/base {this_us / base_us:.3f}",
+                file=sys.stderr,
+                flush=True,
+            )
+        row["samples"] = {
+            name: [{key: round(value, 1) for key, value in s.items()} for s in xs]
+            for name, xs in samples.items()
+        }
+        rows.append(row)
     return {"layers": LAYERS, "rounds": rounds, "steps": steps, "rows": rows}
 
 
-def _worker(root: Path, context: int, steps: int) -> float:
+def _worker(root: Path, context: int, steps: int) -> dict[str, float]:
     command = [sys.executable, __file__, "--worker", str(root), str(context), str(steps)]
     done = subprocess.run(command, capture_output=True, text=True, check=True)
-    return float(done.stdout.split()[-1])
+    figures: dict[str, float] = json.loads(done.stdout.splitlines()[-1])
+    return figures
 
 
 class _Parser(argparse.ArgumentParser):
@@ -123,7 +143,14 @@ def contexts_of(text: str) -> list[int]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(description=__doc__.splitlines()[0])
-    parser.add_argument("--against", metavar="REV", help="the revision to compare with")
+    against = parser.add_mutually_exclusive_group()
+    against.add_argument("--against", metavar="REV", help="the revision to compare with")
+    against.add_argument(
+        "--against-tree",
+        metavar="DIR",
+        type=Path,
+        help="a checkout of the base made elsewhere (where git history is not at hand)",
+    )
     parser.add_argument("--rounds", type=positive, default=7, help="worker pairs per context")
     parser.add_argument("--steps", type=positive, default=300, help="decode steps per worker")
     parser.add_argument(
@@ -135,10 +162,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker is not None:
         root, context, steps = args.worker
-        print(measure(Path(root), int(context), int(steps)))
+        print(json.dumps(measure(Path(root), int(context), int(steps))))
+        return 0
+    if args.against_tree is not None:
+        if not (args.against_tree / "veloxquant_mlx" / "memory" / "kv_cache.py").is_file():
+            parser.error(f"--against-tree {str(args.against_tree)!r}: no checkout of this project")
+        report = compare(args.against_tree.resolve(), args.contexts, args.rounds, args.steps)
+        print(json.dumps({"against_tree": str(args.against_tree), **report}, indent=2))
         return 0
     if args.against is None:
-        parser.error("--against REV is required")
+        parser.error("--against REV or --against-tree DIR is required")
     with _against.checked_out(args.against) as base:
         report = compare(base, args.contexts, args.rounds, args.steps)
     print(json.dumps({"against": args.against, **report}, indent=2))

@@ -504,6 +504,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("bench_kv_cache", ["--steps", "-1"], "--steps: expected an int >= 1, got '-1'"),
         ("bench_kv_cache", ["--mlx-cache-limit-mb", "-5"], "expected an int >= 0, got '-5'"),
         ("bench_cache_host", ["--contexts", "junk"], "--contexts: expected an int >= 1"),
+        ("bench_cache_host", ["--against-tree", "/nonexistent"], "no checkout of this project"),
+        ("bench_cache_host", ["--against", "HEAD", "--against-tree", "/x"], "not allowed with"),
         ("bench_block_pool", ["--callgrind"], "--callgrind has no effect without --compare"),
         ("bench_block_pool", ["--compare", "--compiled-site", "/nonexistent"], "not a folder"),
         ("bench_block_pool", ["--against", "no-such-rev"], "'no-such-rev': git worktree add"),
