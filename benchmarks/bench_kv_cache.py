@@ -62,7 +62,7 @@ from mlx_lm.models.cache import KVCache
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.values import int_at_least
-from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, block_pool
 from veloxquant_mlx.memory.attention_hook import (
     install_paged_attention,
     uninstall_paged_attention,
@@ -503,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             "mlx": importlib.metadata.version("mlx"),
             "mlx_lm": importlib.metadata.version("mlx-lm"),
             "device": str(mx.default_device()),
+            # The wheel's pool is compiled by mypyc, a checkout's is not: host time differs.
+            "block_pool": "compiled" if block_pool.COMPILED else "interpreted",
         },
         "decode": bench_decode(options),
     }
