@@ -15,10 +15,12 @@ the capacity, a resize re-lays every slab out (it copies anyway).
 Two ways in. The storage protocol's ``write`` / ``gather`` / ``gather_heads``
 take ``Block`` handles and check each against the pool (a whole gather with
 one ``all_live``). The decode path of a pool-backed cache
-(``update_through_table``, ``fetch_through_table``, ``attend_through_table``)
-takes a request's :class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable`
-instead, whose liveness check is O(1) while neither the request's blocks nor
-the pool's free count moved, and the request's slot rows
+(``update_through_table``, or ``decode_through_table`` for a caller that
+checked the keys and values itself; ``fetch_through_table``,
+``attend_through_table``) takes a request's
+:class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable` instead, whose
+liveness check is O(1) while neither the request's blocks nor the pool's
+free count moved, and the request's slot rows
 (:class:`~veloxquant_mlx.memory.slot_rows.SlotRows`, rebuilt only when its
 table or the capacity changes): one layer's decode step is then two slice
 updates (the new key and value rows) and one gather of every held block, cut
@@ -71,10 +73,10 @@ Nothing here converts to NumPy or calls ``.item()``: ``write`` and the gathers
 only build MLX graphs (and evaluate them as just said), so the module runs
 unchanged on Metal or CUDA.
 
-Complexity: ``update_through_table`` O(slots written) plus O(1) host work to
-build the gather (O(tokens) device work), ``fetch_through_table`` the
-latter, ``attend_through_table`` O(1) host, O(tokens) device; all three
-O(blocks) device work once after the request's table or the capacity
+Complexity: ``update_through_table`` (and ``decode_through_table``) O(slots
+written) plus O(1) host work to build the gather (O(tokens) device work),
+``fetch_through_table`` the latter, ``attend_through_table`` O(1) host,
+O(tokens) device; all three O(blocks) device work once after the request's table or the capacity
 changed, and O(blocks) host work once after a free anywhere in the pool;
 ``write`` O(slots written) (amortised, see above); ``gather_heads``
 O(tokens gathered) plus one pool call (``all_live``) that checks the
