@@ -154,8 +154,8 @@ class DeviceBlockTable:
         version, extent = book.table_version, book.extent_version
         stats = self._pool.stats  # one snapshot: both counts as of one moment
         releases = stats.n_frees + stats.n_copy_on_write
-        self._checked_extent = extent  # this check covers the book's extent as it is now
         if version == self._checked_version and releases == self._checked_releases:
+            self._checked_extent = extent  # this check covers the book's extent as it is now
             return
         keys, values = self._book.key_blocks, self._book.value_blocks
         if releases == self._checked_releases and self._extends_checked(keys, values):
@@ -163,9 +163,11 @@ class DeviceBlockTable:
         else:
             self._check_all(keys, values)
         # Recorded last, with the count read *before* the check: a free that raced the
-        # check moves the count again and forces the next call to look once more.
+        # check moves the count again and forces the next call to look once more. A
+        # check that raised leaves the extent unrecorded, so the next layer checks again.
         self._checked_version = version
         self._checked_releases = releases
+        self._checked_extent = extent
 
     def require_live_this_step(self) -> None:
         """:meth:`require_live`, asking the pool once per decode step, not once per layer.
@@ -204,9 +206,9 @@ class DeviceBlockTable:
         """:meth:`memo`, while :meth:`require_live_this_step` would return at once (the
         book's extent and blocks are what the last check saw); else ``None``.
 
-        The decode path's one call for every layer of a step after the first: a store
-        that gets its value back needs neither the check nor the lookup. On ``None``
-        it makes both as usual.
+        The decode path asks it at every layer's call; for every layer of a step after
+        the first it answers, and the store needs neither the check nor the lookup.
+        On ``None`` the store makes both as usual.
         """
         book = self._book
         if (

@@ -92,13 +92,6 @@ class ServesBlockTables(Protocol):
         return positions ``0 .. start + n - 1`` as :meth:`fetch_through_table` does."""
         ...
 
-    def decode_through_table(
-        self, layer: int, table: DeviceBlockTable, start: int, keys: mx.array, values: mx.array
-    ) -> tuple[mx.array, mx.array]:
-        """:meth:`update_through_table` for a caller that has checked that ``keys`` and
-        ``values`` are arrays of shape ``(1, heads, n, head_dim)`` in the store's dtype."""
-        ...
-
     def fetch_through_table(
         self, layer: int, table: DeviceBlockTable, n_tokens: int
     ) -> tuple[mx.array, mx.array]:
