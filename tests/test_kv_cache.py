@@ -432,7 +432,7 @@ class _LooksLikeAnArray:
     [
         (None, "NoneType"),
         (np.zeros((1, HEADS, 1, HEAD_DIM), np.float32), "ndarray"),
-        # The store trusts the cache's check (decode_through_table): only arrays pass it.
+        # MLXBlockStorage trusts the cache's check (_decode_through_table): arrays only.
         (_LooksLikeAnArray(), "_LooksLikeAnArray"),
     ],
     ids=["None", "numpy", "duck-typed"],

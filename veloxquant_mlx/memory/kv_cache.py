@@ -200,6 +200,16 @@ class PoolBackedKVCache(KVCacheConventions):
             if self._table_store is not None
             else None
         )
+        # The table path's write-and-read: MLXBlockStorage's entry that skips the checks of
+        # keys and values this cache has made (the same package's store: a friend call),
+        # another store's checked update_through_table; None without the table path.
+        self._update_through_table: Final = (
+            None
+            if self._table_store is None
+            else storage._decode_through_table
+            if isinstance(storage, MLXBlockStorage)
+            else self._table_store.update_through_table
+        )
         # Whether attend_in_place() answers (fused mode) or defers to the gathered path.
         self._fused: Final = resolve_attention(storage, attention) == "fused"
         # The pool's dropped books: every update releases them first (O(1) if none).
@@ -266,10 +276,9 @@ class PoolBackedKVCache(KVCacheConventions):
         book, layer = self._book, self._layer
         start = book.append(n_tokens, layer=layer)
         try:
-            store, table = self._table_store, self._table
-            if store is not None and table is not None:
-                # Checked above, before the book changed: the store need not check again.
-                return store.decode_through_table(layer, table, start, keys, values)
+            update, table = self._update_through_table, self._table
+            if update is not None and table is not None:
+                return update(layer, table, start, keys, values)
             if n_tokens:
                 write_positions(self._storage, book, layer, start, keys=keys, values=values)
             return gather_positions(self._storage, book, layer, start + n_tokens)

@@ -15,9 +15,8 @@ the capacity, a resize re-lays every slab out (it copies anyway).
 Two ways in. The storage protocol's ``write`` / ``gather`` / ``gather_heads``
 take ``Block`` handles and check each against the pool (a whole gather with
 one ``all_live``). The decode path of a pool-backed cache
-(``update_through_table``, or ``decode_through_table`` for a caller that
-checked the keys and values itself; ``fetch_through_table``,
-``attend_through_table``) takes a request's
+(``update_through_table``, ``fetch_through_table``, ``attend_through_table``)
+takes a request's
 :class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable` instead, whose
 liveness check is O(1) while neither the request's blocks nor the pool's
 free count moved, and the request's slot rows
@@ -73,8 +72,8 @@ Nothing here converts to NumPy or calls ``.item()``: ``write`` and the gathers
 only build MLX graphs (and evaluate them as just said), so the module runs
 unchanged on Metal or CUDA.
 
-Complexity: ``update_through_table`` (and ``decode_through_table``) O(slots
-written) plus O(1) host work to build the gather (O(tokens) device work),
+Complexity: ``update_through_table`` O(slots written) plus O(1) host work to
+build the gather (O(tokens) device work),
 ``fetch_through_table`` the latter, ``attend_through_table`` O(1) host,
 O(tokens) device; all three O(blocks) device work once after the request's table or the capacity
 changed, and O(blocks) host work once after a free anywhere in the pool;
@@ -417,18 +416,18 @@ class MLXBlockStorage:
             or shape[3] != self._head_dim
         ):
             self._require_head_tokens(keys, values)
-        return self.decode_through_table(layer, table, start, keys, values)
+        return self._decode_through_table(layer, table, start, keys, values)
 
-    def decode_through_table(
+    def _decode_through_table(
         self, layer: int, table: DeviceBlockTable, start: int, keys: mx.array, values: mx.array
     ) -> tuple[mx.array, mx.array]:
-        """:meth:`update_through_table` for a caller that has checked ``keys`` and
-        ``values`` itself: ``mx.array`` s of shape ``(1, n_kv_heads, n, head_dim)`` in
-        the store's dtype. A pool-backed cache checks them before its book takes
-        blocks; checking them twice cost a tenth of a layer's call on the host.
-
-        One function, not several: a decode step calls it once per layer, and on a
-        GPU the host time of those calls decides the step (issue 9).
+        """:meth:`update_through_table` without its checks of ``keys`` and ``values``:
+        the caller has made them (``mx.array`` s, both of shape ``(1, n_kv_heads, n,
+        head_dim)`` in the store's dtype). Unchecked, a wrong shape would broadcast or
+        write half, and a wrong dtype would be cast, so only
+        :class:`~veloxquant_mlx.memory.kv_cache.PoolBackedKVCache` calls it, which
+        checks them before its book takes blocks; a decode step calls it once per
+        layer, and on a GPU the host time of those calls decides the step (issue 9).
 
         Raises:
             As :meth:`update_through_table`, but for the checks of ``keys`` and ``values``.
