@@ -116,7 +116,11 @@ def compare(base: Path, contexts: list[int], rounds: int, steps: int) -> dict[st
 
 def _worker(root: Path, context: int, steps: int) -> dict[str, float]:
     command = [sys.executable, __file__, "--worker", str(root), str(context), str(steps)]
-    done = subprocess.run(command, capture_output=True, text=True, check=True)
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no message"])[-1]
+        print(f"bench_cache_host.py: error: the worker on {root} failed: {last}", file=sys.stderr)
+        raise SystemExit(1)
     figures: dict[str, float] = json.loads(done.stdout.splitlines()[-1])
     return figures
 
@@ -141,6 +145,17 @@ def contexts_of(text: str) -> list[int]:
     return [positive(part) for part in text.split(",")]
 
 
+def require_base_tree(parser: _Parser, given: str) -> Path:
+    """``--against-tree``: another checkout of this project (its package and spec)."""
+    tree = Path(given).resolve()
+    parts = ("veloxquant_mlx/memory/kv_cache.py", "spec/veloxquant_mlx_spec/__init__.py")
+    if not given or not all((tree / part).is_file() for part in parts):
+        parser.error(f"--against-tree {given!r}: no checkout of this project")
+    if tree == REPO_ROOT:
+        parser.error(f"--against-tree {given!r} is this checkout; expected another one")
+    return tree
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _Parser(description=__doc__.splitlines()[0])
     against = parser.add_mutually_exclusive_group()
@@ -148,7 +163,6 @@ def main(argv: list[str] | None = None) -> int:
     against.add_argument(
         "--against-tree",
         metavar="DIR",
-        type=Path,
         help="a checkout of the base made elsewhere (where git history is not at hand)",
     )
     parser.add_argument("--rounds", type=positive, default=7, help="worker pairs per context")
@@ -165,9 +179,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(Path(root), int(context), int(steps))))
         return 0
     if args.against_tree is not None:
-        if not (args.against_tree / "veloxquant_mlx" / "memory" / "kv_cache.py").is_file():
-            parser.error(f"--against-tree {str(args.against_tree)!r}: no checkout of this project")
-        report = compare(args.against_tree.resolve(), args.contexts, args.rounds, args.steps)
+        base = require_base_tree(parser, args.against_tree)
+        report = compare(base, args.contexts, args.rounds, args.steps)
         print(json.dumps({"against_tree": str(args.against_tree), **report}, indent=2))
         return 0
     if args.against is None:
