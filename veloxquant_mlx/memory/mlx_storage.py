@@ -16,10 +16,9 @@ Two ways in. The storage protocol's ``write`` / ``gather`` / ``gather_heads``
 take ``Block`` handles and check each against the pool (a whole gather with
 one ``all_live``). The decode path of a pool-backed cache
 (``update_through_table``, ``fetch_through_table``, ``attend_through_table``)
-takes a request's
-:class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable` instead, whose
-liveness check is O(1) while neither the request's blocks nor the pool's
-free count moved, and the request's slot rows
+takes a request's :class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable`
+instead, whose liveness check is O(1) while neither the request's blocks nor
+the pool's free count moved, and the request's slot rows
 (:class:`~veloxquant_mlx.memory.slot_rows.SlotRows`, rebuilt only when its
 table or the capacity changes): one layer's decode step is then two slice
 updates (the new key and value rows) and one gather of every held block, cut
@@ -73,9 +72,9 @@ only build MLX graphs (and evaluate them as just said), so the module runs
 unchanged on Metal or CUDA.
 
 Complexity: ``update_through_table`` O(slots written) plus O(1) host work to
-build the gather (O(tokens) device work),
-``fetch_through_table`` the latter, ``attend_through_table`` O(1) host,
-O(tokens) device; all three O(blocks) device work once after the request's table or the capacity
+build the gather (O(tokens) device work), ``fetch_through_table`` the
+latter, ``attend_through_table`` O(1) host, O(tokens) device; all three
+O(blocks) device work once after the request's table or the capacity
 changed, and O(blocks) host work once after a free anywhere in the pool;
 ``write`` O(slots written) (amortised, see above); ``gather_heads``
 O(tokens gathered) plus one pool call (``all_live``) that checks the
@@ -438,15 +437,7 @@ class MLXBlockStorage:
             # the slab then computes only the update.
             mx.eval(keys, values)
         with self._lock:
-            rows = table.memo_this_step(self) if type(table) is DeviceBlockTable else None
-            if (
-                type(rows) is not SlotRows
-                or rows.capacity != self._capacity
-                or type(layer) is not int
-                or not 0 <= layer < len(self._slabs)
-                or (self._lazy_writes and self._owning_thread is not threading.current_thread())
-            ):  # not a later layer of a step already checked: all checks, in their order
-                rows = self._slot_rows_locked(layer, table, this_step=True)
+            rows = self._slot_rows_locked(layer, table, this_step=True)
             if type(start) is not int:
                 raise TypeError(f"start must be an int, got {start!r} ({type(start).__name__})")
             if start < 0 or start + n_new > rows.n_slots:
@@ -592,6 +583,11 @@ class MLXBlockStorage:
         if self._lazy_writes and self._owning_thread is not threading.current_thread():
             _require_table(table)  # first: a refused call must not bind the store
             self._use_data_locked()  # binds the store, or refuses this thread
+        if this_step and type(table) is DeviceBlockTable:
+            # A later layer of a step already checked: its rows, with no check or lookup.
+            rows = table.memo_this_step(self)
+            if type(rows) is SlotRows and rows.capacity == self._capacity:
+                return rows
         try:
             if this_step:
                 table.require_live_this_step()
