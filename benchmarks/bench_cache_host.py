@@ -34,6 +34,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import NoReturn
 
@@ -179,15 +180,17 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(Path(root), int(context), int(steps))))
         return 0
     if args.against_tree is not None:
-        base = require_base_tree(parser, args.against_tree)
-        report = compare(base, args.contexts, args.rounds, args.steps)
-        print(json.dumps({"against_tree": str(args.against_tree), **report}, indent=2))
-        return 0
-    if args.against is None:
+        base_tree: AbstractContextManager[Path] = nullcontext(
+            require_base_tree(parser, args.against_tree)
+        )
+        label = {"against_tree": args.against_tree}
+    elif args.against is not None:
+        base_tree, label = _against.checked_out(args.against), {"against": args.against}
+    else:
         parser.error("--against REV or --against-tree DIR is required")
-    with _against.checked_out(args.against) as base:
+    with base_tree as base:
         report = compare(base, args.contexts, args.rounds, args.steps)
-    print(json.dumps({"against": args.against, **report}, indent=2))
+    print(json.dumps({**label, **report}, indent=2))
     return 0
 
 
