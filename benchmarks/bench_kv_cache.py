@@ -22,7 +22,11 @@ passes or fails):
   Python side, before it is scheduled), per token; and, of that, the time
   inside the caches' own calls (``cache_host_us_per_token``), the part the
   cache design decides. Target: the same at 256 .. 16K (within 1.2x), i.e.
-  no per-block work.
+  no per-block work. Beside it, the time ``mx.async_eval`` takes to hand a
+  token's graph to the device (``schedule_us_per_token``: MLX walks the
+  graph on the calling thread and launches its kernels, so every node of a
+  step costs host time there too); in a decode bound by the host, a token
+  costs about the sum of the two.
 - **Resident memory**: bytes held by the store (``resident_bytes``) beside
   the bytes ``KVCache`` holds (``nbytes``) for the same requests; and, for a
   mixed batch of 32 requests, a growing store against a fixed pool sized from
@@ -187,7 +191,7 @@ class CacheClock:
         return timed
 
 
-def decode_round(model: Module, requests: list[Caches], steps: int) -> tuple[float, float]:
+def decode_round(model: Module, requests: list[Caches], steps: int) -> tuple[float, float, float]:
     """Greedy decode ``steps`` tokens for every request, pipelined as mlx-lm does it.
 
     As in ``mlx_lm.generate.generate_step``, a token is scheduled
@@ -199,11 +203,12 @@ def decode_round(model: Module, requests: list[Caches], steps: int) -> tuple[flo
     yet (the README says why, and what waiting for the gather cost instead).
 
     Returns:
-        Aggregate tokens per second, and host microseconds per token spent
-        building the step's graph (the Python side; not scheduling or waiting).
+        Aggregate tokens per second; host microseconds per token spent building
+        the step's graph (the Python side); and those spent scheduling it (inside
+        ``mx.async_eval``). Waiting for the device is in neither.
     """
     tokens = [mx.array([1]) for _ in requests]
-    host = 0.0
+    host = scheduling = 0.0
     previous: list[mx.array] = []
     start = time.perf_counter()
     for _ in range(steps):
@@ -211,14 +216,16 @@ def decode_round(model: Module, requests: list[Caches], steps: int) -> tuple[flo
             building = time.perf_counter()
             logits = model(tokens[index][:, None], cache=cache)
             tokens[index] = mx.argmax(logits[:, -1], axis=-1)
-            host += time.perf_counter() - building
+            built = time.perf_counter()
+            host += built - building
             schedule(tokens[index])
+            scheduling += time.perf_counter() - built
         mx.eval(previous)  # the previous step's tokens, streamed while this one runs
         previous = list(tokens)
     mx.eval(previous)
     elapsed = time.perf_counter() - start
     n_tokens = steps * len(requests)
-    return n_tokens / elapsed, host / n_tokens * 1e6
+    return n_tokens / elapsed, host / n_tokens * 1e6, scheduling / n_tokens * 1e6
 
 
 def make_variants(
@@ -272,6 +279,7 @@ def bench_decode_at(
     uninstall_paged_attention(model)
     speeds: dict[str, list[float]] = {name: [] for name in variants}
     hosts: dict[str, list[float]] = {name: [] for name in variants}
+    schedules: dict[str, list[float]] = {name: [] for name in variants}
     cache_hosts: dict[str, list[float]] = {name: [] for name in variants}
     names = list(variants)
     for round_index in range(options.rounds):
@@ -280,10 +288,11 @@ def bench_decode_at(
             if variants[name].fused:
                 install_paged_attention(model)
             clocks[name].seconds = 0.0
-            speed, host = decode_round(model, requests[name], options.steps_per_round)
+            speed, host, scheduling = decode_round(model, requests[name], options.steps_per_round)
             uninstall_paged_attention(model)
             speeds[name].append(speed)
             hosts[name].append(host)
+            schedules[name].append(scheduling)
             n_tokens = options.steps_per_round * n_requests
             cache_hosts[name].append(clocks[name].seconds / n_tokens * 1e6)
     row: dict[str, object] = {
@@ -293,6 +302,9 @@ def bench_decode_at(
         "host_us_per_token": {name: statistics.median(values) for name, values in hosts.items()},
         "cache_host_us_per_token": {
             name: statistics.median(values) for name, values in cache_hosts.items()
+        },
+        "schedule_us_per_token": {
+            name: statistics.median(values) for name, values in schedules.items()
         },
         "resident_bytes": {
             name: (
@@ -451,6 +463,19 @@ def bench_memory(options: Options) -> dict[str, object]:
 # -- the run ----------------------------------------------------------------------------------
 
 
+def platform_report() -> dict[str, str]:
+    """What ran the benchmark: the versions and the device, and which pool build."""
+    return {
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "mlx": importlib.metadata.version("mlx"),
+        "mlx_lm": importlib.metadata.version("mlx-lm"),
+        "device": str(mx.default_device()),
+        # The wheel's pool is compiled by mypyc, a checkout's is not: host time differs.
+        "block_pool": "compiled" if block_pool.COMPILED else "interpreted",
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small and short: a smoke run")
@@ -497,15 +522,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, object] = {
         "benchmark": "kv_cache",
         "quick": options.quick,
-        "platform": {
-            "machine": platform.machine(),
-            "python": platform.python_version(),
-            "mlx": importlib.metadata.version("mlx"),
-            "mlx_lm": importlib.metadata.version("mlx-lm"),
-            "device": str(mx.default_device()),
-            # The wheel's pool is compiled by mypyc, a checkout's is not: host time differs.
-            "block_pool": "compiled" if block_pool.COMPILED else "interpreted",
-        },
+        "platform": platform_report(),
         "decode": bench_decode(options),
     }
     if not arguments.skip_memory:
