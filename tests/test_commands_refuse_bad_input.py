@@ -517,6 +517,8 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
         ("bench_block_gather", ["--rounds", "0"], "--rounds and every context must be >= 1"),
         ("bench_slab_copy", ["--requests", "0"], "--requests: expected an int >= 1, got '0'"),
         ("bench_read_by_runs", ["--contexts", "100"], "must exceed --decoded 256, got 100"),
+        ("bench_decode_overheads", ["--extra-nodes", "3"], "--extra-nodes must be even, got 3"),
+        ("bench_decode_overheads", ["--rounds", "0"], "--rounds: expected an int >= 1, got '0'"),
     ],
 )
 def test_a_benchmark_refuses_a_bad_option_in_one_line(

@@ -1,0 +1,237 @@
+"""Where a host-bound decode step's time goes: MLX nodes, the gather read, our Python.
+
+On a GPU, a small model's decode step is bound by its host: the Python that
+builds the step's graph, then ``mx.async_eval``, which walks that graph on
+the calling thread and launches its kernels, so every MLX node of a step
+costs host time twice. This benchmark decodes the model of
+``bench_kv_cache.py`` (one request, pipelined as ``generate_step`` does) with
+caches that differ from mlx-lm's ``KVCache`` in one thing each, in one
+process, the order of the variants rotating every round:
+
+- ``kv_cache``: mlx-lm's ``KVCache``, the reference;
+- ``kv_cache_plus_nodes``: ``KVCache`` whose fetch adds ``--extra-nodes``
+  no-op nodes per layer (``mx.stop_gradient`` of its keys and values): what
+  one more node costs, with no kernel behind it;
+- ``kv_cache_take``: ``KVCache`` that reads its positions with ``mx.take``
+  of their rows instead of a slice: what a gathered read costs, with no
+  paging;
+- ``pool_backed``: ours, over a ``lazy_writes`` store, gathered attention;
+- ``pool_backed_slice_read``: ours with the store's read replaced by a slice
+  of the slab (rows ``0 .. n - 1`` of every head, as ``KVCache`` reads its
+  buffer). **Its values are wrong**: it is a bound, not a cache, for what
+  ours would cost if a request's blocks could be read in place.
+
+Per context: tokens/s, the host microseconds per token spent building the
+graph and scheduling it, and each variant's tokens/s over ``kv_cache``'s (a
+median of same-round ratios). Nothing passes or fails; issue 9's note reads
+these figures.
+
+    python benchmarks/bench_decode_overheads.py                   # 256, 4K, 32K
+    python benchmarks/bench_decode_overheads.py --contexts 4096 --rounds 15
+
+Progress goes to stderr, one JSON document to stdout; bad input: one line,
+exit status 2. Thread safety: single-threaded. Complexity: rounds x variants
+x (steps decode steps of 8 layers) per context.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import cast
+
+import mlx.core as mx
+from bench_kv_cache import (
+    BLOCK_SIZE,
+    HEAD_DIM,
+    N_KV_HEADS,
+    N_LAYERS,
+    Caches,
+    decode_round,
+    fill,
+    make_model,
+    platform_report,
+    progress,
+)
+from mlx.nn.layers.base import Module
+from mlx_lm.models.cache import KVCache
+
+from veloxquant_mlx.commandline.bad_input import OneLineParser
+from veloxquant_mlx.commandline.values import int_at_least
+from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+from veloxquant_mlx.memory.slot_rows import StepRows
+
+#: MLX's buffer-cache limit during the run (bench_kv_cache's default).
+MLX_CACHE_LIMIT_BYTES = 4096 << 20
+#: The variants, in the order of the report.
+VARIANTS = (
+    "kv_cache",
+    "kv_cache_plus_nodes",
+    "kv_cache_take",
+    "pool_backed",
+    "pool_backed_slice_read",
+)
+
+
+class KVCachePlusNodes(KVCache):
+    """``KVCache`` whose fetch passes keys and values through ``extra`` no-op nodes."""
+
+    def __init__(self, extra: int) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self._extra_per_array = extra // 2
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        keys, values = super().update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
+        for _ in range(self._extra_per_array):
+            keys, values = mx.stop_gradient(keys), mx.stop_gradient(values)
+        return keys, values
+
+
+class KVCacheTake(KVCache):
+    """``KVCache`` that reads its positions with one ``mx.take`` of rows per stream."""
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        super().update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
+        rows = mx.arange(self.offset, dtype=mx.int32)
+        buffers = cast(tuple[mx.array, mx.array], (self.keys, self.values))  # set by the update
+        return mx.take(buffers[0], rows, axis=2), mx.take(buffers[1], rows, axis=2)
+
+
+def slice_read(slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
+    """The bound's read: the first ``n_read`` rows of every head, for keys and values
+    alike (wrong values, right shapes and node count: two slices, as ``KVCache``)."""
+    rows = slab[:, :, : step.n_read]
+    return rows, rows
+
+
+def make_variants(model: Module, positions: int, extra_nodes: int) -> dict[str, Caches]:
+    """One request's caches per variant, each pool-backed one on its own pool and store."""
+
+    def store() -> MLXBlockStorage:
+        n_blocks = 2 * (positions // BLOCK_SIZE + 2)
+        pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks))
+        return MLXBlockStorage(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, lazy_writes=True)
+
+    bounded = store()
+    setattr(bounded, "_read", slice_read)  # noqa: B010 (a private method, on purpose)
+    makers: dict[str, Callable[[], Caches]] = {
+        "kv_cache": lambda: [KVCache() for _ in range(N_LAYERS)],  # type: ignore[no-untyped-call]
+        "kv_cache_plus_nodes": lambda: [KVCachePlusNodes(extra_nodes) for _ in range(N_LAYERS)],
+        "kv_cache_take": lambda: [KVCacheTake() for _ in range(N_LAYERS)],  # type: ignore[no-untyped-call]
+        "pool_backed": lambda: make_pool_backed_cache(model, store(), attention="gather"),
+        "pool_backed_slice_read": lambda: make_pool_backed_cache(
+            model, bounded, attention="gather"
+        ),
+    }
+    return {name: makers[name]() for name in VARIANTS}
+
+
+def bench_context(
+    model: Module, context: int, rounds: int, steps: int, extra_nodes: int
+) -> dict[str, object]:
+    """Every variant's figures at ``context``, rounds rotating the variants."""
+    requests = make_variants(model, context + rounds * steps + 1, extra_nodes)
+    for caches in requests.values():
+        fill(caches, context)
+    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in VARIANTS}
+    for round_index in range(rounds):
+        shift = round_index % len(VARIANTS)
+        for name in VARIANTS[shift:] + VARIANTS[:shift]:
+            samples[name].append(decode_round(model, [requests[name]], steps))
+    for caches in requests.values():
+        if hasattr(caches, "release"):
+            caches.release()
+    return {"context": context, **figures_of(samples)}
+
+
+def figures_of(samples: dict[str, list[tuple[float, float, float]]]) -> dict[str, object]:
+    """Medians of each variant's (tokens/s, build µs, schedule µs), and ratios over KVCache."""
+    medians = {
+        name: [statistics.median(sample[i] for sample in runs) for i in range(3)]
+        for name, runs in samples.items()
+    }
+    reference = samples["kv_cache"]
+    return {
+        "tokens_per_s": {name: round(values[0], 1) for name, values in medians.items()},
+        "build_us_per_token": {name: round(values[1], 1) for name, values in medians.items()},
+        "schedule_us_per_token": {name: round(values[2], 1) for name, values in medians.items()},
+        "over_kv_cache": {
+            name: round(
+                statistics.median(
+                    ours[0] / theirs[0] for ours, theirs in zip(runs, reference, strict=True)
+                ),
+                3,
+            )
+            for name, runs in samples.items()
+            if name != "kv_cache"
+        },
+    }
+
+
+def bench_and_report(
+    model: Module, context: int, arguments: argparse.Namespace
+) -> dict[str, object]:
+    """:func:`bench_context` with the run's options, and one line of progress."""
+    started = time.perf_counter()
+    row = bench_context(model, context, arguments.rounds, arguments.steps, arguments.extra_nodes)
+    progress(
+        f"context {context}: over kv_cache {json.dumps(row['over_kv_cache'])} "
+        f"({time.perf_counter() - started:.0f} s)"
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = OneLineParser(description=__doc__.splitlines()[0])
+    parser.add_argument(
+        "--contexts",
+        type=int_at_least(1),
+        nargs="+",
+        default=[256, 4096, 32768],
+        help="context lengths to decode at (default: 256 4096 32768)",
+    )
+    parser.add_argument(
+        "--rounds", type=int_at_least(1), default=9, help="rounds per context (default: 9)"
+    )
+    parser.add_argument(
+        "--steps", type=int_at_least(1), default=64, help="tokens per round (default: 64)"
+    )
+    parser.add_argument(
+        "--extra-nodes",
+        type=int_at_least(2),
+        default=4,
+        help="no-op nodes per layer of kv_cache_plus_nodes, an even count (default: 4)",
+    )
+    arguments = parser.parse_args(argv)
+    if arguments.extra_nodes % 2:
+        parser.error(f"--extra-nodes must be even, got {arguments.extra_nodes} (keys and values)")
+    started = time.perf_counter()
+    model = make_model()
+    # As bench_kv_cache: MLX's CPU back-end would otherwise page-fault fresh memory per step.
+    default_limit = mx.set_cache_limit(MLX_CACHE_LIMIT_BYTES)
+    try:
+        rows = [bench_and_report(model, context, arguments) for context in arguments.contexts]
+    finally:
+        mx.set_cache_limit(default_limit)
+    report = {
+        "benchmark": "decode_overheads",
+        "platform": platform_report(),
+        "rounds": arguments.rounds,
+        "steps_per_round": arguments.steps,
+        "extra_nodes_per_layer": arguments.extra_nodes,
+        "by_context": rows,
+        "seconds": time.perf_counter() - started,
+    }
+    json.dump(report, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
