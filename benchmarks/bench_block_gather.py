@@ -18,14 +18,13 @@ document. Thread safety: single-threaded.
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import statistics
 import sys
 import time
 from collections.abc import Callable
 
 import mlx.core as mx
+from _report import print_report, raise_cache_limit
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.memory.block_gather import (
@@ -99,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"bench_block_gather: nothing to measure: {reason}", file=sys.stderr)
         return 0
-    mx.set_cache_limit(8 << 30)
+    raise_cache_limit()
     rows = {}
     for n_tokens in options.contexts:
         rows[n_tokens] = one_context(n_tokens, options.rounds)
@@ -110,16 +109,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
             flush=True,
         )
-    document = {
-        "benchmark": "block_gather",
-        "mlx": importlib.metadata.version("mlx"),
-        "device": str(mx.default_device()),
+    summary: dict[str, object] = {
         "shape": {"layers": N_LAYERS, "kv_heads": N_KV_HEADS, "head_dim": HEAD_DIM},
         "kernel_min_tokens": KERNEL_MIN_TOKENS,
         "rounds": options.rounds,
         "by_context": rows,
     }
-    print(json.dumps(document, indent=2))
+    print_report("block_gather", summary)
     return 0
 
 

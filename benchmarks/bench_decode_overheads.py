@@ -39,12 +39,12 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from collections.abc import Callable
 from typing import cast
 
 import mlx.core as mx
+from _report import print_report, raise_cache_limit
 from bench_kv_cache import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -54,7 +54,6 @@ from bench_kv_cache import (
     decode_round,
     fill,
     make_model,
-    platform_report,
     progress,
 )
 from mlx.nn.layers.base import Module
@@ -67,8 +66,6 @@ from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.slot_rows import StepRows
 
-#: MLX's buffer-cache limit during the run (bench_kv_cache's default).
-MLX_CACHE_LIMIT_BYTES = 4096 << 20
 #: The variants, in the order of the report.
 VARIANTS = (
     "kv_cache",
@@ -213,23 +210,19 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--extra-nodes must be even, got {arguments.extra_nodes} (keys and values)")
     started = time.perf_counter()
     model = make_model()
-    # As bench_kv_cache: MLX's CPU back-end would otherwise page-fault fresh memory per step.
-    default_limit = mx.set_cache_limit(MLX_CACHE_LIMIT_BYTES)
+    default_limit = raise_cache_limit()
     try:
         rows = [bench_and_report(model, context, arguments) for context in arguments.contexts]
     finally:
         mx.set_cache_limit(default_limit)
-    report = {
-        "benchmark": "decode_overheads",
-        "platform": platform_report(),
+    figures = {
         "rounds": arguments.rounds,
         "steps_per_round": arguments.steps,
         "extra_nodes_per_layer": arguments.extra_nodes,
         "by_context": rows,
         "seconds": time.perf_counter() - started,
     }
-    json.dump(report, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+    print_report("decode_overheads", figures)
     return 0
 
 

@@ -47,10 +47,7 @@ single-threaded. Runs unchanged on Metal or CUDA (no NumPy).
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import math
-import platform
 import random
 import statistics
 import sys
@@ -60,13 +57,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
+from _report import print_report, raise_cache_limit
 from mlx.nn.layers.base import Module
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.values import int_at_least
-from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig, block_pool
+from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.attention_hook import (
     install_paged_attention,
     uninstall_paged_attention,
@@ -329,7 +327,7 @@ def bench_decode_at(
 
 def bench_decode(options: Options) -> dict[str, object]:
     model = make_model()
-    default_limit = mx.set_cache_limit(options.mlx_cache_limit_mb << 20)
+    default_limit = raise_cache_limit(options.mlx_cache_limit_mb << 20)
     rows = []
     try:
         for n_requests in sorted({1, options.concurrent}):
@@ -463,19 +461,6 @@ def bench_memory(options: Options) -> dict[str, object]:
 # -- the run ----------------------------------------------------------------------------------
 
 
-def platform_report() -> dict[str, str]:
-    """What ran the benchmark: the versions and the device, and which pool build."""
-    return {
-        "machine": platform.machine(),
-        "python": platform.python_version(),
-        "mlx": importlib.metadata.version("mlx"),
-        "mlx_lm": importlib.metadata.version("mlx-lm"),
-        "device": str(mx.default_device()),
-        # The wheel's pool is compiled by mypyc, a checkout's is not: host time differs.
-        "block_pool": "compiled" if block_pool.COMPILED else "interpreted",
-    }
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small and short: a smoke run")
@@ -519,17 +504,11 @@ def main(argv: list[str] | None = None) -> int:
         fused=not arguments.no_fused,
     )
     started = time.perf_counter()
-    report: dict[str, object] = {
-        "benchmark": "kv_cache",
-        "quick": options.quick,
-        "platform": platform_report(),
-        "decode": bench_decode(options),
-    }
+    figures: dict[str, object] = {"quick": options.quick, "decode": bench_decode(options)}
     if not arguments.skip_memory:
-        report["memory"] = bench_memory(options)
-    report["seconds"] = time.perf_counter() - started
-    json.dump(report, sys.stdout, indent=2)
-    sys.stdout.write("\n")
+        figures["memory"] = bench_memory(options)
+    figures["seconds"] = time.perf_counter() - started
+    print_report("kv_cache", figures)
     return 0
 
 

@@ -42,8 +42,6 @@ input. Thread safety: single-threaded.
 from __future__ import annotations
 
 import argparse
-import importlib.metadata
-import json
 import math
 import statistics
 import sys
@@ -53,6 +51,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from _accuracy import relative_error
+from _report import print_report, raise_cache_limit
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.values import int_at_least
@@ -286,17 +285,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--contexts: every context must exceed --decoded {options.decoded}, got {short[0]}"
         )
-    mx.set_cache_limit(8 << 30)  # as bench_kv_cache.py: freed buffers are reused, not faulted in
+    raise_cache_limit()
     rows = []
     for context in options.contexts:
         row = one_context(context, options)
         if row is None:
             return 1
         rows.append(row)
-    document = {
-        "benchmark": "read_by_runs",
-        "mlx": importlib.metadata.version("mlx"),
-        "device": str(mx.default_device()),
+    figures = {
         "shape": {
             "kv_heads": KV_HEADS,
             "query_heads": QUERY_HEADS,
@@ -308,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
         "min_run": options.min_run,
         "by_context": rows,
     }
-    print(json.dumps(document, indent=2))
+    print_report("read_by_runs", figures)
     return 0
 
 

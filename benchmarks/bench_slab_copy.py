@@ -33,13 +33,12 @@ single-threaded.
 
 from __future__ import annotations
 
-import importlib.metadata
-import json
 import statistics
 import sys
 import time
 
 import mlx.core as mx
+from _report import print_report, raise_cache_limit
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.values import int_at_least
@@ -145,18 +144,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps per way")
     options = parser.parse_args(argv)
-    mx.set_cache_limit(8 << 30)  # as bench_kv_cache.py: freed buffers are reused, not faulted in
+    raise_cache_limit()
     rows = [one_count(n, options.context, options.steps) for n in options.requests]
-    document = {
-        "benchmark": "slab_copy",
-        "mlx": importlib.metadata.version("mlx"),
-        "device": str(mx.default_device()),
+    figures = {
         "shape": {"kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},
         "context": options.context,
         "steps": options.steps,
         "by_requests": rows,
     }
-    print(json.dumps(document, indent=2))
+    print_report("slab_copy", figures)
     return 0
 
 

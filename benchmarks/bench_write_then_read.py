@@ -43,7 +43,6 @@ it never fails). Thread safety: single-threaded.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import time
@@ -51,6 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
+from _report import print_report, raise_cache_limit
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.memory.block_gather import gather_by_take
@@ -256,21 +256,18 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     samples = 2 if arguments.quick else 5
-    # MLX's CPU back-end keeps freed buffers for reuse only up to 32 MB by default, below
-    # a long context's per-step reads: without this, every step page-faults fresh memory.
-    mx.set_cache_limit(8 << 30)
+    raise_cache_limit()
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
-    report = {
-        "device": str(mx.default_device()),
+    figures = {
         "layers": LAYERS,
         "us_per_step": {
             str(c): bench_context(c, samples, progress, cuda=reason is None) for c in CONTEXTS
         },
     }
-    print(json.dumps(report, indent=2))
+    print_report("write_then_read", figures)
     return 0
 
 

@@ -1,0 +1,54 @@
+"""What the benchmarks share: the platform header of a JSON report, printing the
+report, and raising MLX's buffer-cache limit.
+
+A figure means little without what produced it (MLX's version, the device,
+and whether the pool ran compiled by mypyc or interpreted: host times differ
+between the two). MLX's CPU back-end keeps freed buffers for reuse only up
+to its cache limit, 32 MB by default; a long context's per-step buffers
+exceed it, and each step would then page-fault fresh memory, a cost of the
+back-end's default rather than of the code measured, so the benchmarks that
+decode or read long contexts raise it first.
+
+Complexity: O(1) each. Thread safety: call from the benchmark's main thread.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import platform
+import sys
+from collections.abc import Mapping
+
+import mlx.core as mx
+
+from veloxquant_mlx.memory import block_pool
+
+#: The buffer-cache limit the benchmarks give MLX (8 GiB).
+RAISED_CACHE_LIMIT_BYTES = 8 << 30
+
+
+def platform_report() -> dict[str, str]:
+    """What ran the benchmark: the versions and the device, and which pool build."""
+    return {
+        "machine": platform.machine(),
+        "python": platform.python_version(),
+        "mlx": importlib.metadata.version("mlx"),
+        "mlx_lm": importlib.metadata.version("mlx-lm"),
+        "device": str(mx.default_device()),
+        # The wheel's pool is compiled by mypyc, a checkout's is not: host time differs.
+        "block_pool": "compiled" if block_pool.COMPILED else "interpreted",
+    }
+
+
+def print_report(benchmark: str, figures: Mapping[str, object]) -> None:
+    """Print one JSON document to stdout: the benchmark's name, the platform, the figures."""
+    report = {"benchmark": benchmark, "platform": platform_report(), **figures}
+    json.dump(report, sys.stdout, indent=2)
+    sys.stdout.write("\n")
+
+
+def raise_cache_limit(n_bytes: int = RAISED_CACHE_LIMIT_BYTES) -> int:
+    """Set MLX's buffer-cache limit to ``n_bytes``; return the limit it replaced."""
+    previous: int = mx.set_cache_limit(n_bytes)
+    return previous
