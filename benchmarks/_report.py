@@ -34,11 +34,20 @@ def platform_report() -> dict[str, str]:
         "machine": platform.machine(),
         "python": platform.python_version(),
         "mlx": importlib.metadata.version("mlx"),
-        "mlx_lm": importlib.metadata.version("mlx-lm"),
+        "mlx_lm": installed_version("mlx-lm"),
         "device": str(mx.default_device()),
         # The wheel's pool is compiled by mypyc, a checkout's is not: host time differs.
         "block_pool": "compiled" if block_pool.COMPILED else "interpreted",
     }
+
+
+def installed_version(distribution: str) -> str:
+    """``distribution``'s version, or ``"not installed"`` (mlx-lm is a development
+    extra, and most benchmarks run without it)."""
+    try:
+        return importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return "not installed"
 
 
 def print_report(benchmark: str, figures: Mapping[str, object]) -> None:
@@ -48,7 +57,8 @@ def print_report(benchmark: str, figures: Mapping[str, object]) -> None:
     sys.stdout.write("\n")
 
 
-def raise_cache_limit(n_bytes: int = RAISED_CACHE_LIMIT_BYTES) -> int:
-    """Set MLX's buffer-cache limit to ``n_bytes``; return the limit it replaced."""
+def set_buffer_cache_limit(n_bytes: int = RAISED_CACHE_LIMIT_BYTES) -> int:
+    """Set MLX's buffer-cache limit to ``n_bytes`` (by default, raise it to
+    :data:`RAISED_CACHE_LIMIT_BYTES`); return the limit it replaced."""
     previous: int = mx.set_cache_limit(n_bytes)
     return previous

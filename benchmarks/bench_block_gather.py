@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 
 import mlx.core as mx
-from _report import print_report, raise_cache_limit
+from _report import print_report, set_buffer_cache_limit
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.memory.block_gather import (
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
     if reason is not None:
         print(f"bench_block_gather: nothing to measure: {reason}", file=sys.stderr)
         return 0
-    raise_cache_limit()
+    set_buffer_cache_limit()
     rows = {}
     for n_tokens in options.contexts:
         rows[n_tokens] = one_context(n_tokens, options.rounds)

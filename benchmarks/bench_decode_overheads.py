@@ -13,30 +13,37 @@ process, the order of the variants rotating every round:
   no-op nodes per layer (``mx.stop_gradient`` of its keys and values): what
   one more node costs, with no kernel behind it;
 - ``kv_cache_take``: ``KVCache`` that reads its positions with ``mx.take``
-  of their rows instead of a slice: what a gathered read costs, with no
-  paging;
+  of their rows instead of slices: what a gathered read costs, with no
+  paging. Its buffers are separate, so that is two takes a layer, of an
+  index shared by the step's layers (ours is one take of keys and values
+  together); it still builds the slices it replaces, which costs Python
+  time only (they are never scheduled);
 - ``pool_backed``: ours, over a ``lazy_writes`` store, gathered attention;
-- ``pool_backed_slice_read``: ours with the store's read replaced by a slice
-  of the slab (rows ``0 .. n - 1`` of every head, as ``KVCache`` reads its
-  buffer). **Its values are wrong**: it is a bound, not a cache, for what
-  ours would cost if a request's blocks could be read in place.
+- ``pool_backed_slice_read``: ours with the store's read replaced by two
+  slices of the slab (rows ``0 .. n - 1`` of every head, as ``KVCache``
+  reads its buffers). **Its values are wrong**: it is a bound, not a cache,
+  for what ours would cost if a request's blocks could be read in place.
 
 Per context: tokens/s, the host microseconds per token spent building the
-graph and scheduling it, and each variant's tokens/s over ``kv_cache``'s (a
-median of same-round ratios). Nothing passes or fails; issue 9's note reads
-these figures.
+graph and inside ``mx.async_eval`` (as ``bench_kv_cache.decode_round``
+measures them: host work on a GPU whose device keeps up; on MLX's CPU
+back-end the second also holds computing), and each variant's tokens/s over
+``kv_cache``'s (a median of same-round ratios). Each variant first decodes
+one untimed round, so no round pays a first use. Nothing passes or fails;
+issue 9's note reads these figures.
 
     python benchmarks/bench_decode_overheads.py                   # 256, 4K, 32K
-    python benchmarks/bench_decode_overheads.py --contexts 4096 --rounds 15
+    python benchmarks/bench_decode_overheads.py --contexts 256 1024 4096 16384 32768
 
 Progress goes to stderr, one JSON document to stdout; bad input: one line,
 exit status 2. Thread safety: single-threaded. Complexity: rounds x variants
-x (steps decode steps of 8 layers) per context.
+x (steps decode steps of 8 layers) per context, and one more round.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import time
@@ -44,13 +51,14 @@ from collections.abc import Callable
 from typing import cast
 
 import mlx.core as mx
-from _report import print_report, raise_cache_limit
+from _report import print_report, set_buffer_cache_limit
 from bench_kv_cache import (
     BLOCK_SIZE,
     HEAD_DIM,
     N_KV_HEADS,
     N_LAYERS,
     Caches,
+    RoundFigures,
     decode_round,
     fill,
     make_model,
@@ -91,20 +99,26 @@ class KVCachePlusNodes(KVCache):
 
 
 class KVCacheTake(KVCache):
-    """``KVCache`` that reads its positions with one ``mx.take`` of rows per stream."""
+    """``KVCache`` that reads its positions with one ``mx.take`` of rows per buffer."""
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         super().update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
-        rows = mx.arange(self.offset, dtype=mx.int32)
+        rows = rows_up_to(self.offset)
         buffers = cast(tuple[mx.array, mx.array], (self.keys, self.values))  # set by the update
         return mx.take(buffers[0], rows, axis=2), mx.take(buffers[1], rows, axis=2)
 
 
+@functools.lru_cache(maxsize=2)
+def rows_up_to(n_rows: int) -> mx.array:
+    """``0 .. n_rows - 1`` as int32: one array per step, shared by its layers, as the
+    store shares its block entries."""
+    return mx.arange(n_rows, dtype=mx.int32)
+
+
 def slice_read(slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
-    """The bound's read: the first ``n_read`` rows of every head, for keys and values
-    alike (wrong values, right shapes and node count: two slices, as ``KVCache``)."""
-    rows = slab[:, :, : step.n_read]
-    return rows, rows
+    """The bound's read: the first ``n_read`` rows of every head, once for keys and
+    once for values (wrong values; the shapes and the two slices of ``KVCache``)."""
+    return slab[:, :, : step.n_read], slab[:, :, : step.n_read]
 
 
 def make_variants(model: Module, positions: int, extra_nodes: int) -> dict[str, Caches]:
@@ -133,10 +147,11 @@ def bench_context(
     model: Module, context: int, rounds: int, steps: int, extra_nodes: int
 ) -> dict[str, object]:
     """Every variant's figures at ``context``, rounds rotating the variants."""
-    requests = make_variants(model, context + rounds * steps + 1, extra_nodes)
+    requests = make_variants(model, context + (rounds + 1) * steps + 1, extra_nodes)
     for caches in requests.values():
         fill(caches, context)
-    samples: dict[str, list[tuple[float, float, float]]] = {name: [] for name in VARIANTS}
+        decode_round(model, [caches], steps)  # untimed: first uses (kernels, buffers)
+    samples: dict[str, list[RoundFigures]] = {name: [] for name in VARIANTS}
     for round_index in range(rounds):
         shift = round_index % len(VARIANTS)
         for name in VARIANTS[shift:] + VARIANTS[:shift]:
@@ -147,28 +162,29 @@ def bench_context(
     return {"context": context, **figures_of(samples)}
 
 
-def figures_of(samples: dict[str, list[tuple[float, float, float]]]) -> dict[str, object]:
-    """Medians of each variant's (tokens/s, build µs, schedule µs), and ratios over KVCache."""
-    medians = {
-        name: [statistics.median(sample[i] for sample in runs) for i in range(3)]
-        for name, runs in samples.items()
+def figures_of(samples: dict[str, list[RoundFigures]]) -> dict[str, object]:
+    """Each variant's median of every figure of :class:`RoundFigures`, and its tokens/s
+    over KVCache's (the median of same-round ratios)."""
+    figures: dict[str, object] = {
+        field: {
+            name: round(statistics.median(getattr(sample, field) for sample in runs), 1)
+            for name, runs in samples.items()
+        }
+        for field in RoundFigures._fields
     }
     reference = samples["kv_cache"]
-    return {
-        "tokens_per_s": {name: round(values[0], 1) for name, values in medians.items()},
-        "build_us_per_token": {name: round(values[1], 1) for name, values in medians.items()},
-        "schedule_us_per_token": {name: round(values[2], 1) for name, values in medians.items()},
-        "over_kv_cache": {
-            name: round(
-                statistics.median(
-                    ours[0] / theirs[0] for ours, theirs in zip(runs, reference, strict=True)
-                ),
-                3,
-            )
-            for name, runs in samples.items()
-            if name != "kv_cache"
-        },
+    figures["over_kv_cache"] = {
+        name: round(
+            statistics.median(
+                ours.tokens_per_s / theirs.tokens_per_s
+                for ours, theirs in zip(runs, reference, strict=True)
+            ),
+            3,
+        )
+        for name, runs in samples.items()
+        if name != "kv_cache"
     }
+    return figures
 
 
 def bench_and_report(
@@ -194,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
         help="context lengths to decode at (default: 256 4096 32768)",
     )
     parser.add_argument(
-        "--rounds", type=int_at_least(1), default=9, help="rounds per context (default: 9)"
+        "--rounds", type=int_at_least(1), default=10, help="rounds per context (default: 10)"
     )
     parser.add_argument(
         "--steps", type=int_at_least(1), default=64, help="tokens per round (default: 64)"
@@ -210,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--extra-nodes must be even, got {arguments.extra_nodes} (keys and values)")
     started = time.perf_counter()
     model = make_model()
-    default_limit = raise_cache_limit()
+    default_limit = set_buffer_cache_limit()
     try:
         rows = [bench_and_report(model, context, arguments) for context in arguments.contexts]
     finally:

@@ -22,11 +22,12 @@ passes or fails):
   Python side, before it is scheduled), per token; and, of that, the time
   inside the caches' own calls (``cache_host_us_per_token``), the part the
   cache design decides. Target: the same at 256 .. 16K (within 1.2x), i.e.
-  no per-block work. Beside it, the time ``mx.async_eval`` takes to hand a
-  token's graph to the device (``schedule_us_per_token``: MLX walks the
-  graph on the calling thread and launches its kernels, so every node of a
-  step costs host time there too); in a decode bound by the host, a token
-  costs about the sum of the two.
+  no per-block work. Beside it, the time inside ``mx.async_eval``
+  (``schedule_us_per_token``): on a GPU whose device keeps up, MLX walking
+  the graph on the calling thread and launching its kernels, so every node
+  of a step costs host time there too, and a token bound by the host costs
+  about the sum of the two; on MLX's CPU back-end it also holds computing
+  (``mx.async_eval`` waits there for work in flight).
 - **Resident memory**: bytes held by the store (``resident_bytes``) beside
   the bytes ``KVCache`` holds (``nbytes``) for the same requests; and, for a
   mixed batch of 32 requests, a growing store against a fixed pool sized from
@@ -54,10 +55,10 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
-from _report import print_report, raise_cache_limit
+from _report import print_report, set_buffer_cache_limit
 from mlx.nn.layers.base import Module
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
@@ -189,7 +190,15 @@ class CacheClock:
         return timed
 
 
-def decode_round(model: Module, requests: list[Caches], steps: int) -> tuple[float, float, float]:
+class RoundFigures(NamedTuple):
+    """What one decode round measured (see :func:`decode_round`)."""
+
+    tokens_per_s: float
+    host_us_per_token: float
+    schedule_us_per_token: float
+
+
+def decode_round(model: Module, requests: list[Caches], steps: int) -> RoundFigures:
     """Greedy decode ``steps`` tokens for every request, pipelined as mlx-lm does it.
 
     As in ``mlx_lm.generate.generate_step``, a token is scheduled
@@ -202,8 +211,11 @@ def decode_round(model: Module, requests: list[Caches], steps: int) -> tuple[flo
 
     Returns:
         Aggregate tokens per second; host microseconds per token spent building
-        the step's graph (the Python side); and those spent scheduling it (inside
-        ``mx.async_eval``). Waiting for the device is in neither.
+        the step's graph (the Python side); and those spent inside
+        ``mx.async_eval`` scheduling it. On a GPU whose device keeps up, that is
+        host work (walking the graph, launching kernels); on MLX's CPU back-end,
+        and on a GPU that falls behind, ``mx.async_eval`` also waits there for
+        work in flight, so the figure then includes computing.
     """
     tokens = [mx.array([1]) for _ in requests]
     host = scheduling = 0.0
@@ -223,7 +235,7 @@ def decode_round(model: Module, requests: list[Caches], steps: int) -> tuple[flo
     mx.eval(previous)
     elapsed = time.perf_counter() - start
     n_tokens = steps * len(requests)
-    return n_tokens / elapsed, host / n_tokens * 1e6, scheduling / n_tokens * 1e6
+    return RoundFigures(n_tokens / elapsed, host / n_tokens * 1e6, scheduling / n_tokens * 1e6)
 
 
 def make_variants(
@@ -327,7 +339,7 @@ def bench_decode_at(
 
 def bench_decode(options: Options) -> dict[str, object]:
     model = make_model()
-    default_limit = raise_cache_limit(options.mlx_cache_limit_mb << 20)
+    default_limit = set_buffer_cache_limit(options.mlx_cache_limit_mb << 20)
     rows = []
     try:
         for n_requests in sorted({1, options.concurrent}):

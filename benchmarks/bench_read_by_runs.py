@@ -51,7 +51,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 from _accuracy import relative_error
-from _report import print_report, raise_cache_limit
+from _report import print_report, set_buffer_cache_limit
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.values import int_at_least
@@ -285,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(
             f"--contexts: every context must exceed --decoded {options.decoded}, got {short[0]}"
         )
-    raise_cache_limit()
+    set_buffer_cache_limit()
     rows = []
     for context in options.contexts:
         row = one_context(context, options)

@@ -38,7 +38,7 @@ import sys
 import time
 
 import mlx.core as mx
-from _report import print_report, raise_cache_limit
+from _report import print_report, set_buffer_cache_limit
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.values import int_at_least
@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--steps", type=int_at_least(1), default=20, help="timed steps per way")
     options = parser.parse_args(argv)
-    raise_cache_limit()
+    set_buffer_cache_limit()
     rows = [one_count(n, options.context, options.steps) for n in options.requests]
     figures = {
         "shape": {"kv_heads": KV_HEADS, "head_dim": HEAD_DIM, "block_size": BLOCK_SIZE},

@@ -36,7 +36,7 @@ parts, per layer: ``(fused_after_writes - fused - slab_writes + matmul_only) / 8
     python benchmarks/bench_write_then_read.py [--quick]
 
 Progress goes to stderr, one JSON document to stdout. MLX's buffer cache
-limit is raised to 8 GiB, as in ``bench_kv_cache.py``. Without MLX's CUDA
+limit is raised (``_report.set_buffer_cache_limit``). Without MLX's CUDA
 back-end the fused modes are left out and it says why (a benchmark reports;
 it never fails). Thread safety: single-threaded.
 """
@@ -50,7 +50,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import mlx.core as mx
-from _report import print_report, raise_cache_limit
+from _report import print_report, set_buffer_cache_limit
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.memory.block_gather import gather_by_take
@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     samples = 2 if arguments.quick else 5
-    raise_cache_limit()
+    set_buffer_cache_limit()
 
     def progress(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
