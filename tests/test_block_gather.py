@@ -1,10 +1,12 @@
-"""The decode read's two ways: what the kernel accepts, its source, both ways' copies.
+"""The decode read's three ways: slices of a run, ``mx.take``, and the CUDA kernel.
 
-Both ways of reading are checked against position-by-position takes, the
+Every way of reading is checked against position-by-position takes, the
 kernel only where MLX's CUDA back-end runs (skipped elsewhere, CI, with the
 reason); elsewhere the store's long reads are checked to keep to ``mx.take``.
-Which rows the kernel can copy is checked anywhere, and its source is
-compiled for Hopper wherever ``nvcc`` is installed.
+A request whose blocks run on is read by slices, and one whose blocks do not
+by a gather, both decoding as ``KVCache`` does. Which rows the kernel can
+copy is checked anywhere, and its source is compiled for Hopper wherever
+``nvcc`` is installed.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from veloxquant_mlx.memory.block_gather import (
     gather_by_kernel,
     gather_by_take,
     kernel_gather_unsupported_reason,
+    read_by_slices,
 )
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
@@ -90,6 +93,9 @@ def _taken(slab: mx.array, read_blocks: mx.array, n_tokens: int) -> tuple[mx.arr
 
 
 def _read(way: str, slab: mx.array, read_blocks: mx.array, n_tokens: int) -> tuple[mx.array, ...]:
+    if way == "slices":  # the blocks as _consecutive_ids lays them out
+        n_blocks = read_blocks.shape[2]
+        return read_by_slices(slab, (BLOCK_SIZE, (n_blocks + 3) * BLOCK_SIZE), n_tokens)
     if way == "kernel":
         return gather_by_kernel(slab, read_blocks, n_tokens, BLOCK_SIZE)
     _, heads, rows, head_dim = slab.shape
@@ -100,6 +106,7 @@ def _read(way: str, slab: mx.array, read_blocks: mx.array, n_tokens: int) -> tup
 @pytest.mark.parametrize(
     "way",
     [
+        "slices",
         "take",
         pytest.param(
             "kernel",
@@ -121,6 +128,8 @@ def test_each_way_of_reading_copies_what_position_by_position_takes_copy(
     slab = mx.random.normal((1, heads, capacity * BLOCK_SIZE, head_dim), key=k_slab)
     slab = slab.astype(dtype)
     ids = mx.random.permutation(capacity, key=k_order)[: 2 * n_blocks].astype(mx.int32)
+    if way == "slices":
+        ids = _consecutive_ids(n_blocks, capacity)
     first_entries = mx.arange(heads, dtype=mx.int32)[None, :, None] * capacity
     read_blocks = first_entries + ids.reshape(2, 1, n_blocks)  # (2, heads, n_blocks)
     keys, values = _read(way, slab, read_blocks, n_tokens)
@@ -128,6 +137,24 @@ def test_each_way_of_reading_copies_what_position_by_position_takes_copy(
     assert keys.shape == values.shape == (1, heads, n_tokens, head_dim)
     assert keys.dtype == dtype
     assert mx.array_equal(keys, want_keys).item() and mx.array_equal(values, want_values).item()
+
+
+def _consecutive_ids(n_blocks: int, capacity: int) -> mx.array:
+    """Keys on ids ``1 .. n_blocks``, values on the ``n_blocks`` ids after ``n_blocks + 2``."""
+    keys = mx.arange(1, n_blocks + 1, dtype=mx.int32)
+    values = mx.arange(n_blocks + 3, 2 * n_blocks + 3, dtype=mx.int32)
+    assert 2 * n_blocks + 3 <= capacity
+    return mx.concatenate([keys, values])
+
+
+def _pool_handing_out_descending_ids(n_blocks: int) -> BlockPoolAllocator:
+    """A fixed pool whose stacks hand out ids in descending order: no request's blocks
+    ever run on, so every read is a gather."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=n_blocks))
+    for stream in ("k", "v"):
+        taken = pool.allocate(stream, pool.n_free(stream) * 4, owner=0)
+        pool.free(taken)  # pushed in ascending order: they come off descending
+    return pool
 
 
 @pytest.mark.parametrize("head_dim", [16, 2])
@@ -147,7 +174,7 @@ def test_long_decode_reads_go_through_the_kernel_only_where_it_runs_and_decode_l
     monkeypatch.setattr(block_gather, "KERNEL_MIN_TOKENS", 12)
     monkeypatch.setattr(block_gather, "gather_by_kernel", counting)
     model = tiny_model("llama", 7, n_layers=2, n_kv_heads=2, head_dim=head_dim)
-    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64))
+    pool = _pool_handing_out_descending_ids(64)
     store = MLXBlockStorage(pool, 2, 2, head_dim, mx.float32, lazy_writes=True)
     with make_pool_backed_cache(model, store, attention="gather") as ours:
         our_tokens, our_logprobs = greedy(model, prompt(3, length=5), ours, 16)
@@ -161,3 +188,61 @@ def test_long_decode_reads_go_through_the_kernel_only_where_it_runs_and_decode_l
     assert our_tokens == their_tokens
     pairs = zip(our_logprobs, their_logprobs, strict=True)
     assert all(mx.array_equal(ours, theirs).item() for ours, theirs in pairs)
+
+
+@pytest.mark.parametrize("ids", ["running on", "descending"])
+def test_a_request_is_read_by_slices_exactly_while_its_blocks_run_on(
+    monkeypatch: pytest.MonkeyPatch, ids: str
+) -> None:
+    """Alone in a fixed pool a request's ids run on: every read is two slices. Where
+    they descend, every read is a take; either way it decodes as ``KVCache`` does."""
+    reads: list[str] = []
+    by_slices, by_take = block_gather.read_by_slices, block_gather.gather_by_take
+
+    def slicing(*args: object, **kwargs: object) -> tuple[mx.array, mx.array]:
+        reads.append("slices")
+        return by_slices(*args, **kwargs)  # type: ignore[arg-type]
+
+    def taking(*args: object, **kwargs: object) -> tuple[mx.array, mx.array]:
+        reads.append("take")
+        return by_take(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(block_gather, "read_by_slices", slicing)
+    monkeypatch.setattr(block_gather, "gather_by_take", taking)
+    model = tiny_model("llama", 11, n_layers=2, n_kv_heads=2, head_dim=16)
+    if ids == "running on":
+        pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64))
+    else:
+        pool = _pool_handing_out_descending_ids(64)
+    store = MLXBlockStorage(pool, 2, 2, 16, mx.float32, lazy_writes=True)
+    with make_pool_backed_cache(model, store, attention="gather") as ours:
+        our_tokens, our_logprobs = greedy(model, prompt(5, length=7), ours, 12)
+    their_tokens, their_logprobs = greedy(model, prompt(5, length=7), make_prompt_cache(model), 12)
+    assert len(reads) >= 2 * 12
+    assert set(reads) == ({"slices"} if ids == "running on" else {"take"})
+    assert our_tokens == their_tokens
+    pairs = zip(our_logprobs, their_logprobs, strict=True)
+    assert all(mx.array_equal(ours, theirs).item() for ours, theirs in pairs)
+
+
+@pytest.mark.parametrize("lazy_writes", [False, True])
+def test_a_read_by_slices_keeps_its_values_when_its_positions_are_written_again(
+    lazy_writes: bool,
+) -> None:
+    """Slices share the slab's buffer, so the update must not write into it in place."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64))
+    store = MLXBlockStorage(pool, 1, 2, 8, mx.float32, lazy_writes=lazy_writes)
+    with make_pool_backed_cache(
+        tiny_model("llama", 3, n_layers=1, n_kv_heads=2, head_dim=8), store
+    ) as cache:
+        keys, values = cache[0].update_and_fetch(mx.ones((1, 2, 6, 8)), mx.ones((1, 2, 6, 8)))
+        mx.eval(keys, values)
+        table = cache[0]._table
+        assert table is not None and table.run_starts is not None  # read by slices
+        cache[0].trim(2)
+        rewritten = mx.full((1, 2, 2, 8), 5.0)
+        new_keys, new_values = cache[0].update_and_fetch(rewritten, rewritten)
+        mx.eval(new_keys, new_values)
+    assert mx.array_equal(keys, mx.ones((1, 2, 6, 8))).item()
+    assert mx.array_equal(values, mx.ones((1, 2, 6, 8))).item()
+    assert new_keys[:, :, 4:].min().item() == 5.0

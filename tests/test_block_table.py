@@ -99,6 +99,31 @@ def test_the_table_follows_appends_and_trims() -> None:
     assert _ids(table) == ([], [])
 
 
+def test_run_starts_name_the_first_ids_exactly_while_each_stream_runs_on() -> None:
+    store = _store()  # 256 blocks: keys on ids 0..127, values on 128..255
+    ours = PoolBackedPromptCache(store, PooledKVCache(store.pool, n_layers=N_LAYERS))
+    other = PoolBackedPromptCache(store, PooledKVCache(store.pool, n_layers=N_LAYERS))
+    table = ours[0]._table
+    assert table is not None
+    _decode(ours, 9)  # alone: blocks 0, 1, 2 and 128, 129, 130
+    table.require_live()
+    assert table.run_starts == (0, 128)
+    _decode(other, 1)  # takes 3 and 131
+    _decode(ours, 4)  # grows into 4 and 132: the runs are broken
+    table.require_live()
+    assert _ids(table) == ([0, 1, 2, 4], [128, 129, 130, 132])
+    assert table.run_starts is None
+    other.release()  # a free anywhere: the table is checked whole again
+    table.require_live()
+    assert table.run_starts is None
+    ours.book.trim(1)  # back to 12 positions, the 3 blocks of each run
+    table.require_live()
+    assert table.run_starts == (0, 128)
+    ours.release()
+    table.require_live()
+    assert table.run_starts is None
+
+
 @pytest.mark.parametrize("how", ["free", "free_all"])
 def test_a_block_freed_behind_the_cache_is_never_written_or_read(how: str) -> None:
     store = _store()

@@ -1,16 +1,23 @@
-"""The decode read of a request's blocks: ``mx.take`` anywhere, one CUDA kernel at long contexts.
+"""The decode read of a request's blocks: slices of a run, else ``mx.take``, or one CUDA kernel.
 
-The decode read of :class:`~veloxquant_mlx.memory.mlx_storage.MLXBlockStorage`
-copies every held position of a layer out of its slab, through the request's
-block table, into the ``(1, n_kv_heads, n_tokens, head_dim)`` keys and values
-attention reads. MLX's ``mx.take`` of whole blocks does it anywhere, but its
-generic gather reaches about a fifth of an H200's memory bandwidth: at 32K
-positions of ``benchmarks/bench_kv_cache.py``'s model the 8 layers' reads took
-0.89-0.91 ms, against 0.35-0.39 ms for this kernel
-(``benchmarks/bench_block_gather.py``, two runs; figures in the README). Below
-:data:`KERNEL_MIN_TOKENS` positions the kernel's launch costs more than it
-saves, and ``mx.take`` stays (:func:`gather_by_take`, the store's read
-everywhere else).
+The decode read of
+:class:`~veloxquant_mlx.memory.mlx_storage.MLXBlockStorage` returns every
+held position of a layer, through the request's block table, as the ``(1,
+n_kv_heads, n_tokens, head_dim)`` keys and values attention reads. When each
+stream's blocks hold consecutive ids, those positions are one run of rows of
+the slab, and :func:`read_by_slices` returns two slices of it, as
+``KVCache`` reads its buffers: no copy, and on an H200 the step builds and
+launches two ``Slice`` nodes where a gather builds six (most of what the
+paging cost a host-bound decode there: the README's "The decode path"
+section). Otherwise the positions are copied out. MLX's ``mx.take`` of whole
+blocks does it anywhere, but its generic gather reaches about a fifth of an
+H200's memory bandwidth: at 32K positions of
+``benchmarks/bench_kv_cache.py``'s model the 8 layers' reads took 0.89-0.91
+ms, against 0.35-0.39 ms for this kernel
+(``benchmarks/bench_block_gather.py``, two runs; figures in the README).
+Below :data:`KERNEL_MIN_TOKENS` positions the kernel's launch costs more
+than it saves, and ``mx.take`` stays (:func:`gather_by_take`, the store's
+read everywhere else).
 
 The kernel reads a slab seen as ``(n_kv_heads * capacity, block_size,
 head_dim)`` (entry ``h * capacity + b`` is block ``b`` of head ``h``, the
@@ -20,7 +27,8 @@ writes ``(2, n_kv_heads, n_tokens, head_dim)`` directly: one thread per 16
 bytes of a row, so the last block is cut without a second operation. It is a
 copy, so its output is bit for bit that of ``mx.take``.
 
-Complexity: :func:`gather_by_kernel` O(1) host work (one launch and one
+Complexity: :func:`read_by_slices` O(1) host work (two slices), no device
+work of its own; :func:`gather_by_kernel` O(1) host work (one launch and one
 split), :func:`gather_by_take` O(1) (five MLX operations); both O(n_tokens)
 device work. Thread safety: the kernel object is built
 once (``functools.cache``); the per-step metadata arrays are constants (no
@@ -41,6 +49,7 @@ __all__ = [
     "gather_by_kernel",
     "gather_by_take",
     "kernel_gather_unsupported_reason",
+    "read_by_slices",
 ]
 
 #: Fewest positions read for which the kernel clearly beats ``mx.take`` on an H200
@@ -114,6 +123,23 @@ def gather_by_take(
     if both.shape[2] != n_tokens:  # the last block is partly held: cut (a split is
         both = mx.split(both, [n_tokens], axis=2)[0]  # cheaper to build than a slice)
     keys, values = mx.split(both, 2)
+    return keys, values
+
+
+def read_by_slices(
+    slab: mx.array, run_rows: tuple[int, int], n_tokens: int
+) -> tuple[mx.array, mx.array]:
+    """Keys and values of the first ``n_tokens`` positions, ``(1, n_kv_heads,
+    n_tokens, head_dim)`` each, as two slices of ``slab``; any back-end.
+
+    For a request whose key blocks hold consecutive ids, and so do its value blocks
+    (:attr:`~veloxquant_mlx.memory.slot_rows.StepRows.run_rows`: the slab rows where
+    the two runs start). Two ``Slice`` nodes and no copy, as ``KVCache`` reads its
+    buffers; the values are those the gathers read.
+    """
+    key_row, value_row = run_rows
+    keys = slab[:, :, key_row : key_row + n_tokens]
+    values = slab[:, :, value_row : value_row + n_tokens]
     return keys, values
 
 

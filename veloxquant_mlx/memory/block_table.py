@@ -30,7 +30,8 @@ Complexity (``k`` = blocks of the request): :meth:`require_live` O(1)
 while neither the book nor the pool's count of such calls moved (two attribute reads
 and one ``pool.stats`` snapshot, one pool lock); after the book added ``a``
 blocks with no free anywhere, O(a) amortised, since the ids array grows by
-concatenation; after any free or move, O(k) once. :meth:`memo`, :meth:`memo_this_step` and
+concatenation (and whether the ids still run on is decided from the new
+ones alone); after any free or move, O(k) once. :meth:`memo`, :meth:`memo_this_step` and
 :meth:`remember` O(1).
 
 Thread safety: like the book, a table belongs to one request and is used
@@ -78,6 +79,8 @@ class DeviceBlockTable:
       them a live handle of the book's pool;
     - ``key_ids[i] == key_blocks[i].block_id`` (likewise for values), one
       entry per block, in position order;
+    - ``run_starts`` is ``(key_ids[0], value_ids[0])`` exactly when both id lists
+      are runs ``[f, f + 1, ...]``, else ``None``;
     - the memo holds only a value computed from the current ids.
     """
 
@@ -99,6 +102,10 @@ class DeviceBlockTable:
         # Their ids on the device, (n_blocks,) int32 each.
         self._key_ids = _NO_IDS
         self._value_ids = _NO_IDS
+        # The first key and value ids while each stream's ids are consecutive and
+        # ascending (one run of rows in every slab); None otherwise, or for no blocks.
+        self._key_run: int | None = None
+        self._value_run: int | None = None
         # Handles passed to pool.all_live so far: what the O(1) claim is tested by.
         self._handles_checked = 0
         # One value derived from the ids by a store, and the store (compared by identity);
@@ -135,6 +142,20 @@ class DeviceBlockTable:
     def value_ids(self) -> mx.array:
         """Value block ids, ``(n_blocks,)`` int32, as of the last :meth:`require_live`."""
         return self._value_ids
+
+    @property
+    def run_starts(self) -> tuple[int, int] | None:
+        """The first key id and the first value id when the key ids are consecutive and
+        ascending and so are the value ids (``[f, f + 1, ...]``), as of the last
+        :meth:`require_live`; ``None`` otherwise, and for a table of no blocks.
+
+        Each stream's positions then lie in one run of rows of every slab, which a
+        store reads by slicing instead of gathering. A fixed pool hands a request
+        alone consecutive ids per stream (docs/CONTRACT.md C-ID-ASCENDING).
+        """
+        if self._key_run is None or self._value_run is None:
+            return None
+        return self._key_run, self._value_run
 
     @property
     def handles_checked(self) -> int:
@@ -244,6 +265,8 @@ class DeviceBlockTable:
             return
         self._require_all_live(new_keys + new_values)
         self._keys, self._values = keys, values
+        self._key_run = _run_after(self._key_run, n_checked, new_keys)
+        self._value_run = _run_after(self._value_run, n_checked, new_values)
         self._key_ids = _concat_ids(self._key_ids, new_keys)
         self._value_ids = _concat_ids(self._value_ids, new_values)
         self._schedule_ids()
@@ -251,6 +274,8 @@ class DeviceBlockTable:
     def _check_all(self, keys: tuple[Block, ...], values: tuple[Block, ...]) -> None:
         self._require_all_live(keys + values)
         self._keys, self._values = keys, values
+        self._key_run = _run_after(None, 0, keys)
+        self._value_run = _run_after(None, 0, values)
         self._key_ids = _ids(keys)
         self._value_ids = _ids(values)
         self._schedule_ids()
@@ -261,6 +286,7 @@ class DeviceBlockTable:
             return
         stale = next((block for block in blocks if not self._pool.is_live(block)), None)
         self._keys = self._values = ()
+        self._key_run = self._value_run = None
         self._key_ids = self._value_ids = _NO_IDS
         self._checked_version = self._checked_releases = self._checked_extent = -1
         self._forget_memo()
@@ -279,6 +305,22 @@ class DeviceBlockTable:
 
 #: The ids of no block: a constant (no graph, so no thread owns it).
 _NO_IDS: Final = mx.array([], dtype=mx.int32)
+
+
+def _run_after(run: int | None, n_held: int, new_blocks: tuple[Block, ...]) -> int | None:
+    """The first id of a stream's run once ``new_blocks`` follow its ``n_held`` blocks
+    (``run``: their first id, or ``None`` if they were no run); O(new blocks)."""
+    if n_held == 0:
+        if not new_blocks:
+            return None
+        run = new_blocks[0].block_id
+    if run is None:
+        return None
+    next_id = run + n_held
+    for offset, block in enumerate(new_blocks):
+        if block.block_id != next_id + offset:
+            return None
+    return run
 
 
 def _ids(blocks: tuple[Block, ...]) -> mx.array:

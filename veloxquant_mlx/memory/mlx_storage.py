@@ -21,8 +21,11 @@ instead, whose liveness check is O(1) while neither the request's blocks nor
 the pool's free count moved, and the request's slot rows
 (:class:`~veloxquant_mlx.memory.slot_rows.SlotRows`, rebuilt only when its
 table or the capacity changes): one layer's decode step is then two slice
-updates (the new key and value rows) and one gather of every held block, cut
-to the positions held and split into keys and values, O(1) host work
+updates (the new key and value rows) and one read: two slices of the slab
+where each stream's blocks hold consecutive ids
+(:attr:`~veloxquant_mlx.memory.block_table.DeviceBlockTable.run_starts`),
+else one gather of every held block, cut to the positions held and split
+into keys and values, O(1) host work
 whatever the context (from ``block_gather.KERNEL_MIN_TOKENS`` positions on,
 on MLX's CUDA back-end, one gather kernel that cuts as it copies:
 :mod:`~veloxquant_mlx.memory.block_gather`). Every write is a static slice
@@ -471,8 +474,9 @@ class MLXBlockStorage:
         """Keys and values of positions ``0 .. n_tokens - 1`` of ``table``'s request.
 
         Returns lazy arrays, each ``(1, n_kv_heads, n_tokens, head_dim)`` (the layout
-        attention reads), from one ``mx.take`` of the request's slot rows, which every
-        layer of a step shares; never changed by later writes.
+        attention reads): two slices of the slab where each stream's blocks run on,
+        else one ``mx.take`` of the request's slot rows, which every layer of a step
+        shares; never changed by later writes (an update makes a new slab).
 
         Raises:
             ValueError: ``n_tokens`` beyond the table's slots, a layer out of range, or
@@ -617,8 +621,11 @@ class MLXBlockStorage:
 
     def _read(self, slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
         """Keys and values of the step's positions, ``(1, heads, n_read, head_dim)`` each:
-        one take of their blocks, cut to the positions held (at long contexts on a
-        CUDA GPU, one gather kernel: :mod:`~veloxquant_mlx.memory.block_gather`)."""
+        two slices where each stream's blocks are one run of ids, else one take of
+        their blocks, cut to the positions held (at long contexts on a CUDA GPU, one
+        gather kernel: :mod:`~veloxquant_mlx.memory.block_gather`)."""
+        if step.run_rows is not None:
+            return block_gather.read_by_slices(slab, step.run_rows, step.n_read)
         if (
             step.n_read >= block_gather.KERNEL_MIN_TOKENS
             and self._kernel_gathers

@@ -12,6 +12,11 @@ the slab seen as ``(n_kv_heads * capacity, block_size, head_dim)`` (block
 held and split into keys and values. No per-block work on the host, and
 the device copies whole blocks: gathering single positions (token rows) or
 with ``take_along_axis`` moved the same bytes 2.5x slower on the CPU.
+When each stream's blocks hold consecutive ids (a fixed pool hands a
+request alone its blocks so), its positions are one run of rows of every
+head, and the read is two slices of the slab instead, as ``KVCache`` reads
+its buffers: no gather and no copy, the same values
+(:attr:`StepRows.run_rows`).
 
 :class:`SlotRows` holds the block entries of one request's
 :class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable` for one slab
@@ -72,13 +77,19 @@ class StepRows(NamedTuple):
         writes: One :class:`RowRun` per block the new positions touch (one for a
             decode step).
         read_blocks: Block entries of the positions read, keys then values:
-            ``(2, n_kv_heads, blocks)``, the last block partly held.
+            ``(2, n_kv_heads, blocks)``, the last block partly held (all the
+            table's blocks, uncut, when ``run_rows`` is set: then unused).
         n_read: Positions read, ``start + n``.
+        run_rows: The slab rows of position 0 of the keys and of the values when
+            each stream's blocks are one run of consecutive ids (the positions
+            read are then rows ``row .. row + n_read - 1`` of every head); else
+            ``None``.
     """
 
     writes: tuple[RowRun, ...]
     read_blocks: mx.array
     n_read: int
+    run_rows: tuple[int, int] | None
 
 
 class SlotRows:
@@ -112,6 +123,11 @@ class SlotRows:
         self._n_blocks: Final = table.key_ids.size
         # Positions the table's blocks hold: the longest read a step may ask for.
         self.n_slots: Final = self._n_blocks * block_size
+        starts = table.run_starts
+        # Where each stream's one run of rows starts, if its ids run on (StepRows.run_rows).
+        self._run_rows: Final = (
+            None if starts is None else (starts[0] * block_size, starts[1] * block_size)
+        )
         ids = mx.stack([table.key_ids, table.value_ids])  # (2, blocks)
         first_entries = mx.arange(n_kv_heads, dtype=mx.int32) * capacity
         self.blocks: Final = first_entries[None, :, None] + ids[:, None, :]  # (2, heads, blocks)
@@ -119,7 +135,7 @@ class SlotRows:
             schedule(self.blocks)
         # The last step's key (start, n, thread ident) and its pieces.
         self._step: tuple[int, int, int] = (-1, -1, -1)
-        self._pieces = StepRows((), self.blocks, 0)
+        self._pieces = StepRows((), self.blocks, 0, self._run_rows)
 
     def for_step(self, start: int, n_new: int) -> StepRows:
         """The pieces of writing positions ``start .. start + n_new - 1`` and reading
@@ -134,13 +150,15 @@ class SlotRows:
         end = start + n_new
         n_blocks = -(-end // self._block_size)
         last = self._pieces
-        if last.read_blocks.shape[2] == n_blocks and self._step[2] == threading.get_ident():
+        if self._run_rows is not None:
+            read = self.blocks  # read by slicing the runs: no entries to cut
+        elif last.read_blocks.shape[2] == n_blocks and self._step[2] == threading.get_ident():
             read = last.read_blocks  # the last step's blocks (made on this thread): reused
         elif n_blocks == self._n_blocks:
             read = self.blocks
         else:
             read = self.blocks[:, :, :n_blocks]
-        return StepRows(self._runs(start, n_new), read, end)
+        return StepRows(self._runs(start, n_new), read, end, self._run_rows)
 
     def _runs(self, start: int, n_new: int) -> tuple[RowRun, ...]:
         block_size = self._block_size
