@@ -124,6 +124,28 @@ def test_run_starts_name_the_first_ids_exactly_while_each_stream_runs_on() -> No
     assert table.run_starts is None
 
 
+def test_blocks_given_back_run_on_again_for_the_growth_and_the_request_after() -> None:
+    """The book frees each stream last position first, so the pool's stacks hand the
+    ids out again in position order: a trim, then growth, and a release, then the
+    next request, keep runs of ids that a store reads by slicing."""
+    store = _store()  # keys on ids 0..127, values on 128..255
+    first = PoolBackedPromptCache(store, PooledKVCache(store.pool, n_layers=N_LAYERS))
+    _decode(first, 13)  # blocks 0..3 and 128..131
+    first.book.trim(9)  # back to block 0 and 128: 1..3 and 129..131 go back
+    _decode(first, 8, seed=20)  # grows again to 3 blocks
+    assert [block.block_id for block in first.book.key_blocks] == [0, 1, 2]
+    assert [block.block_id for block in first.book.value_blocks] == [128, 129, 130]
+    first.release()
+    second = PoolBackedPromptCache(store, PooledKVCache(store.pool, n_layers=N_LAYERS))
+    table = second[0]._table
+    assert table is not None
+    _decode(second, 13)
+    table.require_live()
+    assert _ids(table) == ([0, 1, 2, 3], [128, 129, 130, 131])
+    assert table.run_starts == (0, 128)
+    second.release()
+
+
 @pytest.mark.parametrize("how", ["free", "free_all"])
 def test_a_block_freed_behind_the_cache_is_never_written_or_read(how: str) -> None:
     store = _store()

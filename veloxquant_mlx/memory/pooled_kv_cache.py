@@ -20,7 +20,12 @@ each layer.
 
 Ownership: the book claims its ``owner`` id in the pool on construction
 (``register_owner``, so two live books cannot share an id) and ``release()``
-returns its blocks, by handle, and the id. ``release()`` is idempotent, and
+returns its blocks, by handle, and the id. Blocks go back (on release and
+on a trim) last position first in each stream, so the pool's stacks hand
+them out again in position order: ids that ran on consecutively run on again
+for the next request, which the MLX store then reads by slicing
+(:attr:`~veloxquant_mlx.memory.block_table.DeviceBlockTable.run_starts`).
+``release()`` is idempotent, and
 the book is a context manager, so an aborted generation still returns its
 blocks. A book cannot be copied (``copy.copy`` or ``copy.deepcopy`` raise
 ``TypeError``): two objects releasing one claim would release it twice.
@@ -390,7 +395,8 @@ class PooledKVCache:
 
         Frees the book's own handles (those still live), never "every block of the
         owner id": blocks freed behind the book's back and checked out again under
-        the same id by someone else stay theirs.
+        the same id by someone else stay theirs. Each stream's blocks go back last
+        position first, so that the pool hands them out again in position order.
         """
         if self._released:
             return
@@ -514,7 +520,10 @@ class PooledKVCache:
         """Keep ``n_tokens`` positions: mark the new last blocks, free the ones past them."""
         block_size = self._block_size
         n_kept = -(-n_tokens // block_size)
-        tail = [*self._key_blocks[n_kept:], *self._value_blocks[n_kept:]]
+        tail = [
+            *_newest_first(self._key_blocks[n_kept:]),
+            *_newest_first(self._value_blocks[n_kept:]),
+        ]
         self._key_blocks = self._key_blocks[:n_kept]
         self._value_blocks = self._value_blocks[:n_kept]
         if tail:
@@ -597,7 +606,8 @@ class PooledKVCache:
             )
 
     def _holding(self) -> BookHolding:
-        return BookHolding(self._owner, self._claim, self._key_blocks + self._value_blocks)
+        blocks = _newest_first(self._key_blocks) + _newest_first(self._value_blocks)
+        return BookHolding(self._owner, self._claim, blocks)
 
     def _abandon(self) -> None:
         """Forget every block and count as released (whatever held them was given back)."""
@@ -607,6 +617,14 @@ class PooledKVCache:
         self._extent_version += 1
         self._n_tokens = 0
         self._offsets[:] = [0] * len(self._offsets)
+
+
+def _newest_first(blocks: tuple[Block, ...]) -> tuple[Block, ...]:
+    """A stream's blocks in the order the book gives them back: the last position's
+    first. The pool's stacks (C-LIFO) then hand them out again in position order, so
+    blocks that ran on ``[f, f + 1, ...]`` do so again for the next request or growth
+    (which a store reads by slicing: block_table.DeviceBlockTable.run_starts)."""
+    return blocks[::-1]
 
 
 _NO_COPIES: Final = (
