@@ -1,4 +1,4 @@
-"""Where a host-bound decode step's time goes: MLX nodes, the gather read, our Python.
+"""Where a host-bound decode step's time goes: MLX nodes, a gathered read, our Python.
 
 On a GPU, a small model's decode step is bound by its host: the Python that
 builds the step's graph, then ``mx.async_eval``, which walks that graph on
@@ -18,17 +18,24 @@ process, the order of the variants rotating every round:
   index shared by the step's layers (ours is one take of keys and values
   together); it still builds the slices it replaces, which costs Python
   time only (they are never scheduled);
-- ``pool_backed``: ours, over a ``lazy_writes`` store, gathered attention;
-- ``pool_backed_slice_read``: ours with the store's read replaced by two
-  slices of the slab (rows ``0 .. n - 1`` of every head, as ``KVCache``
-  reads its buffers). **Its values are wrong**: it is a bound, not a cache,
-  for what ours would cost if a request's blocks could be read in place.
+- ``pool_backed``: ours, over a ``lazy_writes`` store, gathered attention
+  (mlx-lm's attention over what the cache returns), alone in a fixed pool:
+  its key ids run on consecutively and so do its value ids, so the store
+  reads them as two slices of the slab, as ``KVCache`` reads its buffers;
+- ``pool_backed_gathered``: the same over a pool whose stacks hand out ids
+  in descending order, so the ids never run on and every read is the
+  store's gather (``mx.take`` of the blocks, or the gather kernel from
+  ``block_gather.KERNEL_MIN_TOKENS`` positions on a CUDA GPU): what any
+  request costs whose blocks are not one run, such as requests that grow
+  side by side in one pool.
 
 Per context: tokens/s, the host microseconds per token spent building the
 graph and inside ``mx.async_eval`` (as ``bench_kv_cache.decode_round``
 measures them: host work on a GPU whose device keeps up; on MLX's CPU
 back-end the second also holds computing), and each variant's tokens/s over
-``kv_cache``'s (a median of same-round ratios). Each variant first decodes
+``kv_cache``'s (a median of same-round ratios), and how each pool-backed
+variant was read (``pool_backed_read_by``: ``slices`` or ``gather``, from its
+block ids at the end). Each variant first decodes
 one untimed round, so no round pays a first use. Nothing passes or fails;
 issue 9's note reads these figures.
 
@@ -72,7 +79,7 @@ from veloxquant_mlx.commandline.values import int_at_least
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
-from veloxquant_mlx.memory.slot_rows import StepRows
+from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
 
 #: The variants, in the order of the report.
 VARIANTS = (
@@ -80,7 +87,7 @@ VARIANTS = (
     "kv_cache_plus_nodes",
     "kv_cache_take",
     "pool_backed",
-    "pool_backed_slice_read",
+    "pool_backed_gathered",
 )
 
 
@@ -115,29 +122,31 @@ def rows_up_to(n_rows: int) -> mx.array:
     return mx.arange(n_rows, dtype=mx.int32)
 
 
-def slice_read(slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
-    """The bound's read: the first ``n_read`` rows of every head, once for keys and
-    once for values (wrong values; the shapes and the two slices of ``KVCache``)."""
-    return slab[:, :, : step.n_read], slab[:, :, : step.n_read]
+def descending(pool: BlockPoolAllocator) -> BlockPoolAllocator:
+    """``pool``, its stacks reordered to hand out ids in descending order (every block
+    checked out, then freed in ascending order: docs/CONTRACT.md C-LIFO)."""
+    for stream in ("k", "v"):
+        pool.free(pool.allocate(stream, pool.n_free(stream) * BLOCK_SIZE, owner=0))
+    return pool
 
 
 def make_variants(model: Module, positions: int, extra_nodes: int) -> dict[str, Caches]:
     """One request's caches per variant, each pool-backed one on its own pool and store."""
 
-    def store() -> MLXBlockStorage:
+    def store(
+        order: Callable[[BlockPoolAllocator], BlockPoolAllocator] = lambda pool: pool,
+    ) -> MLXBlockStorage:
         n_blocks = 2 * (positions // BLOCK_SIZE + 2)
-        pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks))
+        pool = order(BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks)))
         return MLXBlockStorage(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, lazy_writes=True)
 
-    bounded = store()
-    setattr(bounded, "_read", slice_read)  # noqa: B010 (a private method, on purpose)
     makers: dict[str, Callable[[], Caches]] = {
         "kv_cache": lambda: [KVCache() for _ in range(N_LAYERS)],  # type: ignore[no-untyped-call]
         "kv_cache_plus_nodes": lambda: [KVCachePlusNodes(extra_nodes) for _ in range(N_LAYERS)],
         "kv_cache_take": lambda: [KVCacheTake() for _ in range(N_LAYERS)],  # type: ignore[no-untyped-call]
         "pool_backed": lambda: make_pool_backed_cache(model, store(), attention="gather"),
-        "pool_backed_slice_read": lambda: make_pool_backed_cache(
-            model, bounded, attention="gather"
+        "pool_backed_gathered": lambda: make_pool_backed_cache(
+            model, store(descending), attention="gather"
         ),
     }
     return {name: makers[name]() for name in VARIANTS}
@@ -156,10 +165,25 @@ def bench_context(
         shift = round_index % len(VARIANTS)
         for name in VARIANTS[shift:] + VARIANTS[:shift]:
             samples[name].append(decode_round(model, [requests[name]], steps))
+    runs = {name: ids_run_on(caches) for name, caches in requests.items()}
     for caches in requests.values():
-        if hasattr(caches, "release"):
+        if isinstance(caches, PoolBackedPromptCache):
             caches.release()
-    return {"context": context, **figures_of(samples)}
+    read_by = {name: "slices" if run else "gather" for name, run in runs.items() if run is not None}
+    return {"context": context, "pool_backed_read_by": read_by, **figures_of(samples)}
+
+
+def ids_run_on(caches: Caches) -> bool | None:
+    """Whether a pool-backed request's key ids run on consecutively and so do its value
+    ids (then the store read it by slicing); ``None`` for a ``KVCache``."""
+    if not isinstance(caches, PoolBackedPromptCache):
+        return None
+    book = caches.book
+    return all(
+        [block.block_id for block in blocks]
+        == list(range(blocks[0].block_id, blocks[0].block_id + len(blocks)))
+        for blocks in (book.key_blocks, book.value_blocks)
+    )
 
 
 def figures_of(samples: dict[str, list[RoundFigures]]) -> dict[str, object]:
