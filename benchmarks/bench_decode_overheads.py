@@ -77,9 +77,11 @@ from mlx_lm.models.cache import KVCache
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.values import int_at_least
 from veloxquant_mlx.memory import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.block_table import run_start
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
+from veloxquant_mlx.testing.pool_orders import hand_out_descending
 
 #: The variants, in the order of the report.
 VARIANTS = (
@@ -122,14 +124,6 @@ def rows_up_to(n_rows: int) -> mx.array:
     return mx.arange(n_rows, dtype=mx.int32)
 
 
-def descending(pool: BlockPoolAllocator) -> BlockPoolAllocator:
-    """``pool``, its stacks reordered to hand out ids in descending order (every block
-    checked out, then freed in ascending order: docs/CONTRACT.md C-LIFO)."""
-    for stream in ("k", "v"):
-        pool.free(pool.allocate(stream, pool.n_free(stream) * BLOCK_SIZE, owner=0))
-    return pool
-
-
 def make_variants(model: Module, positions: int, extra_nodes: int) -> dict[str, Caches]:
     """One request's caches per variant, each pool-backed one on its own pool and store."""
 
@@ -146,7 +140,7 @@ def make_variants(model: Module, positions: int, extra_nodes: int) -> dict[str, 
         "kv_cache_take": lambda: [KVCacheTake() for _ in range(N_LAYERS)],  # type: ignore[no-untyped-call]
         "pool_backed": lambda: make_pool_backed_cache(model, store(), attention="gather"),
         "pool_backed_gathered": lambda: make_pool_backed_cache(
-            model, store(descending), attention="gather"
+            model, store(hand_out_descending), attention="gather"
         ),
     }
     return {name: makers[name]() for name in VARIANTS}
@@ -179,11 +173,7 @@ def ids_run_on(caches: Caches) -> bool | None:
     if not isinstance(caches, PoolBackedPromptCache):
         return None
     book = caches.book
-    return all(
-        [block.block_id for block in blocks]
-        == list(range(blocks[0].block_id, blocks[0].block_id + len(blocks)))
-        for blocks in (book.key_blocks, book.value_blocks)
-    )
+    return run_start(book.key_blocks) is not None and run_start(book.value_blocks) is not None
 
 
 def figures_of(samples: dict[str, list[RoundFigures]]) -> dict[str, object]:

@@ -1,7 +1,9 @@
 """A decode read without the gather's copy: attention over runs of consecutive blocks.
 
-The store's decode read (``block_gather.gather_by_take``) copies every held
-position of a layer out of the slab before attention reads it, at every step;
+Where a request's key ids (and its value ids) are not one run, the store's
+decode read (``block_gather.gather_by_take``) copies every held position of
+a layer out of the slab before attention reads it, at every step (a request
+whose ids are one run is read as two slices: ``block_gather.read_by_slices``);
 mlx-lm's ``KVCache`` attends over a slice of its own buffer, with no copy.
 A fresh pool hands a prefill consecutive block ids per stream, so most of a
 long request's blocks form a few runs that a slice of the slab reads as they

@@ -6,10 +6,13 @@ the whole slab, every request's rows, whenever a gather of that slab has been
 built or scheduled but has not run yet: the last step's, in a loop pipelined
 as mlx-lm's ``generate_step`` is, or another request's of the same step.
 Scheduling a step (``mx.async_eval``) does not prevent it; only the gather
-having run does. This benchmark shows it on one layer of a ``lazy_writes``
-store (2 KV heads of 64, float32, blocks of 16) for one and for several
-requests of ``--context`` positions each, decoding ``--steps`` tokens in
-three ways:
+having run does. (A request whose ids run on is read by slices, views of
+the slab, which hold its buffer while pending and for as long as they are
+kept: the same copy.) This benchmark shows it on one layer of a
+``lazy_writes`` store (2 KV heads of 64, float32, blocks of 16) whose pool
+hands out ids in descending order, so every read is a gather, for one and
+for several requests of ``--context`` positions each, decoding ``--steps``
+tokens in three ways:
 
 - ``evaluated``: each request's step is evaluated before the next is built
   (no overlap of host and device; no copy);
@@ -47,6 +50,7 @@ from veloxquant_mlx.memory.block_table import schedule
 from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.testing.pool_orders import hand_out_descending
 
 KV_HEADS, HEAD_DIM, BLOCK_SIZE = 2, 64, 16
 WAYS = ("evaluated", "scheduled", "pipelined")
@@ -59,6 +63,7 @@ class Requests:
     def __init__(self, n: int, context: int, steps: int) -> None:
         blocks_each = 2 * (-(-(context + steps + WARM_UP_STEPS) // BLOCK_SIZE) + 1)
         pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n * blocks_each))
+        hand_out_descending(pool)  # no request's ids run on: every read is a gather
         self.store = MLXBlockStorage(pool, 1, KV_HEADS, HEAD_DIM, mx.float32, lazy_writes=True)
         self.caches = [
             PoolBackedPromptCache(self.store, PooledKVCache(pool, n_layers=1)) for _ in range(n)

@@ -12,7 +12,9 @@ each a small matmul followed by one of these:
 - ``take_after_writes``: the writes, then the store's read of every held
   position (``block_gather.gather_by_take``), with no attention;
 - ``gathered``: the writes, the read, then ``mx.fast.scaled_dot_product_attention``
-  over the gathered keys and values: the store's default decode path;
+  over the gathered keys and values: the store's default decode path for a
+  request whose ids are not one run (one whose ids are is read by slices, as
+  ``kv_cache_like`` reads);
 - ``fused``: the fused kernel over the slab, with no write (CUDA only);
 - ``fused_after_writes``: both, the kernel reading what was just written
   (CUDA only);

@@ -2,7 +2,9 @@
 
 A decode step reads every block of a request in every layer. The store
 needs the block ids as an ``mx.array`` (to gather, or to hand to a
-paged-attention kernel), and the guarantee that each of those blocks is
+paged-attention kernel), or, where each stream's ids run on consecutively,
+where the runs start (to read two slices: :attr:`DeviceBlockTable.run_starts`),
+and the guarantee that each of those blocks is
 still a live handle of the pool: a stale or foreign block must never be read
 or written. Building that array and asking the pool about every handle in
 every layer of every step is O(blocks) host work per layer, which on a GPU
@@ -42,7 +44,7 @@ store's own liveness check: the check runs at the start of each call.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Final, TypeVar, cast
 
 import mlx.core as mx
@@ -57,7 +59,7 @@ from veloxquant_mlx.memory.pooled_kv_cache import (
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
 
-__all__ = ["DeviceBlockTable", "StaleBlockTableError", "schedule"]
+__all__ = ["DeviceBlockTable", "StaleBlockTableError", "run_start", "schedule"]
 
 MemoT = TypeVar("MemoT")
 
@@ -150,8 +152,12 @@ class DeviceBlockTable:
         :meth:`require_live`; ``None`` otherwise, and for a table of no blocks.
 
         Each stream's positions then lie in one run of rows of every slab, which a
-        store reads by slicing instead of gathering. A fixed pool hands a request
-        alone consecutive ids per stream (docs/CONTRACT.md C-ID-ASCENDING).
+        store reads by slicing instead of gathering. With ``separate_kv=True`` a
+        fresh fixed pool hands a request alone consecutive ids per stream
+        (docs/CONTRACT.md C-ID-SPLIT, C-ID-ASCENDING), and a book gives blocks back
+        so that they come out so again. Requests that grow side by side interleave
+        their new ids, and ``pool.free_all(owner)`` pushes blocks in allocation
+        order, so the next request's ids come out descending: those are gathered.
         """
         if self._key_run is None or self._value_run is None:
             return None
@@ -274,8 +280,8 @@ class DeviceBlockTable:
     def _check_all(self, keys: tuple[Block, ...], values: tuple[Block, ...]) -> None:
         self._require_all_live(keys + values)
         self._keys, self._values = keys, values
-        self._key_run = _run_after(None, 0, keys)
-        self._value_run = _run_after(None, 0, values)
+        self._key_run = run_start(keys)
+        self._value_run = run_start(values)
         self._key_ids = _ids(keys)
         self._value_ids = _ids(values)
         self._schedule_ids()
@@ -307,20 +313,27 @@ class DeviceBlockTable:
 _NO_IDS: Final = mx.array([], dtype=mx.int32)
 
 
+def run_start(blocks: Sequence[Block]) -> int | None:
+    """The first id of ``blocks`` when their ids run on ``[f, f + 1, ...]``; ``None``
+    otherwise, and for no blocks. O(blocks)."""
+    if not blocks:
+        return None
+    first = blocks[0].block_id
+    return first if _ids_run_from(blocks, first) else None
+
+
 def _run_after(run: int | None, n_held: int, new_blocks: tuple[Block, ...]) -> int | None:
     """The first id of a stream's run once ``new_blocks`` follow its ``n_held`` blocks
     (``run``: their first id, or ``None`` if they were no run); O(new blocks)."""
     if n_held == 0:
-        if not new_blocks:
-            return None
-        run = new_blocks[0].block_id
-    if run is None:
+        return run_start(new_blocks)
+    if run is None or not _ids_run_from(new_blocks, run + n_held):
         return None
-    next_id = run + n_held
-    for offset, block in enumerate(new_blocks):
-        if block.block_id != next_id + offset:
-            return None
     return run
+
+
+def _ids_run_from(blocks: Sequence[Block], first_id: int) -> bool:
+    return all(block.block_id == first_id + offset for offset, block in enumerate(blocks))
 
 
 def _ids(blocks: tuple[Block, ...]) -> mx.array:
