@@ -17,7 +17,7 @@ from pathlib import Path
 
 import mlx.core as mx
 import pytest
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import KVCache, make_prompt_cache
 from tiny_models import greedy, prompt, tiny_model
 
 from veloxquant_mlx.memory import block_gather
@@ -32,6 +32,7 @@ from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.paged_attention import cuda_unavailable_reason
+from veloxquant_mlx.testing.pool_orders import hand_out_descending
 
 NO_CUDA = cuda_unavailable_reason()
 NVCC = shutil.which("nvcc")
@@ -147,16 +148,6 @@ def _consecutive_ids(n_blocks: int, capacity: int) -> mx.array:
     return mx.concatenate([keys, values])
 
 
-def _pool_handing_out_descending_ids(n_blocks: int) -> BlockPoolAllocator:
-    """A fixed pool whose stacks hand out ids in descending order: no request's blocks
-    ever run on, so every read is a gather."""
-    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=n_blocks))
-    for stream in ("k", "v"):
-        taken = pool.allocate(stream, pool.n_free(stream) * 4, owner=0)
-        pool.free(taken)  # pushed in ascending order: they come off descending
-    return pool
-
-
 @pytest.mark.parametrize("head_dim", [16, 2])
 def test_long_decode_reads_go_through_the_kernel_only_where_it_runs_and_decode_like_kv_cache(
     monkeypatch: pytest.MonkeyPatch, head_dim: int
@@ -174,7 +165,7 @@ def test_long_decode_reads_go_through_the_kernel_only_where_it_runs_and_decode_l
     monkeypatch.setattr(block_gather, "KERNEL_MIN_TOKENS", 12)
     monkeypatch.setattr(block_gather, "gather_by_kernel", counting)
     model = tiny_model("llama", 7, n_layers=2, n_kv_heads=2, head_dim=head_dim)
-    pool = _pool_handing_out_descending_ids(64)
+    pool = hand_out_descending(BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64)))
     store = MLXBlockStorage(pool, 2, 2, head_dim, mx.float32, lazy_writes=True)
     with make_pool_backed_cache(model, store, attention="gather") as ours:
         our_tokens, our_logprobs = greedy(model, prompt(3, length=5), ours, 16)
@@ -190,59 +181,104 @@ def test_long_decode_reads_go_through_the_kernel_only_where_it_runs_and_decode_l
     assert all(mx.array_equal(ours, theirs).item() for ours, theirs in pairs)
 
 
+def _recording_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record each read of the store as ``"slices"`` or ``"take"`` (in call order)."""
+    reads: list[str] = []
+    by_slices, by_take = block_gather.read_by_slices, block_gather.gather_by_take
+
+    def slicing(
+        slab: mx.array, run_rows: tuple[int, int], n_tokens: int
+    ) -> tuple[mx.array, mx.array]:
+        reads.append("slices")
+        return by_slices(slab, run_rows, n_tokens)
+
+    def taking(
+        slab: mx.array, read_blocks: mx.array, n_tokens: int, **sizes: int
+    ) -> tuple[mx.array, mx.array]:
+        reads.append("take")
+        return by_take(slab, read_blocks, n_tokens, **sizes)
+
+    monkeypatch.setattr(block_gather, "read_by_slices", slicing)
+    monkeypatch.setattr(block_gather, "gather_by_take", taking)
+    return reads
+
+
 @pytest.mark.parametrize("ids", ["running on", "descending"])
 def test_a_request_is_read_by_slices_exactly_while_its_blocks_run_on(
     monkeypatch: pytest.MonkeyPatch, ids: str
 ) -> None:
-    """Alone in a fixed pool a request's ids run on: every read is two slices. Where
-    they descend, every read is a take; either way it decodes as ``KVCache`` does."""
-    reads: list[str] = []
-    by_slices, by_take = block_gather.read_by_slices, block_gather.gather_by_take
-
-    def slicing(*args: object, **kwargs: object) -> tuple[mx.array, mx.array]:
-        reads.append("slices")
-        return by_slices(*args, **kwargs)  # type: ignore[arg-type]
-
-    def taking(*args: object, **kwargs: object) -> tuple[mx.array, mx.array]:
-        reads.append("take")
-        return by_take(*args, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(block_gather, "read_by_slices", slicing)
-    monkeypatch.setattr(block_gather, "gather_by_take", taking)
-    model = tiny_model("llama", 11, n_layers=2, n_kv_heads=2, head_dim=16)
+    """Alone in a fixed pool a request's ids run on (here from key id 3 and value id
+    37, another owner holding the first ones): every decode read is two slices. Where
+    they descend, every read is a take. Either way each layer returns, bit for bit,
+    what ``KVCache`` returns."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64))  # keys 0..31
     if ids == "running on":
-        pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64))
+        pool.allocate("k", 3 * 4, owner=99)
+        pool.allocate("v", 5 * 4, owner=99)
     else:
-        pool = _pool_handing_out_descending_ids(64)
+        hand_out_descending(pool)
     store = MLXBlockStorage(pool, 2, 2, 16, mx.float32, lazy_writes=True)
-    with make_pool_backed_cache(model, store, attention="gather") as ours:
-        our_tokens, our_logprobs = greedy(model, prompt(5, length=7), ours, 12)
-    their_tokens, their_logprobs = greedy(model, prompt(5, length=7), make_prompt_cache(model), 12)
-    assert len(reads) >= 2 * 12
-    assert set(reads) == ({"slices"} if ids == "running on" else {"take"})
-    assert our_tokens == their_tokens
-    pairs = zip(our_logprobs, their_logprobs, strict=True)
-    assert all(mx.array_equal(ours, theirs).item() for ours, theirs in pairs)
+    theirs = [KVCache() for _ in range(2)]  # type: ignore[no-untyped-call]
+    reads = _recording_reads(monkeypatch)
+    with make_pool_backed_cache(tiny_model("llama", 11, n_layers=2), store) as ours:
+        for n_new in [7] + [1] * 12:
+            for layer in range(2):
+                keys, values = mx.split(mx.random.normal((2, 2, n_new, 16)), 2)
+                got = ours[layer].update_and_fetch(keys, values)
+                want = theirs[layer].update_and_fetch(keys, values)  # type: ignore[no-untyped-call]
+                assert all(mx.array_equal(a, b).item() for a, b in zip(got, want, strict=True))
+        first_ids = (ours.book.key_blocks[0].block_id, ours.book.value_blocks[0].block_id)
+    assert len(reads) == 2 * 13
+    if ids == "running on":
+        assert set(reads) == {"slices"} and first_ids == (3, 37)
+    else:
+        assert set(reads) == {"take"}
+
+
+def test_a_caches_state_is_copied_out_even_where_its_ids_run_on(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A kept view would make every later write to the layer copy the whole slab, and a
+    caller may keep ``state``: it is gathered, only the decode path returns slices."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64))
+    store = MLXBlockStorage(pool, 1, 2, 8, mx.float32, lazy_writes=True)
+    model = tiny_model("llama", 3, n_layers=1, n_kv_heads=2, head_dim=8)
+    with make_pool_backed_cache(model, store) as cache:
+        tokens = mx.ones((1, 2, 6, 8))
+        cache[0].update_and_fetch(tokens, tokens)
+        reads = _recording_reads(monkeypatch)
+        keys, values = cache[0].state[:2]
+        assert reads == ["take"]
+        cache[0].update_and_fetch(tokens[:, :, :1], tokens[:, :, :1])
+        assert reads == ["take", "slices"]
+    assert mx.array_equal(keys, tokens).item() and mx.array_equal(values, tokens).item()
 
 
 @pytest.mark.parametrize("lazy_writes", [False, True])
+@pytest.mark.parametrize("held", ["evaluated", "unevaluated"])
 def test_a_read_by_slices_keeps_its_values_when_its_positions_are_written_again(
-    lazy_writes: bool,
+    lazy_writes: bool, held: str
 ) -> None:
-    """Slices share the slab's buffer, so the update must not write into it in place."""
+    """Slices share the slab's buffer, so no later write, of this request or of another
+    one on the same slab, may write into it in place."""
     pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64))
     store = MLXBlockStorage(pool, 1, 2, 8, mx.float32, lazy_writes=lazy_writes)
-    with make_pool_backed_cache(
-        tiny_model("llama", 3, n_layers=1, n_kv_heads=2, head_dim=8), store
-    ) as cache:
-        keys, values = cache[0].update_and_fetch(mx.ones((1, 2, 6, 8)), mx.ones((1, 2, 6, 8)))
-        mx.eval(keys, values)
+    model = tiny_model("llama", 3, n_layers=1, n_kv_heads=2, head_dim=8)
+    with (
+        make_pool_backed_cache(model, store) as cache,
+        make_pool_backed_cache(model, store) as other,
+    ):
+        ones = mx.ones((1, 2, 6, 8))
+        keys, values = cache[0].update_and_fetch(ones, ones)
+        if held == "evaluated":
+            mx.eval(keys, values)
         table = cache[0]._table
         assert table is not None and table.run_starts is not None  # read by slices
         cache[0].trim(2)
         rewritten = mx.full((1, 2, 2, 8), 5.0)
-        new_keys, new_values = cache[0].update_and_fetch(rewritten, rewritten)
-        mx.eval(new_keys, new_values)
-    assert mx.array_equal(keys, mx.ones((1, 2, 6, 8))).item()
-    assert mx.array_equal(values, mx.ones((1, 2, 6, 8))).item()
-    assert new_keys[:, :, 4:].min().item() == 5.0
+        new_keys, _ = cache[0].update_and_fetch(rewritten, rewritten)
+        twos = mx.full((1, 2, 9, 8), 2.0)
+        other[0].update_and_fetch(twos, twos)
+        mx.eval(new_keys)
+        assert mx.array_equal(keys, ones).item() and mx.array_equal(values, ones).item()
+        assert new_keys[:, :, 4:].min().item() == 5.0

@@ -99,21 +99,47 @@ def test_the_table_follows_appends_and_trims() -> None:
     assert _ids(table) == ([], [])
 
 
-def test_run_starts_name_the_first_ids_exactly_while_each_stream_runs_on() -> None:
-    store = _store()  # 256 blocks: keys on ids 0..127, values on 128..255
+def _alone_then_broken(
+    store: MLXBlockStorage, breaker: str
+) -> tuple[PoolBackedPromptCache, object]:
+    """A request alone for 9 positions (blocks 0..2 and 128..130), then grown by 4 after
+    ``breaker`` took the next key and value ids (``"request"``) or only the next value
+    id (``"value block"``); and the breaker, to keep it alive."""
     ours = PoolBackedPromptCache(store, PooledKVCache(store.pool, n_layers=N_LAYERS))
-    other = PoolBackedPromptCache(store, PooledKVCache(store.pool, n_layers=N_LAYERS))
     table = ours[0]._table
     assert table is not None
-    _decode(ours, 9)  # alone: blocks 0, 1, 2 and 128, 129, 130
+    _decode(ours, 9)
     table.require_live()
     assert table.run_starts == (0, 128)
-    _decode(other, 1)  # takes 3 and 131
-    _decode(ours, 4)  # grows into 4 and 132: the runs are broken
+    taker: object
+    if breaker == "request":
+        taker = PoolBackedPromptCache(store, PooledKVCache(store.pool, n_layers=N_LAYERS))
+        _decode(taker, 1)
+    else:
+        taker = store.pool.allocate("v", BLOCK_SIZE, owner=77)
+    _decode(ours, 4)
     table.require_live()
-    assert _ids(table) == ([0, 1, 2, 4], [128, 129, 130, 132])
+    return ours, taker
+
+
+@pytest.mark.parametrize("breaker", ["request", "value block"])
+def test_run_starts_are_none_once_either_stream_stops_running_on(breaker: str) -> None:
+    store = _store()  # 256 blocks: keys on ids 0..127, values on 128..255
+    ours, _taker = _alone_then_broken(store, breaker)
+    table = ours[0]._table
+    assert table is not None
+    keys_after = [0, 1, 2, 4] if breaker == "request" else [0, 1, 2, 3]
+    assert _ids(table) == (keys_after, [128, 129, 130, 132])
     assert table.run_starts is None
-    other.release()  # a free anywhere: the table is checked whole again
+    ours.release()
+
+
+def test_run_starts_are_found_again_after_a_free_anywhere_a_trim_and_a_release() -> None:
+    store = _store()
+    ours, _ = _alone_then_broken(store, "value block")
+    table = ours[0]._table
+    assert table is not None
+    store.pool.free_all(77)  # a free anywhere: the table is checked whole again
     table.require_live()
     assert table.run_starts is None
     ours.book.trim(1)  # back to 12 positions, the 3 blocks of each run

@@ -135,7 +135,12 @@ def read_by_slices(
     For a request whose key blocks hold consecutive ids, and so do its value blocks
     (:attr:`~veloxquant_mlx.memory.slot_rows.StepRows.run_rows`: the slab rows where
     the two runs start). Two ``Slice`` nodes and no copy, as ``KVCache`` reads its
-    buffers; the values are those the gathers read.
+    buffers; the values are those the gathers read. The results are views: while
+    one is alive, an update of the slab cannot reuse its buffer and copies it.
+
+    Nothing is checked: the caller makes sure that both runs of ``n_tokens`` rows,
+    ``>= 1``, lie inside the slab's ``capacity * block_size`` rows (MLX clamps a slice
+    that reaches past them, so a wrong row would quietly read fewer positions).
     """
     key_row, value_row = run_rows
     keys = slab[:, :, key_row : key_row + n_tokens]

@@ -40,12 +40,15 @@ __all__ = [
 #: Whether ``attention="auto"`` takes the fused kernel where it can run. False: on
 #: the H200 the kernel is 2-5x faster than gather + attention per call, but a decode
 #: step through it was slower end to end (0.62-0.76x ``KVCache`` against 0.80-0.98x
-#: gathered; README, "KV cache on a GPU"): below 32K the kernel takes more device time
-#: than MLX's attention, and the unused gather is still built on the host.
+#: gathered; README, "KV cache on a GPU"; measured before the gathered path read a
+#: request whose ids run on by slices, which made it faster still): below 32K the
+#: kernel takes more device time than MLX's attention, and the unused read is still
+#: built on the host.
 AUTO_PREFERS_FUSED: Final = False
 
 #: How a cache's attention reads its keys and values: ``"gather"`` (``update_and_fetch``
-#: returns gathered copies, mlx-lm's attention reads them), ``"fused"`` (decode attention
+#: returns them, as slices of the slab or as gathered copies, and mlx-lm's attention
+#: reads them), ``"fused"`` (decode attention
 #: reads them in place through the block table; prefill still gathers), ``"auto"``
 #: (:func:`resolve_attention` picks).
 AttentionMode = Literal["auto", "fused", "gather"]

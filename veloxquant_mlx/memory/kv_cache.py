@@ -42,10 +42,13 @@ as ``mx.array`` s checked live once per change of the table and once per
 decode step after any free in the pool, so a step costs O(layers) host
 work whatever the context, and a stale or foreign block is still never read
 or written. Each layer's call is one scatter of the new keys and values and
-one take of every held position (at long contexts on a CUDA GPU, one gather
-kernel: :mod:`~veloxquant_mlx.memory.block_gather`). Attention then reads
-the gathered copy (``attention="gather"``, the default: exact, bit for bit
-``KVCache``'s output) or the slab in place
+one read of every held position: two slices of the slab where the request's
+key ids run on consecutively and so do its value ids
+(:attr:`~veloxquant_mlx.memory.block_table.DeviceBlockTable.run_starts`), as
+``KVCache`` reads its buffers, else one take of its blocks (at long contexts
+on a CUDA GPU, one gather kernel: :mod:`~veloxquant_mlx.memory.block_gather`).
+Attention then reads what the call returned (``attention="gather"``, the
+default: exact, bit for bit ``KVCache``'s output) or the slab in place
 with the fused CUDA kernel (``"fused"``: logits within float tolerance;
 faster per call, slower per step on the models measured so far, see
 :data:`~veloxquant_mlx.memory.cache_storage.AUTO_PREFERS_FUSED`). A store
@@ -54,9 +57,10 @@ with only the storage protocol is read and written block by block
 
 Complexity (``T`` = positions of the layer, ``n`` = new ones, ``k`` =
 blocks of the request): ``update_and_fetch`` O(n) host work to write plus
-O(1) to build the gather, O(T) device work for it; O(k) once after the table
-changed. ``KVCache`` returns a slice of its buffer instead, so its fetch is
-free on the device; the gather is the price of paging without the kernel.
+O(1) to build the read, which is free on the device where the ids run on
+(slices, as ``KVCache``'s fetch is) and O(T) device work where it gathers
+(the price of paging a request whose blocks are scattered); O(k) once after
+the table changed.
 ``attend_in_place`` O(1) host, O(T) device, no copy. ``trim`` O(layers +
 blocks freed); ``state`` O(T); ``make_mask`` O(1), O(n * T) for an array
 mask; ``offset``, ``size``, ``nbytes`` O(1).

@@ -38,11 +38,15 @@ MLX semantics this relies on (checked by the storage conformance suite and
 the aliasing replay): arrays are values. An update (``slice_update``)
 returns a new slab and never changes an array computed earlier,
 even one still unevaluated; MLX donates the old slab's buffer to the update
-only when nothing else refers to it, so a gather that is still pending (or a
-view of the slab) keeps its own data. The price: while a gather is left
-unevaluated, the next write to its layer copies the slab once. Evaluate
-gathers (as a model step does) before writing again and writes cost
-O(slots written).
+only when nothing else refers to it, so a gather that is still pending, or
+a view of the slab (a decode read by slices, evaluated or not), keeps its
+own data. The price: while a gather is left unevaluated, or a view of the
+slab is alive, the next write to its layer copies the whole slab (every
+request's rows). Evaluate gathers and drop views (as a model step does: its
+attention consumes what the decode path returned) before writing again, and
+writes cost O(slots written). So only the decode path returns views;
+``fetch_through_table`` (a cache's ``state``, which a caller may keep)
+always returns copies.
 
 Since MLX 0.31.2 streams are per thread: a lazy graph built on one thread
 cannot be evaluated on another. So by default every write (``write``, the
@@ -75,8 +79,9 @@ only build MLX graphs (and evaluate them as just said), so the module runs
 unchanged on Metal or CUDA.
 
 Complexity: ``update_through_table`` O(slots written) plus O(1) host work to
-build the gather (O(tokens) device work), ``fetch_through_table`` the
-latter, ``attend_through_table`` O(1) host, O(tokens) device; all three
+build the read (two slices, no device work, or a gather of O(tokens) device
+work), ``fetch_through_table`` O(1) host work to build a gather (O(tokens)
+device work), ``attend_through_table`` O(1) host, O(tokens) device; all three
 O(blocks) device work once after the request's table or the capacity
 changed, and O(blocks) host work once after a free anywhere in the pool;
 ``write`` O(slots written) (amortised, see above); ``gather_heads``
@@ -386,8 +391,10 @@ class MLXBlockStorage:
 
         ``keys`` and ``values`` are ``(1, n_kv_heads, n, head_dim)``, as a model hands
         them to its cache: the decode step of one layer, in one call, as two slice
-        updates (two per block for several positions) and one gather of the
-        request's blocks. Safety comes from
+        updates (two per block for several positions) and one read of the request's
+        blocks: two slices of the slab where each stream's ids run on (views: drop
+        them before the next write, or it copies the slab), else one gather. Safety
+        comes from
         ``table.require_live_this_step()`` (O(1), and one pool call per decode step),
         not from asking the pool about each block. No sync with ``lazy_writes``:
         the slab is left lazy; else it is evaluated and published (:func:`publish`)
@@ -462,11 +469,13 @@ class MLXBlockStorage:
                 slab[:, :, run.value_row : value_end] = value_rows
             if n_new:
                 # The list lets go of the old slab: MLX donates its buffer to the update
-                # unless a pending gather still reads it.
+                # unless a pending gather or a live view still reads it.
                 self._slabs[layer] = slab
                 if not self._lazy_writes:
                     publish(slab)
-            return self._read(slab, step)
+            if step.run_rows is not None:
+                return block_gather.read_by_slices(slab, step.run_rows, step.n_read)
+            return self._copy_out(slab, step)
 
     def fetch_through_table(
         self, layer: int, table: DeviceBlockTable, n_tokens: int
@@ -474,9 +483,10 @@ class MLXBlockStorage:
         """Keys and values of positions ``0 .. n_tokens - 1`` of ``table``'s request.
 
         Returns lazy arrays, each ``(1, n_kv_heads, n_tokens, head_dim)`` (the layout
-        attention reads): two slices of the slab where each stream's blocks run on,
-        else one ``mx.take`` of the request's slot rows, which every layer of a step
-        shares; never changed by later writes (an update makes a new slab).
+        attention reads), from one ``mx.take`` of the request's slot rows, which every
+        layer of a step shares: copies, never views of the slab, whatever the ids (a
+        kept view would make every later write to the layer copy the slab); never
+        changed by later writes.
 
         Raises:
             ValueError: ``n_tokens`` beyond the table's slots, a layer out of range, or
@@ -488,7 +498,7 @@ class MLXBlockStorage:
         with self._lock:
             rows = self._slot_rows_locked(layer, table, this_step=False)
             require_n_tokens(n_tokens, rows.n_slots)
-            return self._read(self._slabs[layer], rows.for_step(n_tokens, 0))
+            return self._copy_out(self._slabs[layer], rows.for_step(n_tokens, 0))
 
     def attend_through_table(
         self, layer: int, table: DeviceBlockTable, n_tokens: int, queries: mx.array, scale: float
@@ -619,13 +629,11 @@ class MLXBlockStorage:
             schedule_rows=not self._lazy_writes,
         )
 
-    def _read(self, slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
-        """Keys and values of the step's positions, ``(1, heads, n_read, head_dim)`` each:
-        two slices where each stream's blocks are one run of ids, else one take of
-        their blocks, cut to the positions held (at long contexts on a CUDA GPU, one
-        gather kernel: :mod:`~veloxquant_mlx.memory.block_gather`)."""
-        if step.run_rows is not None:
-            return block_gather.read_by_slices(slab, step.run_rows, step.n_read)
+    def _copy_out(self, slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
+        """Keys and values of the step's positions, ``(1, heads, n_read, head_dim)`` each,
+        copied out of the slab: one take of their blocks, cut to the positions held (at
+        long contexts on a CUDA GPU, one gather kernel:
+        :mod:`~veloxquant_mlx.memory.block_gather`)."""
         if (
             step.n_read >= block_gather.KERNEL_MIN_TOKENS
             and self._kernel_gathers

@@ -20,10 +20,12 @@ each layer.
 
 Ownership: the book claims its ``owner`` id in the pool on construction
 (``register_owner``, so two live books cannot share an id) and ``release()``
-returns its blocks, by handle, and the id. Blocks go back (on release and
-on a trim) last position first in each stream, so the pool's stacks hand
-them out again in position order: ids that ran on consecutively run on again
-for the next request, which the MLX store then reads by slicing
+returns its blocks, by handle, and the id. Blocks go back (on release, on a
+trim, and when a checkout is undone) in the reverse of the order they were
+checked out: values before keys, each stream's last position first. The
+pool's stacks (C-LIFO) then hand them out again as they were, so ids that
+ran on consecutively run on again for the growth after a trim and for the
+next request, which the MLX store then reads by slicing
 (:attr:`~veloxquant_mlx.memory.block_table.DeviceBlockTable.run_starts`).
 ``release()`` is idempotent, and
 the book is a context manager, so an aborted generation still returns its
@@ -395,8 +397,8 @@ class PooledKVCache:
 
         Frees the book's own handles (those still live), never "every block of the
         owner id": blocks freed behind the book's back and checked out again under
-        the same id by someone else stay theirs. Each stream's blocks go back last
-        position first, so that the pool hands them out again in position order.
+        the same id by someone else stay theirs. They go back in the reverse of the
+        order they were checked out, so that the pool hands them out again so.
         """
         if self._released:
             return
@@ -520,10 +522,7 @@ class PooledKVCache:
         """Keep ``n_tokens`` positions: mark the new last blocks, free the ones past them."""
         block_size = self._block_size
         n_kept = -(-n_tokens // block_size)
-        tail = [
-            *_newest_first(self._key_blocks[n_kept:]),
-            *_newest_first(self._value_blocks[n_kept:]),
-        ]
+        tail = [*self._key_blocks[n_kept:], *self._value_blocks[n_kept:]]
         self._key_blocks = self._key_blocks[:n_kept]
         self._value_blocks = self._value_blocks[:n_kept]
         if tail:
@@ -590,7 +589,10 @@ class PooledKVCache:
             self.copy_block(old_id, own)
 
     def _free(self, blocks: list[Block]) -> None:
-        """Free ``blocks``; keep the owner claimed even if they were its last ones."""
+        """Free ``blocks`` (keys, then values, each in position order, as they were
+        checked out), newest first; keep the owner claimed even if they were its last
+        ones."""
+        blocks = _newest_first(blocks)
         if self._key_blocks:
             self._pool.free(blocks)
             return
@@ -606,8 +608,8 @@ class PooledKVCache:
             )
 
     def _holding(self) -> BookHolding:
-        blocks = _newest_first(self._key_blocks) + _newest_first(self._value_blocks)
-        return BookHolding(self._owner, self._claim, blocks)
+        blocks = _newest_first([*self._key_blocks, *self._value_blocks])
+        return BookHolding(self._owner, self._claim, tuple(blocks))
 
     def _abandon(self) -> None:
         """Forget every block and count as released (whatever held them was given back)."""
@@ -619,11 +621,13 @@ class PooledKVCache:
         self._offsets[:] = [0] * len(self._offsets)
 
 
-def _newest_first(blocks: tuple[Block, ...]) -> tuple[Block, ...]:
-    """A stream's blocks in the order the book gives them back: the last position's
-    first. The pool's stacks (C-LIFO) then hand them out again in position order, so
-    blocks that ran on ``[f, f + 1, ...]`` do so again for the next request or growth
-    (which a store reads by slicing: block_table.DeviceBlockTable.run_starts)."""
+def _newest_first(blocks: list[Block]) -> list[Block]:
+    """Blocks listed as checked out (keys, then values, each in position order) in the
+    order the book gives them back: reversed, so values before keys and each stream's
+    last position first. The pool's stacks (C-LIFO) then hand them out again as they
+    were, keys first, even from one shared list: ids that ran on ``[f, f + 1, ...]``
+    do so again for the next request or growth (which a store reads by slicing:
+    block_table.DeviceBlockTable.run_starts)."""
     return blocks[::-1]
 
 

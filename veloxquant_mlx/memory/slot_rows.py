@@ -5,18 +5,18 @@ The MLX store keeps each layer's keys and values in one head-major slab
 ``b`` is row ``b * block_size + s`` of every head. A decode step of one
 layer is then, as for ``KVCache``, two slice updates of one row each (the new
 key and value, at start rows that do not depend on the capacity), and one
-read: an ``mx.take`` of every held *block* of keys and values at once, from
-the slab seen as ``(n_kv_heads * capacity, block_size, head_dim)`` (block
-``b`` of head ``h`` is entry ``h * capacity + b``), which lands in the
-``(heads, tokens, head_dim)`` layout attention reads, cut to the positions
-held and split into keys and values. No per-block work on the host, and
-the device copies whole blocks: gathering single positions (token rows) or
-with ``take_along_axis`` moved the same bytes 2.5x slower on the CPU.
-When each stream's blocks hold consecutive ids (a fixed pool hands a
-request alone its blocks so), its positions are one run of rows of every
-head, and the read is two slices of the slab instead, as ``KVCache`` reads
-its buffers: no gather and no copy, the same values
-(:attr:`StepRows.run_rows`).
+read. When the request's key blocks hold consecutive ids, and so do its
+value blocks, its positions are one run of rows of every head, and the
+read is two slices of the slab, as ``KVCache`` reads its buffers: no copy,
+the same values (:attr:`StepRows.run_rows`; with ``separate_kv=True`` a
+fresh fixed pool hands a request alone its blocks so). Otherwise it is an
+``mx.take`` of every held *block* of keys and values at once, from the slab
+seen as ``(n_kv_heads * capacity, block_size, head_dim)`` (block ``b`` of
+head ``h`` is entry ``h * capacity + b``), which lands in the ``(heads,
+tokens, head_dim)`` layout attention reads, cut to the positions held and
+split into keys and values. No per-block work on the host, and the device
+copies whole blocks: gathering single positions (token rows) or with
+``take_along_axis`` moved the same bytes 2.5x slower on the CPU.
 
 :class:`SlotRows` holds the block entries of one request's
 :class:`~veloxquant_mlx.memory.block_table.DeviceBlockTable` for one slab
@@ -77,8 +77,7 @@ class StepRows(NamedTuple):
         writes: One :class:`RowRun` per block the new positions touch (one for a
             decode step).
         read_blocks: Block entries of the positions read, keys then values:
-            ``(2, n_kv_heads, blocks)``, the last block partly held (all the
-            table's blocks, uncut, when ``run_rows`` is set: then unused).
+            ``(2, n_kv_heads, blocks)``, the last block partly held.
         n_read: Positions read, ``start + n``.
         run_rows: The slab rows of position 0 of the keys and of the values when
             each stream's blocks are one run of consecutive ids (the positions
@@ -150,9 +149,7 @@ class SlotRows:
         end = start + n_new
         n_blocks = -(-end // self._block_size)
         last = self._pieces
-        if self._run_rows is not None:
-            read = self.blocks  # read by slicing the runs: no entries to cut
-        elif last.read_blocks.shape[2] == n_blocks and self._step[2] == threading.get_ident():
+        if last.read_blocks.shape[2] == n_blocks and self._step[2] == threading.get_ident():
             read = last.read_blocks  # the last step's blocks (made on this thread): reused
         elif n_blocks == self._n_blocks:
             read = self.blocks
