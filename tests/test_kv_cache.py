@@ -24,6 +24,7 @@ from veloxquant_mlx.memory.block_pool import (
     Block,
     BlockPoolAllocator,
     BlockPoolExhaustedError,
+    InvariantViolationError,
     OwnerAlreadyActiveError,
     PoolConfig,
 )
@@ -128,6 +129,22 @@ def test_trim_frees_whole_blocks_past_the_new_offset(pool: BlockPoolAllocator) -
     assert book.key_blocks[-1].n_used == BLOCK_SIZE - 1
     assert pool.n_free("k") == free_before + 1
     book.check_invariants()
+
+
+def test_check_invariants_names_a_block_the_pool_lists_for_the_owner_but_the_book_lacks(
+    pool: BlockPoolAllocator,
+) -> None:
+    """A block checked out to the book's owner that the book does not hold would leak
+    (nothing gives it back): the book's check names it."""
+    book = PooledKVCache(pool)
+    book.append(BLOCK_SIZE + 1)
+    book.check_invariants()
+    stray = pool.allocate("k", 1, book.owner, "fp16")
+    with pytest.raises(InvariantViolationError, match=r"ownership: the pool lists 5 blocks"):
+        book.check_invariants()
+    pool.free(stray)
+    book.check_invariants()
+    book.release()
 
 
 def test_trim_returns_at_most_the_offset(pool: BlockPoolAllocator) -> None:

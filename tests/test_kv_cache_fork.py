@@ -88,6 +88,34 @@ def test_a_fork_of_a_fork_and_a_trim_keep_every_reader_s_positions() -> None:
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("cut", ["fork", "original"])
+def test_a_trim_to_a_block_boundary_after_a_fork_keeps_the_full_blocks_shared(cut: str) -> None:
+    """A rewind to the end of a full shared block changes no block's fill, so nothing
+    is copied. Before, the trim marked that block (read-only while shared) with its
+    unchanged fill: the pool refused, and the blocks past it had already left the
+    book without going back to the pool."""
+    model = tiny_model("llama", 5)
+    shared = prompt(6, length=10)  # blocks of 4, 4 and 2 positions
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
+    storage = make_pool_backed_storage(model, pool)
+    with make_pool_backed_cache(model, storage, attention="gather") as root:
+        _logits(model, shared, root)
+        with root.fork() as twin:
+            trimmed, kept = (twin, root) if cut == "fork" else (root, twin)
+            for layer in trimmed:
+                layer.trim(2)  # to 8 positions: the end of the second block
+            assert pool.stats.shared_blocks() == 4  # two full blocks of each stream
+            assert pool.stats.blocks_in_use() == 6  # the third pair, now the kept one's alone
+            assert pool.stats.n_copy_on_write == 0
+            trimmed.book.check_invariants()
+            kept.book.check_invariants()
+            got = _logits(model, [11], trimmed)
+            assert mx.array_equal(got, _reference(model, shared[:8], [11])[-1])
+            assert mx.array_equal(_logits(model, [12], kept), _reference(model, shared, [12])[-1])
+    assert pool.stats.blocks_in_use() == 0
+    pool.check_invariants()
+
+
 def test_a_book_alone_forks_without_a_store() -> None:
     pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
     with PooledKVCache(pool, owner=1) as book:

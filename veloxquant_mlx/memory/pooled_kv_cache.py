@@ -115,7 +115,8 @@ class PooledKVCache:
     - both streams hold ``ceil(n_tokens / block_size)`` live handles of the
       pool, checked out to ``owner``;
     - every block is full except the last of each stream, whose ``n_used``
-      is the remainder (``n_tokens - (blocks - 1) * block_size``).
+      is the remainder (``n_tokens - (blocks - 1) * block_size``);
+    - the pool lists exactly those handles for ``owner`` (none leaks).
 
     Dropped without ``release()``, a book queues what it holds for release by
     the next drain (module docstring); a released book queues nothing.
@@ -457,6 +458,19 @@ class PooledKVCache:
                     return f"handles: {stream} block {index} {block!r} is not live for the owner"
                 if block.n_used != fill:
                     return f"fill: {stream} block {index} has n_used={block.n_used}, not {fill}"
+        return self._ownership_violation()
+
+    def _ownership_violation(self) -> str | None:
+        """Whether the pool lists for the owner exactly the handles the book holds:
+        a block checked out and then dropped from the table would leak until the pool
+        is gone."""
+        held = {id(block) for block in (*self._key_blocks, *self._value_blocks)}
+        listed = self._pool.blocks_for(self._owner)
+        if len(listed) != len(held) or any(id(block) not in held for block in listed):
+            return (
+                f"ownership: the pool lists {len(listed)} blocks for owner {self._owner}, "
+                f"the book holds {len(held)} (ids {sorted(block.block_id for block in listed)})"
+            )
         return None
 
     # -- internals ---------------------------------------------------------------------
@@ -519,9 +533,19 @@ class PooledKVCache:
         return new_keys, new_values
 
     def _shrink_to(self, n_tokens: int) -> None:
-        """Keep ``n_tokens`` positions: mark the new last blocks, free the ones past them."""
+        """Keep ``n_tokens`` positions: mark the new last blocks, free the ones past them.
+
+        The pool is asked first, so a refusal changes nothing. A new last block whose
+        fill does not change is not marked: at a block boundary it is full, and after
+        a fork it may be shared, hence read-only even to a mark of the same fill.
+        """
         block_size = self._block_size
         n_kept = -(-n_tokens // block_size)
+        if n_kept:
+            last_fill = n_tokens - (n_kept - 1) * block_size
+            for block in (self._key_blocks[n_kept - 1], self._value_blocks[n_kept - 1]):
+                if block.n_used != last_fill:
+                    self._pool.mark_used(block, last_fill)
         tail = [*self._key_blocks[n_kept:], *self._value_blocks[n_kept:]]
         self._key_blocks = self._key_blocks[:n_kept]
         self._value_blocks = self._value_blocks[:n_kept]
@@ -529,10 +553,6 @@ class PooledKVCache:
             self._table_version += 1
         self._n_tokens = n_tokens
         self._extent_version += 1
-        if n_kept:
-            last_fill = n_tokens - (n_kept - 1) * block_size
-            self._pool.mark_used(self._key_blocks[-1], last_fill)
-            self._pool.mark_used(self._value_blocks[-1], last_fill)
         if tail:
             self._free(tail)
 
