@@ -34,7 +34,7 @@ and one ``pool.stats`` snapshot, one pool lock); after the book added ``a``
 blocks with no free anywhere, O(a) amortised, since the ids array grows by
 concatenation (and whether the ids still run on is decided from the new
 ones alone); after any free or move, O(k) once. :meth:`memo`, :meth:`memo_this_step` and
-:meth:`remember` O(1).
+:meth:`remember` O(1); :meth:`check_invariants` O(k).
 
 Thread safety: like the book, a table belongs to one request and is used
 from one thread at a time; the pool it asks locks itself. A block freed by
@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Final, TypeVar, cast
 
 import mlx.core as mx
 
-from veloxquant_mlx.memory.block_pool import Block
+from veloxquant_mlx.memory.block_pool import Block, InvariantViolationError
 from veloxquant_mlx.memory.pooled_kv_cache import (
     PooledKVCache,
     StaleBlockTableError,
@@ -84,6 +84,9 @@ class DeviceBlockTable:
     - ``run_starts`` is ``(key_ids[0], value_ids[0])`` exactly when both id lists
       are runs ``[f, f + 1, ...]``, else ``None``;
     - the memo holds only a value computed from the current ids.
+
+    :meth:`check_invariants` verifies the first three (the memo is the
+    store's value, which the table cannot recompute).
     """
 
     def __init__(self, book: PooledKVCache) -> None:
@@ -252,7 +255,62 @@ class DeviceBlockTable:
         self._memo_key, self._memo_value = owner, value
         return value
 
+    def check_invariants(self) -> None:
+        """Verify the class invariants. O(blocks), and one wait for the id arrays.
+
+        The ids and the run starts are checked against the handles the table holds,
+        always. That those are the book's handles, each live, is checked while the
+        book's ``table_version`` and the pool's count of frees and moves are what the
+        last :meth:`require_live` saw; after either moved the table is behind by
+        design, until the next check.
+
+        Raises:
+            InvariantViolationError: Naming the invariant that is broken and how.
+        """
+        problem = self._first_violation()
+        if problem is not None:
+            raise InvariantViolationError(problem)
+
     # -- internals ---------------------------------------------------------------------
+
+    def _first_violation(self) -> str | None:
+        if len(self._keys) != len(self._values):
+            return f"table: {len(self._keys)} key handles but {len(self._values)} value handles"
+        streams = (
+            ("key", self._keys, self._key_ids, self._key_run),
+            ("value", self._values, self._value_ids, self._value_run),
+        )
+        for stream, blocks, ids, run in streams:
+            problem = _ids_violation(stream, blocks, ids, run)
+            if problem is not None:
+                return problem
+        return self._book_violation() if self._is_current() else None
+
+    def _is_current(self) -> bool:
+        """Whether neither the book's blocks nor the pool's frees and moves have moved
+        since the last completed :meth:`require_live`."""
+        stats = self._pool.stats
+        return (
+            self._checked_version == self._book.table_version
+            and self._checked_releases == stats.n_frees + stats.n_copy_on_write
+        )
+
+    def _book_violation(self) -> str | None:
+        book = self._book
+        for stream, held, booked in (
+            ("key", self._keys, book.key_blocks),
+            ("value", self._values, book.value_blocks),
+        ):
+            if len(held) != len(booked) or any(
+                a is not b for a, b in zip(held, booked, strict=True)
+            ):
+                return f"table: the {stream} handles are not the book's, with nothing moved"
+        stale = next(
+            (block for block in self._keys + self._values if not self._pool.is_live(block)), None
+        )
+        if stale is not None:
+            return f"handles: {stale!r} is not live, with nothing freed or moved since the check"
+        return None
 
     def _extends_checked(self, keys: tuple[Block, ...], values: tuple[Block, ...]) -> bool:
         """Whether the book only appended to the checked handles (O(1): with no free or
@@ -334,6 +392,21 @@ def _run_after(run: int | None, n_held: int, new_blocks: tuple[Block, ...]) -> i
 
 def _ids_run_from(blocks: Sequence[Block], first_id: int) -> bool:
     return all(block.block_id == first_id + offset for offset, block in enumerate(blocks))
+
+
+def _ids_violation(
+    stream: str, blocks: tuple[Block, ...], ids: mx.array, run: int | None
+) -> str | None:
+    """What is wrong with a stream's id array and run start, given its handles."""
+    held = [block.block_id for block in blocks]
+    listed = cast(list[int], ids.tolist())
+    if ids.dtype != mx.int32 or ids.ndim != 1 or listed != held:
+        return f"ids: the {stream} ids {listed} ({ids.dtype}) are not those of its handles {held}"
+    runs_on = bool(held) and held == list(range(held[0], held[0] + len(held)))
+    expected = held[0] if runs_on else None
+    if run != expected:
+        return f"runs: the {stream} run starts at {run}, expected {expected} for ids {held}"
+    return None
 
 
 def _ids(blocks: tuple[Block, ...]) -> mx.array:
