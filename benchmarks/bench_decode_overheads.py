@@ -36,8 +36,14 @@ back-end the second also holds computing), and each variant's tokens/s over
 ``kv_cache``'s (a median of same-round ratios), and how each pool-backed
 variant was read (``pool_backed_read_by``: ``slices`` or ``gather``, from its
 block ids at the end). Each variant first decodes
-one untimed round, so no round pays a first use. Nothing passes or fails;
-issue 9's note reads these figures.
+one untimed round, so no round pays a first use, and every round starts
+from an empty MLX buffer cache (``mx.clear_cache``): otherwise the buffers
+that one variant's round leaves cached decide what the next one's
+allocations cost. On this CPU at 32K positions, with rounds of 32 steps,
+the take variant's row buffers left the cache full, every step of the
+gathered variant after it then allocated its outputs afresh, and it measured
+0.53x; from an empty cache, 0.87x. Nothing passes or fails; issue 9's note reads these
+figures.
 
     python benchmarks/bench_decode_overheads.py                   # 256, 4K, 32K
     python benchmarks/bench_decode_overheads.py --contexts 256 1024 4096 16384 32768
@@ -158,6 +164,7 @@ def bench_context(
     for round_index in range(rounds):
         shift = round_index % len(VARIANTS)
         for name in VARIANTS[shift:] + VARIANTS[:shift]:
+            mx.clear_cache()  # no round allocates from buffers another variant left
             samples[name].append(decode_round(model, [requests[name]], steps))
     runs = {name: ids_run_on(caches) for name, caches in requests.items()}
     for caches in requests.values():
