@@ -3,8 +3,9 @@
 A table decides incrementally what it can (the ids of blocks added, and
 whether each stream's ids still run on, from the new ids alone) and checks
 everything again after a free or a move anywhere in the pool. This machine
-drives several books of one small pool through appends, trims, forks,
-releases, exhaustion and frees behind their backs, brings each table up to
+drives several books of one small pool, two layers each, through appends,
+trims, forks, releases, exhaustion, and frees and copy-on-write moves behind
+their backs, brings each table up to
 date after every step, and compares it with its book, computed here
 independently of the table's code: the same handles and ids, each stream's run
 start exactly when its ids are ``[f, f + 1, ...]``, a stale table refused and
@@ -39,10 +40,12 @@ from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 BLOCK_SIZE = 2
 N_BLOCKS = 24  # small, so that appends meet exhaustion
 MOST_BOOKS = 4
+N_LAYERS = 2  # layers append in turn; the table covers the furthest
 
 # Which book a rule acts on: an index, taken modulo the number of books.
 book_choice = st.integers(min_value=0, max_value=MOST_BOOKS - 1)
 positions = st.integers(min_value=0, max_value=7)
+layers = st.integers(min_value=0, max_value=N_LAYERS - 1)
 
 
 def expected_run(blocks: tuple[Block, ...]) -> int | None:
@@ -77,22 +80,22 @@ class TableFollowsBook(RuleBasedStateMachine):
     @precondition(lambda self: len(self.books) < MOST_BOOKS)
     @rule()
     def new_book(self) -> None:
-        self._follow(PooledKVCache(self.pool))
+        self._follow(PooledKVCache(self.pool, n_layers=N_LAYERS))
 
     @precondition(lambda self: self.books)
-    @rule(choice=book_choice, n=positions)
-    def append(self, choice: int, n: int) -> None:
+    @rule(choice=book_choice, n=positions, layer=layers)
+    def append(self, choice: int, n: int, layer: int) -> None:
         book = self.books[choice % len(self.books)]
         with contextlib.suppress(BlockPoolExhaustedError):  # all or nothing: unchanged
-            book.append(n)
+            book.append(n, layer=layer)
 
     @precondition(lambda self: self.books)
-    @rule(choice=book_choice, n=positions)
-    def trim(self, choice: int, n: int) -> None:
+    @rule(choice=book_choice, n=positions, layer=st.none() | layers)
+    def trim(self, choice: int, n: int, layer: int | None) -> None:
         book = self.books[choice % len(self.books)]
         # Refused when a shared last block needs a private copy the pool cannot give.
         with contextlib.suppress(BlockPoolExhaustedError):
-            book.trim(n)
+            book.trim(n, layer=layer)
 
     @precondition(lambda self: 0 < len(self.books) < MOST_BOOKS)
     @rule(choice=book_choice)
@@ -123,6 +126,31 @@ class TableFollowsBook(RuleBasedStateMachine):
         assert table.key_ids.size == table.value_ids.size == 0
         table.check_invariants()
         book.release()  # gives back the owner claim; its blocks are gone already
+        self._forget(index)
+
+    def _shared_blocks(self, book: PooledKVCache) -> list[Block]:
+        return [
+            block
+            for block in (*book.key_blocks, *book.value_blocks)
+            if self.pool.is_shared(block.block_id)
+        ]
+
+    @precondition(lambda self: any(self._shared_blocks(book) for book in self.books))
+    @rule(choice=book_choice)
+    def move_a_shared_block_behind_the_books_back(self, choice: int) -> None:
+        holders = [index for index, book in enumerate(self.books) if self._shared_blocks(book)]
+        index = holders[choice % len(holders)]
+        book, table = self.books[index], self.tables[index]
+        try:
+            moved = self.pool.make_writable(self._shared_blocks(book)[0])
+        except BlockPoolExhaustedError:
+            return  # no block for the copy: nothing moved
+        with pytest.raises(StaleBlockTableError):
+            table.require_live()
+        assert (table.key_blocks, table.value_blocks, table.run_starts) == ((), (), None)
+        table.check_invariants()
+        self.pool.free([moved])  # the copy is the owner's, not the book's
+        book.release()  # gives back its handles that are still live, and the owner
         self._forget(index)
 
     @invariant()
