@@ -116,6 +116,37 @@ def test_a_trim_to_a_block_boundary_after_a_fork_keeps_the_full_blocks_shared(cu
     pool.check_invariants()
 
 
+@pytest.mark.parametrize("length", [10, 12], ids=["partial-last-block", "full-blocks"])
+def test_setting_one_layer_s_state_on_a_fork_leaves_the_other_request_s_layer_alone(
+    length: int,
+) -> None:
+    """The state setter trims its layer alone and writes it again, while the other
+    layers still hold those positions, so no growth or trim of the table moves the
+    shared blocks first. Before, the write went into them, and the original request
+    read the fork's keys and values from then on."""
+    model = tiny_model("llama", 5)
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
+    storage = make_pool_backed_storage(model, pool)
+    with make_pool_backed_cache(model, storage, attention="gather") as root:
+        _logits(model, prompt(6, length=length), root)
+        keys, values, _ = root[0].state
+        before = [mx.array(array) for array in (keys, values)]
+        with root.fork() as twin:
+            twin[0].state = (keys + 1, values - 1)
+            twin_keys, twin_values, offset = twin[0].state
+            assert offset == length
+            assert mx.array_equal(twin_keys, keys + 1)
+            assert mx.array_equal(twin_values, values - 1)
+            root_keys, root_values, _ = root[0].state
+            assert mx.array_equal(root_keys, before[0])
+            assert mx.array_equal(root_values, before[1])
+            assert pool.stats.n_copy_on_write == 2 * -(-length // BLOCK_SIZE)
+            twin.book.check_invariants()
+            root.book.check_invariants()
+    assert pool.stats.blocks_in_use() == 0
+    pool.check_invariants()
+
+
 def test_a_book_alone_forks_without_a_store() -> None:
     pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
     with PooledKVCache(pool, owner=1) as book:

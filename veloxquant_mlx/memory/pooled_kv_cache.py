@@ -38,6 +38,11 @@ is read-only in the pool, so the first append (or trim) that changes the
 fill of a shared last block first moves it to a private one
 (``make_writable``) and has the store copy its slots (the ``copy_block``
 callback a store-backed cache installs); full shared blocks stay shared.
+A layer trimmed alone and written again below the extent (as the ``state``
+setter of a store-backed cache does) rewrites positions that other layers
+still hold, in blocks no growth or trim moves: each shared one among them
+is moved first the same way, all of them or, if the pool cannot supply
+them, none and the append is refused.
 
 A book dropped without ``release()`` cannot leak: its finaliser queues its
 owner id, claim and handles (taking no lock, since it may run inside a pool
@@ -51,7 +56,8 @@ the id, and :func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_cache
 drains on demand.
 
 Complexity (``L`` = layers): ``append`` O(1) when it stays in the last
-block, else O(k) for the k blocks it checks out (amortised O(1) per token);
+block, else O(k) for the k blocks it checks out (amortised O(1) per token),
+and O(r) for the r blocks it writes again below the extent after a fork;
 ``trim`` O(L + k) for the k blocks it frees; ``release`` O(blocks held);
 ``check_invariants`` O(blocks held + L).
 
@@ -187,6 +193,10 @@ class PooledKVCache:
         # Whether this book ever forked or was forked: only then can a trim reach a
         # shared block; a book that never shares calls the pool exactly as before.
         self._shares = False
+        # How many leading blocks may be shared (set by fork; lowered as writes move
+        # them): a layer that writes positions below the extent again, after a trim of
+        # that layer alone, must not write into a block another book reads.
+        self._maybe_shared = 0
         # Copies a moved block's data: (old block id, new handle); None for a book alone.
         self.copy_block: Callable[[int, Block], None] | None = None
         # The pool's owner claims and dropped books; claiming drains them first, so a
@@ -300,7 +310,9 @@ class PooledKVCache:
 
         All or nothing: if the pool cannot supply the blocks of both streams,
         nothing changes, in the book or in the pool, whose ``n_exhausted`` counts the
-        refusal once (:mod:`~veloxquant_mlx.memory.stream_supply`).
+        refusal once (:mod:`~veloxquant_mlx.memory.stream_supply`). After a fork,
+        positions written again below the extent first move their shared blocks to
+        private copies (module docstring), under the same rule.
 
         Returns:
             The first appended position (the layer's offset before the call).
@@ -324,6 +336,8 @@ class PooledKVCache:
             self._require_layer(layer)
         start = offsets[layer]
         end = start + n_tokens
+        if start < self._maybe_shared * self._block_size and start < self._n_tokens and n_tokens:
+            self._own_rewritten(start, min(end, self._n_tokens))  # after a fork only
         if end > self._n_tokens:
             self._grow_to(end)
         offsets[layer] = end
@@ -391,6 +405,7 @@ class PooledKVCache:
         twin._offsets[:] = self._offsets
         self._last_may_be_shared = twin._last_may_be_shared = bool(self._key_blocks)
         self._shares = twin._shares = True
+        self._maybe_shared = twin._maybe_shared = len(self._key_blocks)
         return twin
 
     def release(self) -> None:
@@ -549,12 +564,37 @@ class PooledKVCache:
         tail = [*self._key_blocks[n_kept:], *self._value_blocks[n_kept:]]
         self._key_blocks = self._key_blocks[:n_kept]
         self._value_blocks = self._value_blocks[:n_kept]
+        self._maybe_shared = min(self._maybe_shared, n_kept)  # blocks grown later are new
         if tail:
             self._table_version += 1
         self._n_tokens = n_tokens
         self._extent_version += 1
         if tail:
             self._free(tail)
+
+    def _own_rewritten(self, start: int, stop: int) -> None:
+        """Copy-on-write before positions ``start .. stop - 1``, all held, are written
+        again (by a layer trimmed alone, while another layer still holds them): each of
+        their blocks that is shared moves to a private one, all or none."""
+        block_size = self._block_size
+        first = start // block_size
+        last = min((stop - 1) // block_size, self._maybe_shared - 1)
+        self._releases.check_out_reclaiming(lambda: self._own_range(first, last))
+        if last == self._maybe_shared - 1:
+            self._maybe_shared = first  # every block from first on is now private
+
+    def _own_range(self, first: int, last: int) -> None:
+        """``_own_blocks`` of every index ``first .. last``, the pool asked first for
+        them all, so a refusal moves none."""
+        pool, indices = self._pool, range(first, last + 1)
+        demand = {
+            "k": sum(pool.is_shared(self._key_blocks[index].block_id) for index in indices),
+            "v": sum(pool.is_shared(self._value_blocks[index].block_id) for index in indices),
+        }
+        if demand["k"] or demand["v"]:
+            require_supply(pool, demand, self._owner, self._format, self._free)
+            for index in indices:
+                self._own_blocks(index)
 
     def _own_blocks_kept_by(self, n_tokens: int) -> None:
         """Before a shrink to ``n_tokens`` changes anything: copy-on-write the blocks
