@@ -319,6 +319,37 @@ def test_a_trim_whose_copy_on_write_is_refused_changes_nothing(pool: BlockPoolAl
     assert pool.stats.blocks_in_use() == 0
 
 
+def test_a_rewrite_after_a_fork_that_cannot_also_grow_moves_nothing(
+    pool: BlockPoolAllocator,
+) -> None:
+    """Layer 0, trimmed alone, is written again past the extent: its two shared blocks
+    per stream must move and a third be checked out. The pool is asked for all of it
+    first, so a refusal moves no block; the rewrite alone then goes through."""
+    parent = PooledKVCache(pool, owner=2, n_layers=2)
+    for layer in (0, 1):
+        parent.append(2 * BLOCK_SIZE, layer=layer)  # two full blocks per stream
+    child = parent.fork(owner=3)
+    child.trim(2 * BLOCK_SIZE, layer=0)  # layer 1 still holds every position
+    free = pool.n_free("k")
+    held = pool.allocate("k", (free - 2) * BLOCK_SIZE, owner=9)
+    held += pool.allocate("v", (free - 2) * BLOCK_SIZE, owner=9)  # two left per stream
+    before = (child.key_blocks, child.value_blocks, pool.stats.n_copy_on_write)
+    with pytest.raises(BlockPoolExhaustedError):
+        child.append(2 * BLOCK_SIZE + 1, layer=0)  # 2 moves + 1 new block, per stream
+    assert (child.key_blocks, child.value_blocks, pool.stats.n_copy_on_write) == before
+    assert child.layer_offset(0) == 0
+    child.check_invariants()
+    assert child.append(2 * BLOCK_SIZE, layer=0) == 0  # the moves alone fit
+    assert pool.stats.n_copy_on_write == 4
+    assert not any(pool.is_shared(b.block_id) for b in child.key_blocks + child.value_blocks)
+    child.check_invariants()
+    parent.check_invariants()
+    child.release()
+    parent.release()
+    pool.free(held)
+    assert pool.stats.blocks_in_use() == 0
+
+
 def test_reclaim_dropped_caches_refuses_a_non_pool() -> None:
     with pytest.raises(TypeError, match="BlockPoolAllocator"):
         reclaim_dropped_caches("pool")  # type: ignore[arg-type]

@@ -337,7 +337,7 @@ class PooledKVCache:
         start = offsets[layer]
         end = start + n_tokens
         if start < self._maybe_shared * self._block_size and start < self._n_tokens and n_tokens:
-            self._own_rewritten(start, min(end, self._n_tokens))  # after a fork only
+            self._own_rewritten(start, end)  # after a fork only
         if end > self._n_tokens:
             self._grow_to(end)
         offsets[layer] = end
@@ -572,26 +572,29 @@ class PooledKVCache:
         if tail:
             self._free(tail)
 
-    def _own_rewritten(self, start: int, stop: int) -> None:
-        """Copy-on-write before positions ``start .. stop - 1``, all held, are written
-        again (by a layer trimmed alone, while another layer still holds them): each of
-        their blocks that is shared moves to a private one, all or none."""
+    def _own_rewritten(self, start: int, end: int) -> None:
+        """Copy-on-write before an append writes positions ``start .. end - 1``, the first
+        of them held (by a layer trimmed alone, while another layer still holds them):
+        each held block among them that is shared moves to a private one, all or none."""
         block_size = self._block_size
         first = start // block_size
-        last = min((stop - 1) // block_size, self._maybe_shared - 1)
-        self._releases.check_out_reclaiming(lambda: self._own_range(first, last))
+        last = min((min(end, self._n_tokens) - 1) // block_size, self._maybe_shared - 1)
+        growth = max(0, -(-end // block_size) - len(self._key_blocks))
+        self._releases.check_out_reclaiming(lambda: self._own_range(first, last, growth))
         if last == self._maybe_shared - 1:
             self._maybe_shared = first  # every block from first on is now private
 
-    def _own_range(self, first: int, last: int) -> None:
-        """``_own_blocks`` of every index ``first .. last``, the pool asked first for
-        them all, so a refusal moves none."""
+    def _own_range(self, first: int, last: int, growth: int) -> None:
+        """``_own_blocks`` of every index ``first .. last``. The pool is asked first for
+        them all and for the ``growth`` blocks per stream the append then checks out, so
+        a refusal moves none."""
         pool, indices = self._pool, range(first, last + 1)
-        demand = {
+        moves = {
             "k": sum(pool.is_shared(self._key_blocks[index].block_id) for index in indices),
             "v": sum(pool.is_shared(self._value_blocks[index].block_id) for index in indices),
         }
-        if demand["k"] or demand["v"]:
+        if moves["k"] or moves["v"]:
+            demand = {stream: count + growth for stream, count in moves.items()}
             require_supply(pool, demand, self._owner, self._format, self._free)
             for index in indices:
                 self._own_blocks(index)
