@@ -18,6 +18,7 @@ from pathlib import Path
 import mlx.core as mx
 import pytest
 from mlx_lm.models.cache import KVCache, make_prompt_cache
+from store_reads import recording_reads
 from tiny_models import greedy, prompt, tiny_model
 
 from veloxquant_mlx.memory import block_gather
@@ -181,28 +182,6 @@ def test_long_decode_reads_go_through_the_kernel_only_where_it_runs_and_decode_l
     assert all(mx.array_equal(ours, theirs).item() for ours, theirs in pairs)
 
 
-def _recording_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """Record each read of the store as ``"slices"`` or ``"take"`` (in call order)."""
-    reads: list[str] = []
-    by_slices, by_take = block_gather.read_by_slices, block_gather.gather_by_take
-
-    def slicing(
-        slab: mx.array, run_rows: tuple[int, int], n_tokens: int
-    ) -> tuple[mx.array, mx.array]:
-        reads.append("slices")
-        return by_slices(slab, run_rows, n_tokens)
-
-    def taking(
-        slab: mx.array, read_blocks: mx.array, n_tokens: int, **sizes: int
-    ) -> tuple[mx.array, mx.array]:
-        reads.append("take")
-        return by_take(slab, read_blocks, n_tokens, **sizes)
-
-    monkeypatch.setattr(block_gather, "read_by_slices", slicing)
-    monkeypatch.setattr(block_gather, "gather_by_take", taking)
-    return reads
-
-
 @pytest.mark.parametrize("ids", ["running on", "descending"])
 def test_a_request_is_read_by_slices_exactly_while_its_blocks_run_on(
     monkeypatch: pytest.MonkeyPatch, ids: str
@@ -219,7 +198,7 @@ def test_a_request_is_read_by_slices_exactly_while_its_blocks_run_on(
         hand_out_descending(pool)
     store = MLXBlockStorage(pool, 2, 2, 16, mx.float32, lazy_writes=True)
     theirs = [KVCache() for _ in range(2)]  # type: ignore[no-untyped-call]
-    reads = _recording_reads(monkeypatch)
+    reads = recording_reads(monkeypatch)
     with make_pool_backed_cache(tiny_model("llama", 11, n_layers=2), store) as ours:
         for n_new in [7] + [1] * 12:
             for layer in range(2):
@@ -246,7 +225,7 @@ def test_a_caches_state_is_copied_out_even_where_its_ids_run_on(
     with make_pool_backed_cache(model, store) as cache:
         tokens = mx.ones((1, 2, 6, 8))
         cache[0].update_and_fetch(tokens, tokens)
-        reads = _recording_reads(monkeypatch)
+        reads = recording_reads(monkeypatch)
         keys, values = cache[0].state[:2]
         assert reads == ["take"]
         cache[0].update_and_fetch(tokens[:, :, :1], tokens[:, :, :1])

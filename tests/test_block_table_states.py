@@ -3,7 +3,8 @@
 A table decides incrementally what it can (the ids of blocks added, and
 whether each stream's ids still run on, from the new ids alone) and checks
 everything again after a free or a move anywhere in the pool. This machine
-drives several books of one small pool, two layers each, through appends,
+drives several books of one small pool, two layers each (some with a
+reservation, docs/RESERVATIONS.md), through appends,
 trims, forks, releases, exhaustion, and frees and copy-on-write moves behind
 their backs, brings each table up to
 date after every step, and compares it with its book, computed here
@@ -46,6 +47,9 @@ N_LAYERS = 2  # layers append in turn; the table covers the furthest
 book_choice = st.integers(min_value=0, max_value=MOST_BOOKS - 1)
 positions = st.integers(min_value=0, max_value=7)
 layers = st.integers(min_value=0, max_value=N_LAYERS - 1)
+# Positions a new book checks out ahead (docs/RESERVATIONS.md): none, half of the
+# time; else from part of a block to a third of the pool.
+reservations = st.sampled_from([0, 0, 0, 1, 5, 16])
 
 
 def expected_run(blocks: tuple[Block, ...]) -> int | None:
@@ -78,9 +82,9 @@ class TableFollowsBook(RuleBasedStateMachine):
         del self.books[index], self.tables[index]
 
     @precondition(lambda self: len(self.books) < MOST_BOOKS)
-    @rule()
-    def new_book(self) -> None:
-        self._follow(PooledKVCache(self.pool, n_layers=N_LAYERS))
+    @rule(reserve_tokens=reservations)
+    def new_book(self, reserve_tokens: int) -> None:
+        self._follow(PooledKVCache(self.pool, n_layers=N_LAYERS, reserve_tokens=reserve_tokens))
 
     @precondition(lambda self: self.books)
     @rule(choice=book_choice, n=positions, layer=layers)

@@ -3,8 +3,9 @@
 A request's positions are read by two slices of each slab while its key ids
 run on and so do its value ids, and by a gather otherwise; forks share
 blocks and copy a shared, partly filled block before writing into it; trims
-give blocks back, which later requests take again. This machine drives
-several requests of one small store through prefills, decode steps, trims
+give blocks back, which later requests take again; a request with a
+reservation grows into blocks it checked out ahead. This machine drives
+several requests of one small store (some with reservations) through prefills, decode steps, trims
 of single layers, forks, releases and exhaustion, and keeps for each request
 and layer the positions it should hold, written here as plain numpy arrays.
 After every step every layer's ``state`` must be exactly those positions,
@@ -37,6 +38,8 @@ READS_KEPT = 6
 
 request_choice = st.integers(min_value=0, max_value=MOST_REQUESTS - 1)
 layers = st.integers(min_value=0, max_value=N_LAYERS - 1)
+# Positions a request checks out ahead (docs/RESERVATIONS.md); none, half of the time.
+reservations = st.sampled_from([0, 0, 0, 3, 8, 20])
 
 
 @dataclass
@@ -90,10 +93,10 @@ class CachesReadWhatWasWritten(RuleBasedStateMachine):
         self.kept_reads = [*self.kept_reads, (array, expected)][-READS_KEPT:]
 
     @precondition(lambda self: len(self.requests) < MOST_REQUESTS)
-    @rule()
-    def new_request(self) -> None:
+    @rule(reserve_tokens=reservations)
+    def new_request(self, reserve_tokens: int) -> None:
         store = self._store()
-        book = PooledKVCache(store.pool, n_layers=N_LAYERS)
+        book = PooledKVCache(store.pool, n_layers=N_LAYERS, reserve_tokens=reserve_tokens)
         self.requests.append(Request(PoolBackedPromptCache(store, book)))
 
     @precondition(lambda self: self.requests)

@@ -44,6 +44,14 @@ still hold, in blocks no growth or trim moves: each shared one among them
 is moved first the same way, all of them or, if the pool cannot supply
 them, none and the append is refused.
 
+Reservation (docs/RESERVATIONS.md): a book built with ``reserve_tokens``
+checks out the blocks for that many positions at its first growth, in one
+call per stream, and grows into them (RES-TAKE, RES-USE); reserved blocks
+are its own, unshared, with no fill (RES-FILL). Requests that grow side by
+side then keep ids that run on, so the store reads each by slices. A trim
+keeps the blocks it frees reserved, up to the reservation (RES-TRIM); a fork
+holds no reservation (RES-FORK).
+
 A book dropped without ``release()`` cannot leak: its finaliser queues its
 owner id, claim and handles (taking no lock, since it may run inside a pool
 call on any thread), and the next book construction, block-taking ``append``
@@ -122,7 +130,11 @@ class PooledKVCache:
       pool, checked out to ``owner``;
     - every block is full except the last of each stream, whose ``n_used``
       is the remainder (``n_tokens - (blocks - 1) * block_size``);
-    - the pool lists exactly those handles for ``owner`` (none leaks).
+    - reserved blocks (docs/RESERVATIONS.md) are live handles of ``owner``,
+      unshared, with ``n_used == 0``, and at most ``max(0, R - blocks)`` per stream
+      (``R`` the reservation in blocks): INV-RES-HANDLES, INV-RES-BOUND;
+    - the pool lists exactly those handles and the reserved ones for ``owner``
+      (none leaks).
 
     Dropped without ``release()``, a book queues what it holds for release by
     the next drain (module docstring); a released book queues nothing.
@@ -146,6 +158,7 @@ class PooledKVCache:
         *,
         n_layers: int = 1,
         format: str = "fp16",
+        reserve_tokens: int = 0,
     ) -> None:
         """Claim ``owner`` (a fresh id if ``None``) in ``pool``; no block is taken yet.
 
@@ -154,17 +167,20 @@ class PooledKVCache:
             owner: Request id recorded on every block; ``None`` picks an unused one.
             n_layers: Number of layers appending to this table.
             format: Compression-format tag recorded on every block.
+            reserve_tokens: Positions to check out ahead at the first growth
+                (docs/RESERVATIONS.md); ``0``, no reservation.
 
         Raises:
-            TypeError: ``pool`` is not a ``BlockPoolAllocator``, ``owner`` or
-                ``n_layers`` not an int, ``format`` not a str.
-            ValueError: ``n_layers < 1`` or ``format`` empty.
+            TypeError: ``pool`` is not a ``BlockPoolAllocator``, ``owner``,
+                ``n_layers`` or ``reserve_tokens`` not an int, ``format`` not a str.
+            ValueError: ``n_layers < 1``, ``reserve_tokens < 0`` or ``format`` empty.
             OwnerAlreadyActiveError: ``owner`` holds blocks or is registered.
             MemoryError: ``n_layers`` is too many to hold; nothing is claimed.
         """
         if not isinstance(pool, BlockPoolAllocator):
             raise TypeError(f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
         require_int("n_layers", n_layers, minimum=1)
+        require_int("reserve_tokens", reserve_tokens, minimum=0)
         require_format(format)
         try:
             offsets = [0] * n_layers
@@ -178,6 +194,12 @@ class PooledKVCache:
         # The block table, one handle per block_size positions; tuples, rebuilt on change.
         self._key_blocks: tuple[Block, ...] = ()
         self._value_blocks: tuple[Block, ...] = ()
+        # The reservation (docs/RESERVATIONS.md): in positions, in blocks per stream,
+        # and the blocks checked out ahead, in the order growth takes them.
+        self._reserve_tokens: Final = reserve_tokens
+        self._reserve_blocks: Final = -(-reserve_tokens // self._block_size)
+        self._reserved_keys: tuple[Block, ...] = ()
+        self._reserved_values: tuple[Block, ...] = ()
         # Bumped whenever the block tuples change (blocks added, freed, released), so a
         # device copy of the table (block_table.DeviceBlockTable) rebuilds only then.
         self._table_version = 0
@@ -260,6 +282,16 @@ class PooledKVCache:
         return self._value_blocks
 
     @property
+    def reserve_tokens(self) -> int:
+        """Positions this book checks out ahead (docs/RESERVATIONS.md); 0 for none."""
+        return self._reserve_tokens
+
+    @property
+    def reserved_blocks(self) -> int:
+        """Blocks per stream checked out ahead and not yet holding positions."""
+        return len(self._reserved_keys)
+
+    @property
     def table_version(self) -> int:
         """A counter that changes whenever :attr:`key_blocks` or :attr:`value_blocks`
         changes (blocks checked out, freed or released); equal values mean the same
@@ -296,11 +328,13 @@ class PooledKVCache:
         return not self._released
 
     def slots_held(self) -> int:
-        """Token slots held per stream per layer: whole blocks, ``>= offset``."""
-        return len(self._key_blocks) * self._block_size
+        """Token slots held per stream per layer: whole blocks, the reserved ones
+        included, ``>= offset``."""
+        return (len(self._key_blocks) + len(self._reserved_keys)) * self._block_size
 
     def slots_wasted(self) -> int:
-        """Slots held but unused per stream per layer, at most ``block_size - 1``."""
+        """Slots held but unused per stream per layer: at most ``block_size - 1``,
+        plus the reserved blocks' slots."""
         return self.slots_held() - self._n_tokens
 
     # -- appending and trimming --------------------------------------------------------
@@ -387,7 +421,8 @@ class PooledKVCache:
 
         Both books then write copy-on-write (module docstring). The new book
         claims ``owner`` (a fresh id if ``None``) and copies the ``copy_block``
-        callback.
+        callback; it holds no reservation, and this book's reserved blocks are
+        not shared (RES-FORK).
 
         Raises:
             RuntimeError: This book was released.
@@ -396,9 +431,14 @@ class PooledKVCache:
         self._require_open()
         twin = PooledKVCache(self._pool, owner, n_layers=len(self._offsets), format=self._format)
         twin.copy_block = self.copy_block
-        by_id = {block.block_id: block for block in self._pool.fork(self._owner, twin._owner)}
-        twin._key_blocks = tuple(by_id[block.block_id] for block in self._key_blocks)
-        twin._value_blocks = tuple(by_id[block.block_id] for block in self._value_blocks)
+        if self._reserved_keys:  # RES-FORK: reserved blocks stay this book's alone
+            n_keys = len(self._key_blocks)
+            handles = self._pool.share([*self._key_blocks, *self._value_blocks], twin._owner)
+            twin._key_blocks, twin._value_blocks = tuple(handles[:n_keys]), tuple(handles[n_keys:])
+        else:
+            by_id = {block.block_id: block for block in self._pool.fork(self._owner, twin._owner)}
+            twin._key_blocks = tuple(by_id[block.block_id] for block in self._key_blocks)
+            twin._value_blocks = tuple(by_id[block.block_id] for block in self._value_blocks)
         twin._table_version += 1
         twin._extent_version += 1
         twin._n_tokens = self._n_tokens
@@ -460,7 +500,8 @@ class PooledKVCache:
     def _first_violation(self) -> str | None:
         n_tokens = self._n_tokens
         if self._released:
-            return None if n_tokens == 0 and not self._key_blocks else "released: still holds"
+            held = self._key_blocks or self._reserved_keys
+            return None if n_tokens == 0 and not held else "released: still holds"
         if n_tokens != max(self._offsets):
             return f"coverage: n_tokens={n_tokens} but layer offsets are {self._offsets}"
         n_blocks = -(-n_tokens // self._block_size)
@@ -473,13 +514,29 @@ class PooledKVCache:
                     return f"handles: {stream} block {index} {block!r} is not live for the owner"
                 if block.n_used != fill:
                     return f"fill: {stream} block {index} has n_used={block.n_used}, not {fill}"
-        return self._ownership_violation()
+        return self._reserve_violation() or self._ownership_violation()
+
+    def _reserve_violation(self) -> str | None:
+        """INV-RES-HANDLES and INV-RES-BOUND (docs/RESERVATIONS.md)."""
+        bound = max(0, self._reserve_blocks - len(self._key_blocks))
+        for stream, blocks in (("k", self._reserved_keys), ("v", self._reserved_values)):
+            if len(blocks) > bound or len(blocks) != len(self._reserved_keys):
+                return (
+                    f"reserve: {len(blocks)} reserved {stream} blocks and "
+                    f"{len(self._reserved_keys)} k blocks; expected as many, at most {bound}"
+                )
+            for index, block in enumerate(blocks):
+                if not self._pool.is_live(block) or block.owner != self._owner:
+                    return f"reserve: {stream} block {index} {block!r} is not live for the owner"
+                if self._pool.is_shared(block.block_id) or block.n_used != 0:
+                    return f"reserve: {stream} block {index} {block!r} is shared or not empty"
+        return None
 
     def _ownership_violation(self) -> str | None:
         """Whether the pool lists for the owner exactly the handles the book holds:
         a block checked out and then dropped from the table would leak until the pool
         is gone."""
-        held = {id(block) for block in (*self._key_blocks, *self._value_blocks)}
+        held = {id(block) for block in self._all_handles()}
         listed = self._pool.blocks_for(self._owner)
         if len(listed) != len(held) or any(id(block) not in held for block in listed):
             return (
@@ -510,7 +567,9 @@ class PooledKVCache:
                 self._own_blocks_reclaiming(len(self._key_blocks) - 1)
             self._last_may_be_shared = False
         n_more = n_tokens - len(self._key_blocks) * block_size
-        if n_more > 0:
+        if n_more > 0 and self._reserve_blocks:
+            self._grow_into_reserve(n_tokens)
+        elif n_more > 0:
             # A dropped cache's blocks first, even one dropped in a cycle, before exhaustion.
             new_keys, new_values = self._releases.check_out_reclaiming(
                 lambda: self._check_out(n_more)
@@ -527,6 +586,39 @@ class PooledKVCache:
             pool.mark_used(self._value_blocks[-1], last_fill)
         self._n_tokens = n_tokens
         self._extent_version += 1
+
+    def _grow_into_reserve(self, n_tokens: int) -> None:
+        """Cover ``n_tokens`` positions with reserved blocks, checking out enough for the
+        reservation first if they are too few (RES-TAKE, RES-USE); all or nothing."""
+        block_size, n_held = self._block_size, len(self._key_blocks)
+        n_new = -(-n_tokens // block_size) - n_held
+        keys, values = self._reserved_keys, self._reserved_values
+        n_reserved_before = len(keys)
+        if n_new > n_reserved_before:
+            n_more = max(n_held + n_new, self._reserve_blocks) - n_held - n_reserved_before
+            new_keys, new_values = self._releases.check_out_reclaiming(
+                lambda: self._check_out(n_more * block_size)
+            )
+            keys, values = (*keys, *new_keys), (*values, *new_values)
+        if self._key_blocks and self._key_blocks[-1].n_used < block_size:
+            self._mark_fill(self._key_blocks[-1], block_size)
+            self._mark_fill(self._value_blocks[-1], block_size)
+        last_fill = n_tokens - (n_held + n_new - 1) * block_size
+        for index in range(n_new):
+            fill = block_size if index < n_new - 1 else last_fill
+            self._mark_fill(keys[index], fill)
+            self._mark_fill(values[index], fill)
+        for index in range(max(n_new, n_reserved_before), len(keys)):  # checked out full
+            self._mark_fill(keys[index], 0)
+            self._mark_fill(values[index], 0)
+        self._key_blocks += keys[:n_new]
+        self._value_blocks += values[:n_new]
+        self._reserved_keys, self._reserved_values = keys[n_new:], values[n_new:]
+        self._table_version += 1
+
+    def _mark_fill(self, block: Block, fill: int) -> None:
+        if block.n_used != fill:
+            self._pool.mark_used(block, fill)
 
     def _check_out(self, n_tokens: int) -> tuple[list[Block], list[Block]]:
         """Key and value blocks for ``n_tokens`` more positions; all or nothing.
@@ -555,22 +647,41 @@ class PooledKVCache:
         a fork it may be shared, hence read-only even to a mark of the same fill.
         """
         block_size = self._block_size
-        n_kept = -(-n_tokens // block_size)
+        n_kept, n_kept_before = -(-n_tokens // block_size), len(self._key_blocks)
         if n_kept:
             last_fill = n_tokens - (n_kept - 1) * block_size
             for block in (self._key_blocks[n_kept - 1], self._value_blocks[n_kept - 1]):
                 if block.n_used != last_fill:
                     self._pool.mark_used(block, last_fill)
-        tail = [*self._key_blocks[n_kept:], *self._value_blocks[n_kept:]]
+        tail = self._tail_to_free(n_kept)
         self._key_blocks = self._key_blocks[:n_kept]
         self._value_blocks = self._value_blocks[:n_kept]
         self._maybe_shared = min(self._maybe_shared, n_kept)  # blocks grown later are new
-        if tail:
+        if len(self._key_blocks) != n_kept_before:
             self._table_version += 1
         self._n_tokens = n_tokens
         self._extent_version += 1
         if tail:
             self._free(tail)
+
+    def _tail_to_free(self, n_kept: int) -> list[Block]:
+        """The blocks past the first ``n_kept`` that a shrink gives back to the pool (keys,
+        then values, each in position order). With a reservation, of those blocks and the
+        reserved ones the first ``max(0, R - n_kept)`` stay reserved, marked empty
+        (RES-TRIM), unless they may be shared or are not live: then all go back."""
+        tail_keys, tail_values = self._key_blocks[n_kept:], self._value_blocks[n_kept:]
+        tail = [*tail_keys, *tail_values]
+        n_reserved = max(0, self._reserve_blocks - n_kept)
+        pool = self._pool
+        if not (tail and n_reserved) or self._shares or not pool.all_live(tail):
+            return tail
+        if any(pool.is_shared(block.block_id) for block in tail):  # shared behind its back
+            return tail
+        keys, values = (*tail_keys, *self._reserved_keys), (*tail_values, *self._reserved_values)
+        for block in (*tail_keys[:n_reserved], *tail_values[:n_reserved]):
+            self._mark_fill(block, 0)
+        self._reserved_keys, self._reserved_values = keys[:n_reserved], values[:n_reserved]
+        return [*keys[n_reserved:], *values[n_reserved:]]
 
     def _own_rewritten(self, start: int, end: int) -> None:
         """Copy-on-write before an append writes positions ``start .. end - 1``, the first
@@ -656,7 +767,7 @@ class PooledKVCache:
         checked out), newest first; keep the owner claimed even if they were its last
         ones."""
         blocks = _newest_first(blocks)
-        if self._key_blocks:
+        if self._key_blocks or self._reserved_keys:
             self._pool.free(blocks)
             return
         # The pool releases the owner with its last block; claim it again at once (no
@@ -671,13 +782,23 @@ class PooledKVCache:
             )
 
     def _holding(self) -> BookHolding:
-        blocks = _newest_first([*self._key_blocks, *self._value_blocks])
-        return BookHolding(self._owner, self._claim, tuple(blocks))
+        return BookHolding(self._owner, self._claim, tuple(_newest_first(self._all_handles())))
+
+    def _all_handles(self) -> list[Block]:
+        """Every handle the book holds, as checked out: keys (positions, then reserved),
+        then values."""
+        return [
+            *self._key_blocks,
+            *self._reserved_keys,
+            *self._value_blocks,
+            *self._reserved_values,
+        ]
 
     def _abandon(self) -> None:
         """Forget every block and count as released (whatever held them was given back)."""
         self._released = True
         self._key_blocks = self._value_blocks = ()
+        self._reserved_keys = self._reserved_values = ()
         self._table_version += 1
         self._extent_version += 1
         self._n_tokens = 0

@@ -185,6 +185,7 @@ def make_pool_backed_cache(
     owner: int | None = None,
     format: str | None = None,
     attention: AttentionMode = "auto",
+    reserve_tokens: int = 0,
 ) -> PoolBackedPromptCache:
     """Build ``model``'s caches for one request, paged in ``storage``'s pool.
 
@@ -206,12 +207,16 @@ def make_pool_backed_cache(
         attention: How attention reads the positions (:func:`resolve_attention`). In
             fused mode the model's decode attention is routed to the caches
             (:func:`~veloxquant_mlx.memory.attention_hook.install_paged_attention`).
+        reserve_tokens: Positions whose blocks the first growth checks out ahead
+            (docs/RESERVATIONS.md), e.g. the prompt's length plus ``max_tokens``: a
+            request growing beside others then keeps ids that run on, and is read by
+            slices. ``0`` (the default): no reservation.
 
     Raises:
         TypeError: ``storage`` is not a block store.
         ValueError: The model has more layers than the storage, a layer needs
             a cache other than ``KVCache`` (sliding window, state space, ...), or
-            ``attention`` is not a mode the storage serves.
+            ``attention`` is not a mode the storage serves, or ``reserve_tokens < 0``.
         OwnerAlreadyActiveError: ``owner`` is in use.
     """
     if not isinstance(storage, BlockStorage):
@@ -227,7 +232,9 @@ def make_pool_backed_cache(
         )
     mode = resolve_attention(storage, attention)
     tag = format if format is not None else _FORMAT_OF_DTYPE.get(storage.dtype, str(storage.dtype))
-    book = PooledKVCache(storage.pool, owner, n_layers=n_layers, format=tag)
+    book = PooledKVCache(
+        storage.pool, owner, n_layers=n_layers, format=tag, reserve_tokens=reserve_tokens
+    )
     if mode == "fused":
         install_paged_attention(model)
     return PoolBackedPromptCache(storage, book, attention=mode)
