@@ -11,7 +11,11 @@ passes or fails):
   for the previous step's tokens, as mlx-lm's ``generate_step`` does). Variants:
   mlx-lm's ``KVCache`` (one cache list per request); ours over one fixed pool
   and store shared by the requests, with ``lazy_writes`` and gathered
-  attention (``pool_backed``); the same with the fused paged-attention
+  attention (``pool_backed``); the same with each request reserving the
+  blocks for all its positions at its prefill (``pool_backed_reserved``,
+  ``reserve_tokens``, docs/RESERVATIONS.md: requests that grow side by side
+  then keep ids that run on and are read by slices, where ``pool_backed``'s
+  interleave and are gathered); the same with the fused paged-attention
   kernel (``pool_backed_fused``, only where MLX's CUDA back-end runs); and a
   store without ``lazy_writes`` (``pool_backed_published_writes``: every
   write evaluated and published before it returns, the thread-safe
@@ -252,11 +256,17 @@ def make_variants(
         pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks))
         return MLXBlockStorage(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, **store_options)
 
-    lazy, eager = paged(lazy_writes=True), paged()
+    lazy, eager, reserving = paged(lazy_writes=True), paged(), paged(lazy_writes=True)
     variants = {
         "kv_cache": Variant(kv_cache_list),
         "pool_backed": Variant(
             lambda: make_pool_backed_cache(model, lazy, attention="gather"), lazy
+        ),
+        "pool_backed_reserved": Variant(
+            lambda: make_pool_backed_cache(
+                model, reserving, attention="gather", reserve_tokens=positions
+            ),
+            reserving,
         ),
         "pool_backed_published_writes": Variant(
             lambda: make_pool_backed_cache(model, eager, attention="gather"), eager
