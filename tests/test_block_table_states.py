@@ -15,8 +15,6 @@ left empty, and :meth:`DeviceBlockTable.check_invariants` quiet.
 
 from __future__ import annotations
 
-import contextlib
-
 import mlx.core as mx
 import pytest
 from hypothesis import strategies as st
@@ -48,7 +46,7 @@ book_choice = st.integers(min_value=0, max_value=MOST_BOOKS - 1)
 positions = st.integers(min_value=0, max_value=7)
 layers = st.integers(min_value=0, max_value=N_LAYERS - 1)
 # Positions a new book checks out ahead (docs/RESERVATIONS.md): none, half of the
-# time; else from part of a block to a third of the pool.
+# time; else from part of a block to two thirds of a stream's 12 blocks.
 reservations = st.sampled_from([0, 0, 0, 1, 5, 16])
 
 
@@ -78,6 +76,13 @@ class TableFollowsBook(RuleBasedStateMachine):
         self.books.append(book)
         self.tables.append(DeviceBlockTable(book))
 
+    def _state(self, book: PooledKVCache) -> tuple[object, ...]:
+        """What a refused call must leave as it was: the book's and the pool's."""
+        offsets = tuple(book.layer_offset(layer) for layer in range(N_LAYERS))
+        pool = self.pool
+        counts = (pool.n_free("k"), pool.n_free("v"), pool.stats.blocks_in_use())
+        return (offsets, book.key_blocks, book.value_blocks, book.reserved_blocks, counts)
+
     def _forget(self, index: int) -> None:
         del self.books[index], self.tables[index]
 
@@ -90,16 +95,21 @@ class TableFollowsBook(RuleBasedStateMachine):
     @rule(choice=book_choice, n=positions, layer=layers)
     def append(self, choice: int, n: int, layer: int) -> None:
         book = self.books[choice % len(self.books)]
-        with contextlib.suppress(BlockPoolExhaustedError):  # all or nothing: unchanged
+        before = self._state(book)
+        try:
             book.append(n, layer=layer)
+        except BlockPoolExhaustedError:
+            assert self._state(book) == before  # all or nothing
 
     @precondition(lambda self: self.books)
     @rule(choice=book_choice, n=positions, layer=st.none() | layers)
     def trim(self, choice: int, n: int, layer: int | None) -> None:
         book = self.books[choice % len(self.books)]
-        # Refused when a shared last block needs a private copy the pool cannot give.
-        with contextlib.suppress(BlockPoolExhaustedError):
+        before = self._state(book)
+        try:
             book.trim(n, layer=layer)
+        except BlockPoolExhaustedError:  # a shared last block's copy had no block
+            assert self._state(book) == before
 
     @precondition(lambda self: 0 < len(self.books) < MOST_BOOKS)
     @rule(choice=book_choice)

@@ -25,7 +25,7 @@ from veloxquant_mlx.memory.block_pool import (
 from veloxquant_mlx.memory.deferred_release import reclaim_dropped_caches
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
-from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache, StaleBlockTableError
 
 BLOCK_SIZE = 4
 
@@ -231,3 +231,97 @@ def test_requests_growing_side_by_side_are_read_by_slices_with_a_reservation(
             caches.book.check_invariants()
             caches.release()
         monkeypatch.undo()
+
+
+def _book_and_pool_state(book: PooledKVCache, pool: BlockPoolAllocator) -> tuple[object, ...]:
+    layers = tuple(book.layer_offset(layer) for layer in range(book.n_layers))
+    return (
+        layers,
+        _ids(book.key_blocks),
+        _ids(book.value_blocks),
+        book.reserved_blocks,
+        pool.n_free("k"),
+        pool.n_free("v"),
+        pool.stats.blocks_in_use(),
+        pool.stats.n_copy_on_write,
+    )
+
+
+def _leave_free(pool: BlockPoolAllocator, n_free: int) -> None:
+    """Check out blocks to another owner until each stream has ``n_free`` left."""
+    for stream in ("k", "v"):
+        pool.allocate(stream, (pool.n_free(stream) - n_free) * BLOCK_SIZE, 999)
+
+
+def test_a_rewrite_after_a_fork_refused_for_the_reservations_top_up_moves_nothing() -> None:
+    """RES-USE after a fork: the rewrite must move shared block 0 and grow past the
+    reserved blocks, which checks out up to the reservation (3 blocks): 4 of the 2
+    free. Refused, and the move is not made."""
+    pool = _pool(n_blocks=24)
+    book = PooledKVCache(pool, n_layers=2, reserve_tokens=16)
+    book.append(16, layer=0)
+    book.append(16, layer=1)
+    twin = book.fork()
+    book.trim(12)
+    book.trim(4, layer=0)
+    _leave_free(pool, 2)
+    before = _book_and_pool_state(book, pool)
+    with pytest.raises(BlockPoolExhaustedError):
+        book.append(8, layer=0)
+    assert _book_and_pool_state(book, pool) == before
+    book.check_invariants()
+    twin.release()
+    book.release()
+
+
+def test_a_rewrite_after_a_fork_asks_no_block_for_growth_the_reservation_covers() -> None:
+    """RES-USE after a fork: one shared block to move, the growth in reserved blocks;
+    one free block per stream is enough."""
+    pool = _pool(n_blocks=24)
+    book = PooledKVCache(pool, n_layers=2, reserve_tokens=40)
+    book.append(8, layer=0)
+    book.append(8, layer=1)
+    twin = book.fork()
+    book.trim(4, layer=0)
+    _leave_free(pool, 1)
+    book.append(8, layer=0)
+    assert book.offset == 12 and pool.n_free("k") == 0
+    book.check_invariants()
+    twin.check_invariants()
+    twin.release()
+    book.release()
+
+
+def test_growth_after_a_fork_refused_for_its_new_block_moves_nothing() -> None:
+    """Without a reservation too: growth after a fork moves the shared, partly filled
+    last block and checks out a new one, asked together; one free block per stream
+    is refused before the move."""
+    pool = _pool(n_blocks=24)
+    book = PooledKVCache(pool)
+    book.append(6)
+    twin = book.fork()
+    _leave_free(pool, 1)
+    before = _book_and_pool_state(book, pool)
+    with pytest.raises(BlockPoolExhaustedError):
+        book.append(4)
+    assert _book_and_pool_state(book, pool) == before
+    book.check_invariants()
+    twin.release()
+    book.release()
+
+
+def test_a_reserved_block_shared_behind_the_books_back_refuses_the_growth_unchanged() -> None:
+    """RES-USE: growth would take a reserved block that another owner now shares."""
+    pool = _pool()
+    book = PooledKVCache(pool, reserve_tokens=16)
+    book.append(5)
+    reserved = sorted(_reserved(book, pool), key=lambda block: block.block_id)
+    handle = pool.share([reserved[0]], 77)
+    before = _book_and_pool_state(book, pool)
+    with pytest.raises(StaleBlockTableError, match=r"reserved block .* behind the book's back"):
+        book.append(20)
+    assert _book_and_pool_state(book, pool) == before
+    pool.free(handle)
+    book.check_invariants()
+    book.release()
+    assert pool.stats.blocks_in_use() == 0

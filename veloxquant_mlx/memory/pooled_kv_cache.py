@@ -16,7 +16,7 @@ Each layer has its own offset (layers of one forward pass append in turn);
 the table covers the furthest of them and gives back whole blocks past it
 when every layer has been trimmed. Waste is therefore below one block per
 stream per request: at most ``block_size - 1`` unused slots per stream in
-each layer.
+each layer, besides the blocks a reservation holds (below).
 
 Ownership: the book claims its ``owner`` id in the pool on construction
 (``register_owner``, so two live books cannot share an id) and ``release()``
@@ -33,7 +33,8 @@ blocks. A book cannot be copied (``copy.copy`` or ``copy.deepcopy`` raise
 ``TypeError``): two objects releasing one claim would release it twice.
 
 Sharing: ``fork()`` gives a second book holding every block of this one
-(the pool's ``fork``), for parallel sampling or beam search. A shared block
+that holds positions (the pool's ``fork``; its ``share`` of those blocks
+while reserved blocks are held), for parallel sampling or beam search. A shared block
 is read-only in the pool, so the first append (or trim) that changes the
 fill of a shared last block first moves it to a private one
 (``make_writable``) and has the store copy its slots (the ``copy_block``
@@ -381,7 +382,8 @@ class PooledKVCache:
         """Drop the last ``n`` positions of ``layer`` (of every layer if ``None``).
 
         Whole blocks past the furthest remaining layer offset go back to the
-        pool; the new last blocks are marked with their fill.
+        pool, or stay reserved as far as a reservation lacks them (RES-TRIM); the
+        new last blocks are marked with their fill.
 
         Returns:
             Positions dropped: ``min(n, offset)`` of the layer (of the book if ``None``).
@@ -417,7 +419,8 @@ class PooledKVCache:
         return n
 
     def fork(self, owner: int | None = None) -> PooledKVCache:
-        """A second book holding every block of this one, with the same positions.
+        """A second book holding every block of this one that holds positions, with the
+        same positions.
 
         Both books then write copy-on-write (module docstring). The new book
         claims ``owner`` (a fresh id if ``None``) and copies the ``copy_block``
@@ -564,7 +567,8 @@ class PooledKVCache:
         pool, block_size = self._pool, self._block_size
         if self._last_may_be_shared:  # once, after a fork: the growth writes into it
             if self._key_blocks and self._key_blocks[-1].n_used < block_size:
-                self._own_blocks_reclaiming(len(self._key_blocks) - 1)
+                growth = self._blocks_to_check_out(n_tokens)
+                self._own_blocks_reclaiming(len(self._key_blocks) - 1, growth)
             self._last_may_be_shared = False
         n_more = n_tokens - len(self._key_blocks) * block_size
         if n_more > 0 and self._reserve_blocks:
@@ -594,8 +598,9 @@ class PooledKVCache:
         n_new = -(-n_tokens // block_size) - n_held
         keys, values = self._reserved_keys, self._reserved_values
         n_reserved_before = len(keys)
-        if n_new > n_reserved_before:
-            n_more = max(n_held + n_new, self._reserve_blocks) - n_held - n_reserved_before
+        self._require_reserved_intact(n_new)
+        n_more = self._blocks_to_check_out(n_tokens)
+        if n_more:
             new_keys, new_values = self._releases.check_out_reclaiming(
                 lambda: self._check_out(n_more * block_size)
             )
@@ -615,6 +620,30 @@ class PooledKVCache:
         self._value_blocks += values[:n_new]
         self._reserved_keys, self._reserved_values = keys[n_new:], values[n_new:]
         self._table_version += 1
+
+    def _blocks_to_check_out(self, n_tokens: int) -> int:
+        """Blocks per stream that growth to ``n_tokens`` positions checks out: none while
+        the reserved blocks cover it, else enough for ``max(needed, R)`` (RES-TAKE)."""
+        n_held, n_reserved = len(self._key_blocks), len(self._reserved_keys)
+        n_new = -(-n_tokens // self._block_size) - n_held
+        if n_new <= n_reserved:
+            return 0
+        return max(n_held + n_new, self._reserve_blocks) - n_held - n_reserved
+
+    def _require_reserved_intact(self, n_taken: int) -> None:
+        """Before growth takes the first ``n_taken`` reserved blocks of each stream: each
+        is still a live handle no one else shares (INV-RES-HANDLES), or the growth is
+        refused with nothing changed."""
+        pool = self._pool
+        taken = (*self._reserved_keys[:n_taken], *self._reserved_values[:n_taken])
+        for block in taken:
+            if not pool.is_live(block) or pool.is_shared(block.block_id):
+                raise StaleBlockTableError(
+                    f"reserved block {block!r} of owner {self._owner}'s book is not a live "
+                    "handle of the book alone: it was freed, moved or shared behind the "
+                    "book's back; expected reserved blocks to stay the book's until it "
+                    "takes or frees them"
+                )
 
     def _mark_fill(self, block: Block, fill: int) -> None:
         if block.n_used != fill:
@@ -690,7 +719,7 @@ class PooledKVCache:
         block_size = self._block_size
         first = start // block_size
         last = min((min(end, self._n_tokens) - 1) // block_size, self._maybe_shared - 1)
-        growth = max(0, -(-end // block_size) - len(self._key_blocks))
+        growth = self._blocks_to_check_out(end)
         self._releases.check_out_reclaiming(lambda: self._own_range(first, last, growth))
         if last == self._maybe_shared - 1:
             self._maybe_shared = first  # every block from first on is now private
@@ -720,20 +749,21 @@ class PooledKVCache:
         if self._key_blocks[n_kept - 1].n_used != last_fill:
             self._own_blocks_reclaiming(n_kept - 1)
 
-    def _own_blocks_reclaiming(self, index: int) -> None:
+    def _own_blocks_reclaiming(self, index: int, growth: int = 0) -> None:
         """``_own_blocks``, with a dropped cache's blocks first, as a checkout has.
 
         A retry after a collection redoes only what the refusal left undone: a
         block already moved has count 1, and ``make_writable`` returns it as it is.
         """
-        self._releases.check_out_reclaiming(lambda: self._own_blocks(index))
+        self._releases.check_out_reclaiming(lambda: self._own_blocks(index, growth))
 
-    def _own_blocks(self, index: int) -> None:
+    def _own_blocks(self, index: int, growth: int = 0) -> None:
         """Copy-on-write: the key and value blocks at ``index``, if shared, move to
         private ones.
 
         The pool is asked first whether it can supply a private block of each
-        stream that moves, so a refusal moves neither. Each move is recorded before
+        stream that moves, and the ``growth`` blocks per stream the append then
+        checks out, so a refusal moves neither. Each move is recorded before
         its data is copied, so the table never holds a handle the pool has made
         stale, even if another thread took the value block after that look.
         """
@@ -742,7 +772,7 @@ class PooledKVCache:
         stale = next((block for _, block in pair if block.owner is None), None)
         if stale is not None:  # the fault to name, before any exhaustion a copy would meet
             raise stale_block_error(f"block {stale!r}", self._owner, "book", "book")
-        demand = {stream: int(pool.is_shared(block.block_id)) for stream, block in pair}
+        demand = {stream: int(pool.is_shared(block.block_id)) + growth for stream, block in pair}
         require_supply(pool, demand, self._owner, self._format, self._free)
         for stream in ("k", "v"):
             blocks = self._key_blocks if stream == "k" else self._value_blocks

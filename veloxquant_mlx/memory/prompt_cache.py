@@ -213,7 +213,7 @@ def make_pool_backed_cache(
             slices. ``0`` (the default): no reservation.
 
     Raises:
-        TypeError: ``storage`` is not a block store.
+        TypeError: ``storage`` is not a block store, or ``reserve_tokens`` not an int.
         ValueError: The model has more layers than the storage, a layer needs
             a cache other than ``KVCache`` (sliding window, state space, ...), or
             ``attention`` is not a mode the storage serves, or ``reserve_tokens < 0``.
