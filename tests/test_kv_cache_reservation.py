@@ -325,3 +325,23 @@ def test_a_reserved_block_shared_behind_the_books_back_refuses_the_growth_unchan
     book.check_invariants()
     book.release()
     assert pool.stats.blocks_in_use() == 0
+
+
+@pytest.mark.parametrize("append", ["growth", "rewrite of a layer"])
+def test_after_a_fork_a_tampered_reserved_block_refuses_the_append_before_any_move(
+    append: str,
+) -> None:
+    """RES-USE, nothing changes: the shared block the append would move first stays."""
+    pool = _pool()
+    book = PooledKVCache(pool, n_layers=2, reserve_tokens=16)
+    book.append(5 if append == "growth" else 8, layer=0)
+    book.append(5 if append == "growth" else 8, layer=1)
+    twin = book.fork()
+    if append != "growth":
+        book.trim(4, layer=0)
+    pool.share([sorted(_reserved(book, pool), key=lambda block: block.block_id)[0]], 77)
+    before = _book_and_pool_state(book, pool)
+    with pytest.raises(StaleBlockTableError):
+        book.append(8, layer=0)
+    assert _book_and_pool_state(book, pool) == before
+    twin.release()

@@ -371,6 +371,8 @@ class PooledKVCache:
             self._require_layer(layer)
         start = offsets[layer]
         end = start + n_tokens
+        if end > self._n_tokens and self._reserved_keys:  # before any move after a fork
+            self._require_reserved_intact(-(-end // self._block_size) - len(self._key_blocks))
         if start < self._maybe_shared * self._block_size and start < self._n_tokens and n_tokens:
             self._own_rewritten(start, end)  # after a fork only
         if end > self._n_tokens:
@@ -593,12 +595,12 @@ class PooledKVCache:
 
     def _grow_into_reserve(self, n_tokens: int) -> None:
         """Cover ``n_tokens`` positions with reserved blocks, checking out enough for the
-        reservation first if they are too few (RES-TAKE, RES-USE); all or nothing."""
+        reservation first if they are too few (RES-TAKE, RES-USE); all or nothing. The
+        reserved blocks it takes were checked by ``append`` (``_require_reserved_intact``)."""
         block_size, n_held = self._block_size, len(self._key_blocks)
         n_new = -(-n_tokens // block_size) - n_held
         keys, values = self._reserved_keys, self._reserved_values
         n_reserved_before = len(keys)
-        self._require_reserved_intact(n_new)
         n_more = self._blocks_to_check_out(n_tokens)
         if n_more:
             new_keys, new_values = self._releases.check_out_reclaiming(
@@ -634,7 +636,7 @@ class PooledKVCache:
         """Before growth takes the first ``n_taken`` reserved blocks of each stream: each
         is still a live handle no one else shares (INV-RES-HANDLES), or the growth is
         refused with nothing changed."""
-        pool = self._pool
+        pool, n_taken = self._pool, max(0, n_taken)
         taken = (*self._reserved_keys[:n_taken], *self._reserved_values[:n_taken])
         for block in taken:
             if not pool.is_live(block) or pool.is_shared(block.block_id):
