@@ -345,3 +345,29 @@ def test_after_a_fork_a_tampered_reserved_block_refuses_the_append_before_any_mo
         book.append(8, layer=0)
     assert _book_and_pool_state(book, pool) == before
     twin.release()
+
+
+@pytest.mark.parametrize("reserve_tokens", [0, 16])
+@pytest.mark.parametrize("stream", ["k", "v"])
+@pytest.mark.parametrize("n_new", [1, 8, 20])
+def test_a_last_block_shared_behind_the_books_back_refuses_growth_with_nothing_changed(
+    reserve_tokens: int, stream: str, n_new: int
+) -> None:
+    """The pool refuses to mark the shared last block; growth within it, into the
+    reserved blocks, or past them (a checkout, given back) changes nothing and leaks
+    nothing."""
+    pool = _pool()
+    book = PooledKVCache(pool, reserve_tokens=reserve_tokens)
+    book.append(5)
+    last = (book.key_blocks if stream == "k" else book.value_blocks)[-1]
+    handle = pool.share([last], 77)
+    before = _book_and_pool_state(book, pool)
+    fills = [block.n_used for block in (*book.key_blocks, *book.value_blocks)]
+    with pytest.raises(ValueError, match="shared"):
+        book.append(n_new)
+    assert _book_and_pool_state(book, pool) == before
+    assert [block.n_used for block in (*book.key_blocks, *book.value_blocks)] == fills
+    pool.free(handle)
+    book.check_invariants()
+    book.release()
+    assert pool.stats.blocks_in_use() == 0

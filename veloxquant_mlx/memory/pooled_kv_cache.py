@@ -580,16 +580,20 @@ class PooledKVCache:
             new_keys, new_values = self._releases.check_out_reclaiming(
                 lambda: self._check_out(n_more)
             )
-            if self._key_blocks and self._key_blocks[-1].n_used < block_size:
-                pool.mark_used(self._key_blocks[-1], block_size)
-                pool.mark_used(self._value_blocks[-1], block_size)
+            self._fill_last_or_give_back([*new_keys, *new_values])
             self._key_blocks += tuple(new_keys)
             self._value_blocks += tuple(new_values)
             self._table_version += 1
         else:
             last_fill = n_tokens - (len(self._key_blocks) - 1) * block_size
-            pool.mark_used(self._key_blocks[-1], last_fill)
-            pool.mark_used(self._value_blocks[-1], last_fill)
+            key = self._key_blocks[-1]
+            key_fill = key.n_used
+            pool.mark_used(key, last_fill)  # refused if shared behind the book's back
+            try:
+                pool.mark_used(self._value_blocks[-1], last_fill)
+            except ValueError:  # the value block was: nothing may change
+                pool.mark_used(key, key_fill)
+                raise
         self._n_tokens = n_tokens
         self._extent_version += 1
 
@@ -602,14 +606,14 @@ class PooledKVCache:
         keys, values = self._reserved_keys, self._reserved_values
         n_reserved_before = len(keys)
         n_more = self._blocks_to_check_out(n_tokens)
+        new_blocks: list[Block] = []
         if n_more:
             new_keys, new_values = self._releases.check_out_reclaiming(
                 lambda: self._check_out(n_more * block_size)
             )
             keys, values = (*keys, *new_keys), (*values, *new_values)
-        if self._key_blocks and self._key_blocks[-1].n_used < block_size:
-            self._mark_fill(self._key_blocks[-1], block_size)
-            self._mark_fill(self._value_blocks[-1], block_size)
+            new_blocks = [*new_keys, *new_values]
+        self._fill_last_or_give_back(new_blocks)
         last_fill = n_tokens - (n_held + n_new - 1) * block_size
         for index in range(n_new):
             fill = block_size if index < n_new - 1 else last_fill
@@ -622,6 +626,27 @@ class PooledKVCache:
         self._value_blocks += values[:n_new]
         self._reserved_keys, self._reserved_values = keys[n_new:], values[n_new:]
         self._table_version += 1
+
+    def _fill_last_or_give_back(self, new_blocks: list[Block]) -> None:
+        """Mark the last blocks full, before the blocks checked out after them join the
+        book. The pool refuses that mark on a block shared behind the book's back: then
+        the mark is undone and ``new_blocks`` (keys, then values) go back, so nothing
+        changes but the pool's counters of the checkout and its return."""
+        if not self._key_blocks or self._key_blocks[-1].n_used == self._block_size:
+            return
+        key, value = self._key_blocks[-1], self._value_blocks[-1]
+        key_fill = key.n_used
+        try:
+            self._mark_fill(key, self._block_size)
+            try:
+                self._mark_fill(value, self._block_size)
+            except ValueError:
+                self._pool.mark_used(key, key_fill)
+                raise
+        except ValueError:
+            if new_blocks:
+                self._free(new_blocks)
+            raise
 
     def _blocks_to_check_out(self, n_tokens: int) -> int:
         """Blocks per stream that growth to ``n_tokens`` positions checks out: none while
