@@ -565,42 +565,29 @@ class PooledKVCache:
             raise ValueError(f"layer must be in 0..{len(self._offsets) - 1}, got {layer}")
 
     def _grow_to(self, n_tokens: int) -> None:
-        """Cover ``n_tokens`` positions: fill the last blocks, then check out new ones."""
-        pool, block_size = self._pool, self._block_size
+        """Cover ``n_tokens`` positions: fill the last blocks, then take new ones."""
+        block_size = self._block_size
         if self._last_may_be_shared:  # once, after a fork: the growth writes into it
             if self._key_blocks and self._key_blocks[-1].n_used < block_size:
                 growth = self._blocks_to_check_out(n_tokens)
                 self._own_blocks_reclaiming(len(self._key_blocks) - 1, growth)
             self._last_may_be_shared = False
-        n_more = n_tokens - len(self._key_blocks) * block_size
-        if n_more > 0 and self._reserve_blocks:
-            self._grow_into_reserve(n_tokens)
-        elif n_more > 0:
-            # A dropped cache's blocks first, even one dropped in a cycle, before exhaustion.
-            new_keys, new_values = self._releases.check_out_reclaiming(
-                lambda: self._check_out(n_more)
-            )
-            self._fill_last_or_give_back([*new_keys, *new_values])
-            self._key_blocks += tuple(new_keys)
-            self._value_blocks += tuple(new_values)
-            self._table_version += 1
+        if n_tokens > len(self._key_blocks) * block_size:
+            self._grow_by_blocks(n_tokens)
         else:
-            last_fill = n_tokens - (len(self._key_blocks) - 1) * block_size
-            key = self._key_blocks[-1]
-            key_fill = key.n_used
-            pool.mark_used(key, last_fill)  # refused if shared behind the book's back
-            try:
-                pool.mark_used(self._value_blocks[-1], last_fill)
-            except ValueError:  # the value block was: nothing may change
-                pool.mark_used(key, key_fill)
-                raise
+            self._mark_last(n_tokens - (len(self._key_blocks) - 1) * block_size)
         self._n_tokens = n_tokens
         self._extent_version += 1
 
-    def _grow_into_reserve(self, n_tokens: int) -> None:
-        """Cover ``n_tokens`` positions with reserved blocks, checking out enough for the
-        reservation first if they are too few (RES-TAKE, RES-USE); all or nothing. The
-        reserved blocks it takes were checked by ``append`` (``_require_reserved_intact``)."""
+    def _grow_by_blocks(self, n_tokens: int) -> None:
+        """Cover ``n_tokens`` positions past the last block: reserved blocks first, then
+        checked-out ones, enough for the reservation (RES-TAKE, RES-USE); all or nothing.
+
+        Without a reservation the checkout asks the pool for the positions past the held
+        blocks, so the pool fills the new blocks; with one it takes full blocks and marks
+        each with its fill, the ones left over empty. The reserved blocks taken were
+        checked by ``append`` (``_require_reserved_intact``).
+        """
         block_size, n_held = self._block_size, len(self._key_blocks)
         n_new = -(-n_tokens // block_size) - n_held
         keys, values = self._reserved_keys, self._reserved_values
@@ -608,8 +595,11 @@ class PooledKVCache:
         n_more = self._blocks_to_check_out(n_tokens)
         new_blocks: list[Block] = []
         if n_more:
+            past_held = n_tokens - n_held * block_size  # the positions, when none reserved
+            n_tokens_out = n_more * block_size if self._reserve_blocks else past_held
+            # A dropped cache's blocks first, even one dropped in a cycle, before exhaustion.
             new_keys, new_values = self._releases.check_out_reclaiming(
-                lambda: self._check_out(n_more * block_size)
+                lambda: self._check_out(n_tokens_out)
             )
             keys, values = (*keys, *new_keys), (*values, *new_values)
             new_blocks = [*new_keys, *new_values]
@@ -629,23 +619,28 @@ class PooledKVCache:
 
     def _fill_last_or_give_back(self, new_blocks: list[Block]) -> None:
         """Mark the last blocks full, before the blocks checked out after them join the
-        book. The pool refuses that mark on a block shared behind the book's back: then
-        the mark is undone and ``new_blocks`` (keys, then values) go back, so nothing
-        changes but the pool's counters of the checkout and its return."""
+        book; if the pool refuses (``_mark_last``), ``new_blocks`` (keys, then values) go
+        back, so nothing changes but the pool's counters of the checkout and its return."""
         if not self._key_blocks or self._key_blocks[-1].n_used == self._block_size:
             return
-        key, value = self._key_blocks[-1], self._value_blocks[-1]
-        key_fill = key.n_used
         try:
-            self._mark_fill(key, self._block_size)
-            try:
-                self._mark_fill(value, self._block_size)
-            except ValueError:
-                self._pool.mark_used(key, key_fill)
-                raise
+            self._mark_last(self._block_size)
         except ValueError:
             if new_blocks:
                 self._free(new_blocks)
+            raise
+
+    def _mark_last(self, fill: int) -> None:
+        """Mark the last key and value blocks with ``fill``, both or neither: the pool
+        refuses a block shared behind the book's back, and if that is the value block,
+        the key block's mark is undone."""
+        key = self._key_blocks[-1]
+        key_fill = key.n_used
+        self._pool.mark_used(key, fill)
+        try:
+            self._pool.mark_used(self._value_blocks[-1], fill)
+        except ValueError:
+            self._pool.mark_used(key, key_fill)
             raise
 
     def _blocks_to_check_out(self, n_tokens: int) -> int:
