@@ -142,3 +142,32 @@ def test_a_copy_on_write_of_a_block_freed_behind_the_book_names_that_block() -> 
     assert (pool.stats.n_copy_on_write, child.offset) == (moved, 6)
     child.release()
     parent.release()
+
+
+@pytest.mark.parametrize("reserve_tokens", [0, 40])
+def test_a_rewrite_over_a_block_freed_behind_the_book_names_that_block(
+    reserve_tokens: int,
+) -> None:
+    # A layer trimmed alone after a fork writes its positions again, which moves their
+    # shared blocks: with a value handle freed behind the book's back and a full pool,
+    # the rewrite reported the full pool (the range's supply came first), where the
+    # copy-on-write of one block names the stale handle whatever the pool could supply.
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=24))
+    book = PooledKVCache(pool, n_layers=2, reserve_tokens=reserve_tokens)
+    book.append(2 * BLOCK_SIZE, layer=0)
+    book.append(2 * BLOCK_SIZE, layer=1)
+    twin = book.fork()
+    book.trim(BLOCK_SIZE, layer=0)
+    stale = book.value_blocks[1]
+    pool.free([stale])  # behind the book's back; the twin's handle keeps the block
+    for stream in ("k", "v"):
+        pool.allocate(stream, pool.n_free(stream) * BLOCK_SIZE, owner=999)
+    with (
+        pool_unchanged(pool, owners=[book.owner, twin.owner]),
+        pytest.raises(StaleBlockTableError, match=re.escape(f"block {stale!r} of owner")),
+    ):
+        book.append(BLOCK_SIZE, layer=0)
+    assert (book.layer_offset(0), book.offset) == (BLOCK_SIZE, 2 * BLOCK_SIZE)
+    twin.release()
+    book.release()  # its live handles; the stale one is no longer its to free
+    assert pool.blocks_for(book.owner) == []

@@ -43,7 +43,9 @@ A layer trimmed alone and written again below the extent (as the ``state``
 setter of a store-backed cache does) rewrites positions that other layers
 still hold, in blocks no growth or trim moves: each shared one among them
 is moved first the same way, all of them or, if the pool cannot supply
-them, none and the append is refused.
+them, none and the append is refused. A block to move whose handle was
+freed or moved behind the book's back is refused first, by name
+(``StaleBlockTableError``), whatever the pool could supply.
 
 Reservation (docs/RESERVATIONS.md): a book built with ``reserve_tokens``
 checks out the blocks for that many positions at its first growth, in one
@@ -77,7 +79,7 @@ at a time; the pool it draws from is shared and locks itself.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, NoReturn
 
@@ -751,6 +753,7 @@ class PooledKVCache:
         them all and for the ``growth`` blocks per stream the append then checks out, so
         a refusal moves none."""
         pool, indices = self._pool, range(first, last + 1)
+        self._require_held_live(indices)  # the fault to name, before any exhaustion
         moves = {
             "k": sum(pool.is_shared(self._key_blocks[index].block_id) for index in indices),
             "v": sum(pool.is_shared(self._value_blocks[index].block_id) for index in indices),
@@ -791,9 +794,7 @@ class PooledKVCache:
         """
         pool = self._pool
         pair = (("k", self._key_blocks[index]), ("v", self._value_blocks[index]))
-        stale = next((block for _, block in pair if block.owner is None), None)
-        if stale is not None:  # the fault to name, before any exhaustion a copy would meet
-            raise stale_block_error(f"block {stale!r}", self._owner, "book", "book")
+        self._require_held_live((index,))  # the fault to name, before any exhaustion
         demand = {stream: int(pool.is_shared(block.block_id)) + growth for stream, block in pair}
         require_supply(pool, demand, self._owner, self._format, self._free)
         for stream in ("k", "v"):
@@ -809,6 +810,15 @@ class PooledKVCache:
                 self._value_blocks = moved
             self._table_version += 1
             self._copy(shared.block_id, own)
+
+    def _require_held_live(self, indices: Sequence[int]) -> None:
+        """Refuse a copy-on-write of the key and value blocks at ``indices`` if one was
+        freed or moved behind the book's back (its handle is stale): that fault is named
+        whatever the pool could supply, so it is checked before any supply is."""
+        for index in indices:
+            for block in (self._key_blocks[index], self._value_blocks[index]):
+                if block.owner is None:
+                    raise stale_block_error(f"block {block!r}", self._owner, "book", "book")
 
     def _copy(self, old_id: int, own: Block) -> None:
         if self.copy_block is not None:
