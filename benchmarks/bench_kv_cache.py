@@ -16,12 +16,15 @@ passes or fails):
   ``reserve_tokens``, docs/RESERVATIONS.md: requests that grow side by side
   then keep ids that run on and are read by slices, where ``pool_backed``'s
   interleave and are gathered); the same with the fused paged-attention
-  kernel (``pool_backed_fused``, only where MLX's CUDA back-end runs); and a
+  kernel (``pool_backed_fused``, only where MLX's CUDA back-end runs); a
   store without ``lazy_writes`` (``pool_backed_published_writes``: every
   write evaluated and published before it returns, the thread-safe
-  default). Rounds rotate the variants; a figure is a median over rounds,
-  a ratio the median of same-round ratios. Targets: ours >= 0.9x
-  ``KVCache`` on a GPU, >= 0.95x on a CPU; the concurrent aggregate >= 1x.
+  default); and, with ``--own-stores``, ``pool_backed_reserved`` with a pool
+  and store per request (``pool_backed_reserved_own_stores``: no slab shared
+  between requests; not a serving design, it measures what sharing costs).
+  Rounds rotate the variants; a figure is a median over rounds, a ratio the
+  median of same-round ratios. Targets: ours >= 0.9x ``KVCache`` on a GPU,
+  >= 0.95x on a CPU; the concurrent aggregate >= 1x.
 - **Host time per token**: microseconds spent building a step's graph (the
   Python side, before it is scheduled), per token; and, of that, the time
   inside the caches' own calls (``cache_host_us_per_token``), the part the
@@ -109,6 +112,7 @@ class Options:
     steps_per_round: int
     mlx_cache_limit_mb: int
     fused: bool
+    own_stores: bool = False
 
 
 @dataclass
@@ -118,6 +122,16 @@ class Variant:
     make: Callable[[], Caches]
     storage: MLXBlockStorage | None = None
     fused: bool = False
+    #: Stores made one per request (``--own-stores``), counted instead of ``storage``.
+    own_stores: list[MLXBlockStorage] | None = None
+
+    def resident_bytes(self, caches: list[Caches]) -> int:
+        """Bytes the variant holds for ``caches``: its stores', else ``KVCache``'s."""
+        if self.own_stores is not None:
+            return sum(store.resident_bytes() for store in self.own_stores)
+        if self.storage is not None:
+            return self.storage.resident_bytes()
+        return kv_cache_bytes(caches)
 
 
 def progress(message: str) -> None:
@@ -243,16 +257,17 @@ def decode_round(model: Module, requests: list[Caches], steps: int) -> RoundFigu
 
 
 def make_variants(
-    model: Module, n_requests: int, positions: int, *, fused: bool
+    model: Module, n_requests: int, positions: int, *, fused: bool, own_stores: bool = False
 ) -> dict[str, Variant]:
     """The variants for ``n_requests`` of up to ``positions`` positions each.
 
     Each pool-backed variant has its own fixed pool, sized for its requests
-    (two streams, a spare block each), and its own store covering it.
+    (two streams, a spare block each), and its own store covering it; with
+    ``own_stores`` one more variant gives each request a pool and store of its own.
     """
-    n_blocks = 2 * n_requests * (positions // BLOCK_SIZE + 2)
 
-    def paged(**store_options: bool) -> MLXBlockStorage:
+    def paged(n_requests: int = n_requests, **store_options: bool) -> MLXBlockStorage:
+        n_blocks = 2 * n_requests * (positions // BLOCK_SIZE + 2)
         pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks))
         return MLXBlockStorage(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, **store_options)
 
@@ -272,6 +287,8 @@ def make_variants(
             lambda: make_pool_backed_cache(model, eager, attention="gather"), eager
         ),
     }
+    if own_stores:
+        variants["pool_backed_reserved_own_stores"] = own_stores_variant(model, positions, paged)
     if fused and cuda_unavailable_reason() is None:
         fused_store = paged(lazy_writes=True)
         variants["pool_backed_fused"] = Variant(
@@ -282,12 +299,32 @@ def make_variants(
     return variants
 
 
+def own_stores_variant(
+    model: Module, positions: int, paged: Callable[..., MLXBlockStorage]
+) -> Variant:
+    """``pool_backed_reserved`` with a pool and store per request: no slab is shared
+    between requests, so no request's write waits on (or copies for) another's read.
+    Not a serving design (memory is split per request); it measures what sharing a
+    slab costs (issue 9, four requests at 32K)."""
+    stores: list[MLXBlockStorage] = []
+
+    def make() -> Caches:
+        stores.append(paged(1, lazy_writes=True))
+        return make_pool_backed_cache(
+            model, stores[-1], attention="gather", reserve_tokens=positions
+        )
+
+    return Variant(make, own_stores=stores)
+
+
 def bench_decode_at(
     model: Module, context: int, n_requests: int, options: Options
 ) -> dict[str, object]:
     """Tokens/s, host time and resident bytes of every variant at ``context``."""
     positions = context + options.rounds * options.steps_per_round + 1
-    variants = make_variants(model, n_requests, positions, fused=options.fused)
+    variants = make_variants(
+        model, n_requests, positions, fused=options.fused, own_stores=options.own_stores
+    )
     requests = {
         name: [variant.make() for _ in range(n_requests)] for name, variant in variants.items()
     }
@@ -327,12 +364,7 @@ def bench_decode_at(
             name: statistics.median(values) for name, values in schedules.items()
         },
         "resident_bytes": {
-            name: (
-                variant.storage.resident_bytes()
-                if variant.storage is not None
-                else kv_cache_bytes(requests[name])
-            )
-            for name, variant in variants.items()
+            name: variant.resident_bytes(requests[name]) for name, variant in variants.items()
         },
     }
     for name in names[1:]:
@@ -511,6 +543,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--no-fused", action="store_true", help="leave out the fused-kernel variant"
     )
+    parser.add_argument(
+        "--own-stores",
+        action="store_true",
+        help="add a variant that gives each request a pool and store of its own (what "
+        "sharing one slab between requests costs; not a serving design)",
+    )
     arguments = parser.parse_args(argv)
     quick = arguments.quick
     options = Options(
@@ -524,6 +562,7 @@ def main(argv: list[str] | None = None) -> int:
         steps_per_round=arguments.steps if arguments.steps is not None else (3 if quick else 16),
         mlx_cache_limit_mb=arguments.mlx_cache_limit_mb,
         fused=not arguments.no_fused,
+        own_stores=arguments.own_stores,
     )
     started = time.perf_counter()
     figures: dict[str, object] = {"quick": options.quick, "decode": bench_decode(options)}
