@@ -281,6 +281,10 @@ def test_stress_refuses_a_reused_out_unless_forced_and_then_keeps_no_stale_file(
         (["--check-budget", "0"], "argument --check-budget: expected a number > 0, got '0'"),
         (["--mix", "allocate=lots"], "allocate=lots"),
         (["--window-ops", "100000000000"], "expected an int from 1 to 1000"),
+        # Once accepted: the workers then crashed in random.choices (int too large for a
+        # float), and the run reported the harness's crash as a violation of the pool.
+        (["--mix", "write=" + "9" * 500], "'write' must be at most 2**63-1, got '99999"),
+        (["--mix", "write=9223372036854775808"], "got '9223372036854775808'"),
     ],
 )
 def test_stress_refuses_bad_options_before_creating_its_folder(

@@ -36,7 +36,7 @@ from veloxquant_mlx.stress.checker import (
     check_history,
 )
 from veloxquant_mlx.stress.checking import CheckingBudget, HistoryChecking, WindowQueue
-from veloxquant_mlx.stress.config import MAX_WINDOW_OPS, StressConfig, profile
+from veloxquant_mlx.stress.config import MAX_WINDOW_OPS, OperationMix, StressConfig, profile
 from veloxquant_mlx.stress.conservation import CONSERVATION_OWNER
 from veloxquant_mlx.stress.linearizability import SearchResult
 from veloxquant_mlx.stress.replay import LinearizedReplay
@@ -216,7 +216,21 @@ def test_a_duration_that_has_passed_stops_the_calls_before_the_window_fills(
     config = quick_config(tmp_path, ops=None, duration=1e-9, **BIG_WINDOWS)
     report = run_stress(config.with_options(allocator_factory=counting(pools)))
     assert pools[0].allocations == 0  # checked before the first call, not at the barrier
-    assert report.verdict is Verdict.OK
+    assert report.worker_calls == 0
+    # No worker call: an OK would vouch for a pool no thread used.
+    assert report.verdict is Verdict.INCONCLUSIVE
+    assert [gap.what for gap in report.gaps] == ["the pool under the worker threads"]
+
+
+def test_a_mix_that_draws_only_store_calls_is_inconclusive(tmp_path: Path) -> None:
+    # Once OK: every draw was a write, which makes no call while the thread holds no
+    # block, so --ops was never reached and only the barriers' queries were checked.
+    heavy_writes = OperationMix.parse("write=9223372036854775807")
+    config = quick_config(tmp_path, ops=50, duration=2.0, storage="numpy", mix=heavy_writes)
+    report = run_stress(config)
+    assert report.worker_calls == 0
+    assert report.verdict is Verdict.INCONCLUSIVE
+    assert "they made no call" in str(report.gaps[0])
 
 
 def test_ctrl_c_stops_every_worker_within_one_call(

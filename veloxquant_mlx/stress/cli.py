@@ -103,7 +103,8 @@ The calls stop after --duration or --ops, whichever comes first (--ops
 alone keeps the profile's duration as a bound); the checking then has
 --check-budget seconds more to finish, so the run's wall time is at most the
 sum of the two (both are printed at the start). What is not checked in time
-is listed in the report, and the verdict is then INCONCLUSIVE, never OK.
+is listed in the report, and the verdict is then INCONCLUSIVE, never OK; so
+is a run whose worker threads made no call.
 
 OK means every check that was asked for was made, on every call: with
 --replay-backend none (no replay on a store) or --check-interval 0 (no

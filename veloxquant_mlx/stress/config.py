@@ -27,6 +27,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Final, Literal
 
+from veloxquant_mlx.commandline.values import MAX_INT, shown
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.testing.traces import StoreSpec
 from veloxquant_mlx_spec.table import declarations
@@ -104,6 +105,8 @@ class OperationMix:
         for kind, weight in self.weights.items():
             if type(weight) is not int or weight < 0:
                 raise ValueError(f"the weight of {kind!r} must be an int >= 0, got {weight!r}")
+            if weight > MAX_INT:  # random.choices sums them as floats: keep them exact
+                raise _too_heavy(kind, str(weight))
         if not any(self.weights.values()):
             raise ValueError("at least one operation kind needs a positive weight")
         if not any(w for kind, w in self.weights.items() if kind not in STORE_KINDS):
@@ -132,11 +135,14 @@ class OperationMix:
         weights: dict[str, int] = {}
         for item in filter(None, (part.strip() for part in text.split(","))):
             kind, sep, value = item.partition("=")
-            if not sep or not value.strip().isdigit():
-                raise ValueError(f"a mix item must be kind=weight (an int >= 0), got {item!r}")
+            digits = value.strip()
+            if not sep or not digits.isdigit():
+                raise ValueError(f"a mix item must be kind=weight (an int >= 0), got {shown(item)}")
             if kind.strip() in weights:
-                raise ValueError(f"{kind.strip()!r} is given twice in {text!r}; expected once")
-            weights[kind.strip()] = int(value)
+                raise ValueError(f"{kind.strip()!r} is given twice in {shown(text)}; expected once")
+            if len(digits.lstrip("0")) > len(str(MAX_INT)):  # int() refuses 4,300 digits on
+                raise _too_heavy(kind.strip(), digits)
+            weights[kind.strip()] = int(digits)
         if not weights:
             raise ValueError(f"expected kind=weight items, got {text!r}")
         return weights
@@ -148,6 +154,10 @@ class OperationMix:
     def text(self) -> str:
         """The mix in the form :meth:`parse` reads."""
         return ",".join(f"{kind}={weight}" for kind, weight in self.weights.items())
+
+
+def _too_heavy(kind: str, weight: str) -> ValueError:
+    return ValueError(f"the weight of {kind!r} must be at most 2**63-1, got {shown(weight)}")
 
 
 #: A pool small enough that threads collide on its blocks, that grows and runs out.

@@ -500,6 +500,15 @@ def _audit(run: _Run) -> None:
 
 def _gaps(run: _Run) -> tuple[Gap, ...]:
     gaps = [] if run.checking is None else run.checking.gaps()
+    if run.worker_calls == 0 and not run.interrupt.is_set():
+        gaps.append(  # OK would then say only that the barriers' queries agreed
+            Gap(
+                "the pool under the worker threads",
+                "they made no call: the calls stopped before the first (--duration), or "
+                "every kind drawn was a store call (write, gather), which needs a block no "
+                "pool call had handed out (give the pool's calls more weight in --mix)",
+            )
+        )
     if run.audit_skipped is not None:
         gaps.append(Gap("the conservation audit", f"not run: {run.audit_skipped}"))
     return tuple(gaps)
