@@ -637,3 +637,32 @@ def test_cli_reports_the_first_failing_op(
     save(trace(*lines), path)
     assert main([str(path), "--backend", "mlx"]) == 1
     assert "FAILED: line 4 " in capsys.readouterr().err  # the header is line 1
+
+
+def test_after_a_failing_trace_the_ones_left_unreplayed_are_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Once silent: with several traces the replay stopped at the first failure and said
+    # nothing of the ones after it.
+    clean, failing, later = (tmp_path / f"{name}.jsonl" for name in ("a", "b", "c"))
+    save(CANNED_TRACES["stale-handles"], clean)
+    twice = TraceLine(Free((h(0, 0),)), outcome=Returned(None))  # the second free raises
+    save(trace(Allocate("kv", 2, owner=1), Free((h(0, 0),)), twice), failing)
+    save(CANNED_TRACES["stale-handles"], later)
+    assert main([str(clean), str(failing), str(later), "--backend", "numpy"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == f"not replayed, after the failure above: {later}"
+
+
+@pytest.mark.parametrize("on", ["spec", "pool", "numpy"])
+def test_a_store_call_recorded_as_returning_that_the_store_refuses_fails_everywhere(
+    on: str,
+) -> None:
+    # A write to layer 5 of a 1-layer store cannot return; the spec replay (and the pool
+    # replay, which leaves store calls out) once passed it.
+    write = Write(5, h(0, 0), 0, 2)
+    verdict, why = replay_trace(
+        trace(Allocate("kv", 2, owner=1), TraceLine(write, outcome=Returned(None))), on
+    )
+    assert verdict is Verdict.VIOLATION
+    assert "a store of 1 layers and blocks of 2 slots refuses its layer" in why

@@ -194,7 +194,7 @@ def replay_trace(
                 line, where = segment[index].untimed(), trace.file_line(start + index)
                 after = step(checkpoint.state, checkpoint.names, line, (), store_layers=layers)
                 if after is None:
-                    why = _contradiction(where, line, checkpoint)
+                    why = _contradiction(where, line, checkpoint, layers)
                     return Verdict.VIOLATION, f"replay on {on} FAILED: {why}"
                 checkpoint = Checkpoint(*after)
                 if len(checkpoint.state.handles) - len(checkpoint.names) > _COMPACT_AFTER:
@@ -234,13 +234,12 @@ def _linearize(
     return Verdict.VIOLATION, f"replay FAILED: a window is not linearizable: {why}"
 
 
-def _contradiction(file_line: int, line: TraceLine, at: Checkpoint) -> str:
-    """Why the spec refuses a recorded line (line ``file_line`` of its file)."""
+def _contradiction(file_line: int, line: TraceLine, at: Checkpoint, layers: int) -> str:
+    """Why the spec refuses a recorded line (line ``file_line`` of its file) of a history
+    whose store has ``layers`` layers."""
     recorded = "(nothing)" if line.outcome is None else describe(line.outcome)
-    return (
-        f"line {file_line} {encode_line(line)}: it records {recorded}; "
-        f"the spec: {predicted_outcome(at.state, at.names, line, ())}"
-    )
+    predicted = predicted_outcome(at.state, at.names, line, (), store_layers=layers)
+    return f"line {file_line} {encode_line(line)}: it records {recorded}; the spec: {predicted}"
 
 
 def recheck(trace: Trace, *, budget: int | None = DEFAULT_BUDGET) -> tuple[Verdict, str]:

@@ -4,7 +4,9 @@ The linearizability checker tries recorded calls in many orders; each try is
 :func:`step`: turn the call's handle names into the spec's serials, apply
 the spec's transition (through the operation table), and keep the result
 only if the outcome the thread recorded is the one the spec predicts there
-(the same value, or the same error class).
+(the same value, or the same error class). A store call whose layer, slots
+or token count the store refuses is refused wherever it goes: recorded as
+returning, it is allowed nowhere.
 
 A :class:`Checkpoint` is a spec state plus ``names``: ``names[h]`` is the
 name (``h(op_id, position)``) of the spec's handle ``h``. Spec handle ids
@@ -49,6 +51,7 @@ from veloxquant_mlx_spec.table import (
     HandleRef,
     Outcome,
     Raised,
+    Returned,
     declaration_of,
     issued,
     matches,
@@ -142,6 +145,17 @@ def _refused_for_its_shape(event: TraceLine, store_layers: int, block_size: int)
     )
 
 
+def _returned_though_misfit(event: TraceLine, store_layers: int, block_size: int) -> bool:
+    """A store call recorded as returning whose layer, slots or token count the store
+    refuses: no order makes it so, and no spec state excuses it."""
+    op = event.op
+    return (
+        isinstance(op, Write | Gather)
+        and isinstance(event.outcome, Returned)
+        and not fits_the_store(op, store_layers, block_size)
+    )
+
+
 def step(
     state: PoolState,
     names: Names,
@@ -165,6 +179,8 @@ def step(
         ``(state after, names after)``, or ``None``: the spec predicts another
         outcome here, or the call names a handle not handed out yet.
     """
+    if _returned_though_misfit(event, store_layers, state.config.block_size):
+        return None
     try:
         after, predicted = _predict(state, names, event, window_calls)
     except _UnresolvableError:
@@ -180,9 +196,21 @@ def step(
 
 
 def predicted_outcome(
-    state: PoolState, names: Names, event: TraceLine, window_calls: Container[int]
+    state: PoolState,
+    names: Names,
+    event: TraceLine,
+    window_calls: Container[int],
+    *,
+    store_layers: int | None = None,
 ) -> str:
-    """What the spec says ``event``'s call returns or raises at ``state``, as text."""
+    """What the spec says ``event``'s call returns or raises at ``state``, as text; given
+    ``store_layers``, a store call recorded as returning that the store refuses says so."""
+    block_size = state.config.block_size
+    if store_layers is not None and _returned_though_misfit(event, store_layers, block_size):
+        return (
+            f"a store of {store_layers} layers and blocks of {block_size} slots refuses its "
+            "layer, slots or token count, wherever it goes"
+        )
     try:
         return describe(_predict(state, names, event, window_calls)[1])
     except _UnresolvableError as unresolvable:

@@ -18,9 +18,10 @@ exist and be a trace, its store's dtype one the backend stores, and what
 replaying it allocates (the pool's books, the store's slabs, the replay's
 shadow copy) must fit in the machine's memory. Anything else is bad input:
 one line naming the file and the value, exit status 2, and nothing replayed.
-Then each trace is replayed, one line each, stopping at the first failure;
-a replay that runs past 10 s also says how far it got on stderr, every
-10 s, unless ``--no-progress``.
+Then each trace is replayed, one line each, stopping at the first failure
+(a last line names the traces left unreplayed); a replay that runs past
+10 s also says how far it got on stderr, every 10 s, unless
+``--no-progress``.
 
 Verdicts (:mod:`veloxquant_mlx.commandline.verdicts`): a failing replay is a
 violation (1); a clean replay of a trace marked partial (a stress run that
@@ -96,7 +97,12 @@ _SHADOW_ITEMSIZE: Final = 4  # the replay's shadow copy and its reads are float3
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Declare ``replay``'s options."""
-    parser.add_argument("traces", nargs="+", type=file_argument, help="trace files (.jsonl)")
+    parser.add_argument(
+        "traces",
+        nargs="+",
+        type=file_argument,
+        help="trace files, replayed in turn until one fails",
+    )
     parser.add_argument(
         "--on",
         "--backend",
@@ -174,7 +180,7 @@ def replay_paths(
         for path, trace in traces:
             _require_builds(port, path, trace)
     verdicts = []
-    for path, trace in traces:
+    for index, (path, trace) in enumerate(traces):
         try:
             progress = _progress_of(path) if show_progress else None
             verdict, line = replay_trace(trace, on, budget=budget, port=port, progress=progress)
@@ -182,9 +188,17 @@ def replay_paths(
             raise BadInputError(f"{failure} (replaying {path})") from None
         print(f"{path}: {line}", file=sys.stderr if verdict is Verdict.VIOLATION else sys.stdout)
         verdicts.append(verdict)
-        if verdict is Verdict.VIOLATION:
-            break  # the first failure is the one to look at
+        if verdict is Verdict.VIOLATION:  # the first failure is the one to look at
+            _say_not_replayed([later for later, _ in traces[index + 1 :]])
+            break
     return combined(verdicts).exit_status
+
+
+def _say_not_replayed(paths: Sequence[Path]) -> None:
+    """After a failure, name the traces left unreplayed (on stderr, one line)."""
+    if paths:
+        names = ", ".join(str(path) for path in paths)
+        print(f"not replayed, after the failure above: {names}", file=sys.stderr)
 
 
 def _progress_of(path: Path) -> Callable[[str], None]:
