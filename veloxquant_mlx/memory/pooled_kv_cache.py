@@ -43,9 +43,16 @@ A layer trimmed alone and written again below the extent (as the ``state``
 setter of a store-backed cache does) rewrites positions that other layers
 still hold, in blocks no growth or trim moves: each shared one among them
 is moved first the same way, all of them or, if the pool cannot supply
-them, none and the append is refused. A block to move whose handle was
-freed or moved behind the book's back is refused first, by name
-(``StaleBlockTableError``), whatever the pool could supply.
+them, none and the append is refused.
+
+Blocks changed behind the book's back (a handle freed or moved by a call
+on the pool, a block shared by one) never leave a step half done: a
+copy-on-write, a fork, or a trim over a stale handle is refused first, by
+name (``StaleBlockTableError``), whatever the pool could supply; a fill
+mark the pool refuses (a block shared behind the back is read-only) is
+made first, for both streams or neither, so growth past it checks nothing
+out and a trim cuts nothing. A fork gives back at once the shares of
+blocks checked out to the owner id behind the book's back.
 
 Reservation (docs/RESERVATIONS.md): a book built with ``reserve_tokens``
 checks out the blocks for that many positions at its first growth, in one
@@ -400,8 +407,10 @@ class PooledKVCache:
             BlockPoolExhaustedError: The new last blocks are shared with a fork, so
                 their fill can change only in private copies, and the pool has no
                 block for one (after a collection, as ``append``); nothing changes.
-            StaleBlockTableError: Such a block was freed behind the book's back;
-                nothing changes.
+            StaleBlockTableError: Such a block, or a block the trim gives back or keeps
+                reserved, was freed or moved behind the book's back; nothing changes.
+            ValueError: A new last block whose fill changes was shared behind the book's
+                back (the pool refuses to mark it); nothing changes.
         """
         require_int("n", n, minimum=0)
         if self._released:
@@ -416,10 +425,10 @@ class PooledKVCache:
             offsets[layer] -= n
         furthest = max(offsets)
         if furthest < self._n_tokens:
-            self._own_blocks_kept_by(furthest)  # the one step that may be refused: first
-        self._offsets[:] = offsets
-        if furthest < self._n_tokens:
+            self._require_trimmable(furthest)  # the steps that may be refused: first
+            self._own_blocks_kept_by(furthest)
             self._shrink_to(furthest)
+        self._offsets[:] = offsets
         return n
 
     def fork(self, owner: int | None = None) -> PooledKVCache:
@@ -434,8 +443,11 @@ class PooledKVCache:
         Raises:
             RuntimeError: This book was released.
             OwnerAlreadyActiveError: ``owner`` is in use.
+            StaleBlockTableError: A block of this book was freed or moved behind its
+                back; nothing changes.
         """
         self._require_open()
+        self._require_held_live(range(len(self._key_blocks)))  # before the twin claims
         twin = PooledKVCache(self._pool, owner, n_layers=len(self._offsets), format=self._format)
         twin.copy_block = self.copy_block
         if self._reserved_keys:  # RES-FORK: reserved blocks stay this book's alone
@@ -444,8 +456,10 @@ class PooledKVCache:
             twin._key_blocks, twin._value_blocks = tuple(handles[:n_keys]), tuple(handles[n_keys:])
         else:
             by_id = {block.block_id: block for block in self._pool.fork(self._owner, twin._owner)}
-            twin._key_blocks = tuple(by_id[block.block_id] for block in self._key_blocks)
-            twin._value_blocks = tuple(by_id[block.block_id] for block in self._value_blocks)
+            twin._key_blocks = tuple(by_id.pop(block.block_id) for block in self._key_blocks)
+            twin._value_blocks = tuple(by_id.pop(block.block_id) for block in self._value_blocks)
+            if by_id:  # blocks checked out to the owner id behind the book's back: not its
+                self._pool.free(list(by_id.values()))
         twin._table_version += 1
         twin._extent_version += 1
         twin._n_tokens = self._n_tokens
@@ -577,7 +591,9 @@ class PooledKVCache:
         if n_tokens > len(self._key_blocks) * block_size:
             self._grow_by_blocks(n_tokens)
         else:
-            self._mark_last(n_tokens - (len(self._key_blocks) - 1) * block_size)
+            self._mark_pair(
+                len(self._key_blocks) - 1, n_tokens - (len(self._key_blocks) - 1) * block_size
+            )
         self._n_tokens = n_tokens
         self._extent_version += 1
 
@@ -595,17 +611,21 @@ class PooledKVCache:
         keys, values = self._reserved_keys, self._reserved_values
         n_reserved_before = len(keys)
         n_more = self._blocks_to_check_out(n_tokens)
-        new_blocks: list[Block] = []
+        # First, as the one step the pool may refuse without a checkout: a last block shared
+        # behind the book's back is read-only. Before any checkout, which may grow the pool.
+        filled_from = self._fill_last()
         if n_more:
             past_held = n_tokens - n_held * block_size  # the positions, when none reserved
             n_tokens_out = n_more * block_size if self._reserve_blocks else past_held
-            # A dropped cache's blocks first, even one dropped in a cycle, before exhaustion.
-            new_keys, new_values = self._releases.check_out_reclaiming(
-                lambda: self._check_out(n_tokens_out)
-            )
+            try:  # a dropped cache's blocks first, even one dropped in a cycle, before exhaustion
+                new_keys, new_values = self._releases.check_out_reclaiming(
+                    lambda: self._check_out(n_tokens_out)
+                )
+            except BaseException:
+                if filled_from is not None:
+                    self._mark_pair(n_held - 1, filled_from)
+                raise
             keys, values = (*keys, *new_keys), (*values, *new_values)
-            new_blocks = [*new_keys, *new_values]
-        self._fill_last_or_give_back(new_blocks)
         last_fill = n_tokens - (n_held + n_new - 1) * block_size
         for index in range(n_new):
             fill = block_size if index < n_new - 1 else last_fill
@@ -619,30 +639,33 @@ class PooledKVCache:
         self._reserved_keys, self._reserved_values = keys[n_new:], values[n_new:]
         self._table_version += 1
 
-    def _fill_last_or_give_back(self, new_blocks: list[Block]) -> None:
-        """Mark the last blocks full, before the blocks checked out after them join the
-        book; if the pool refuses (``_mark_last``), ``new_blocks`` (keys, then values) go
-        back, so nothing changes but the pool's counters of the checkout and its return."""
-        if not self._key_blocks or self._key_blocks[-1].n_used == self._block_size:
+    def _fill_last(self) -> int | None:
+        """Mark the last blocks full (``_mark_pair``) before growth past them; the fill
+        they had, to undo it with, or ``None`` if they were full (or there are none)."""
+        if not self._key_blocks:
+            return None
+        fill = self._key_blocks[-1].n_used
+        if fill == self._block_size:
+            return None
+        self._mark_pair(len(self._key_blocks) - 1, self._block_size)
+        return fill
+
+    def _mark_pair(self, index: int, fill: int) -> None:
+        """Mark the key and value blocks at ``index`` with ``fill``, both or neither; a
+        block that already has that fill is not marked. The pool refuses a block shared
+        (behind the book's back, or with a fork: read-only), and if that is the value
+        block, the key block's mark is undone."""
+        key, value = self._key_blocks[index], self._value_blocks[index]
+        key_fill = key.n_used
+        if key_fill != fill:
+            self._pool.mark_used(key, fill)
+        if value.n_used == fill:
             return
         try:
-            self._mark_last(self._block_size)
+            self._pool.mark_used(value, fill)
         except ValueError:
-            if new_blocks:
-                self._free(new_blocks)
-            raise
-
-    def _mark_last(self, fill: int) -> None:
-        """Mark the last key and value blocks with ``fill``, both or neither: the pool
-        refuses a block shared behind the book's back, and if that is the value block,
-        the key block's mark is undone."""
-        key = self._key_blocks[-1]
-        key_fill = key.n_used
-        self._pool.mark_used(key, fill)
-        try:
-            self._pool.mark_used(self._value_blocks[-1], fill)
-        except ValueError:
-            self._pool.mark_used(key, key_fill)
+            if key_fill != fill:
+                self._pool.mark_used(key, key_fill)
             raise
 
     def _blocks_to_check_out(self, n_tokens: int) -> int:
@@ -701,11 +724,8 @@ class PooledKVCache:
         """
         block_size = self._block_size
         n_kept, n_kept_before = -(-n_tokens // block_size), len(self._key_blocks)
-        if n_kept:
-            last_fill = n_tokens - (n_kept - 1) * block_size
-            for block in (self._key_blocks[n_kept - 1], self._value_blocks[n_kept - 1]):
-                if block.n_used != last_fill:
-                    self._pool.mark_used(block, last_fill)
+        if n_kept:  # the one step the pool may refuse (a block shared behind the back): first
+            self._mark_pair(n_kept - 1, n_tokens - (n_kept - 1) * block_size)
         tail = self._tail_to_free(n_kept)
         self._key_blocks = self._key_blocks[:n_kept]
         self._value_blocks = self._value_blocks[:n_kept]
@@ -719,14 +739,14 @@ class PooledKVCache:
 
     def _tail_to_free(self, n_kept: int) -> list[Block]:
         """The blocks past the first ``n_kept`` that a shrink gives back to the pool (keys,
-        then values, each in position order). With a reservation, of those blocks and the
-        reserved ones the first ``max(0, R - n_kept)`` stay reserved, marked empty
-        (RES-TRIM), unless they may be shared or are not live: then all go back."""
+        then values, each in position order; live: ``_require_trimmable``). With a
+        reservation, of those blocks and the reserved ones the first ``max(0, R - n_kept)``
+        stay reserved, marked empty (RES-TRIM), unless they may be shared: then all go back."""
         tail_keys, tail_values = self._key_blocks[n_kept:], self._value_blocks[n_kept:]
         tail = [*tail_keys, *tail_values]
         n_reserved = max(0, self._reserve_blocks - n_kept)
         pool = self._pool
-        if not (tail and n_reserved) or self._shares or not pool.all_live(tail):
+        if not (tail and n_reserved) or self._shares:
             return tail
         if any(pool.is_shared(block.block_id) for block in tail):  # shared behind its back
             return tail
@@ -735,6 +755,16 @@ class PooledKVCache:
             self._mark_fill(block, 0)
         self._reserved_keys, self._reserved_values = keys[:n_reserved], values[:n_reserved]
         return [*keys[n_reserved:], *values[n_reserved:]]
+
+    def _require_trimmable(self, n_tokens: int) -> None:
+        """Before a shrink to ``n_tokens`` changes anything: every block it gives back or
+        keeps reserved is still the book's handle (a stale one would make the pool refuse
+        the free half-way, with the book already cut)."""
+        n_kept = -(-n_tokens // self._block_size)
+        self._require_held_live(range(n_kept, len(self._key_blocks)))
+        for block in (*self._reserved_keys, *self._reserved_values):
+            if block.owner is None:
+                raise stale_block_error(f"reserved block {block!r}", self._owner, "book", "book")
 
     def _own_rewritten(self, start: int, end: int) -> None:
         """Copy-on-write before an append writes positions ``start .. end - 1``, the first
@@ -753,7 +783,7 @@ class PooledKVCache:
         them all and for the ``growth`` blocks per stream the append then checks out, so
         a refusal moves none."""
         pool, indices = self._pool, range(first, last + 1)
-        self._require_held_live(indices)  # the fault to name, before any exhaustion
+        self._require_held_live(range(len(self._key_blocks)))  # before any exhaustion
         moves = {
             "k": sum(pool.is_shared(self._key_blocks[index].block_id) for index in indices),
             "v": sum(pool.is_shared(self._value_blocks[index].block_id) for index in indices),
@@ -794,7 +824,7 @@ class PooledKVCache:
         """
         pool = self._pool
         pair = (("k", self._key_blocks[index]), ("v", self._value_blocks[index]))
-        self._require_held_live((index,))  # the fault to name, before any exhaustion
+        self._require_held_live(range(len(self._key_blocks)))  # before any exhaustion
         demand = {stream: int(pool.is_shared(block.block_id)) + growth for stream, block in pair}
         require_supply(pool, demand, self._owner, self._format, self._free)
         for stream in ("k", "v"):
@@ -812,9 +842,11 @@ class PooledKVCache:
             self._copy(shared.block_id, own)
 
     def _require_held_live(self, indices: Sequence[int]) -> None:
-        """Refuse a copy-on-write of the key and value blocks at ``indices`` if one was
-        freed or moved behind the book's back (its handle is stale): that fault is named
-        whatever the pool could supply, so it is checked before any supply is."""
+        """Refuse a step if a key or value block at ``indices`` was freed or moved behind
+        the book's back (its handle is stale): that fault is named whatever the pool could
+        supply, so it is checked before any supply is. A copy-on-write checks every held
+        block: the store's table check after it would refuse a stale one, too late to undo
+        the moves."""
         for index in indices:
             for block in (self._key_blocks[index], self._value_blocks[index]):
                 if block.owner is None:

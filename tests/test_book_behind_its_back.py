@@ -1,0 +1,185 @@
+"""A book whose blocks were freed, moved or shared behind its back refuses the step
+that would need them, changing nothing, in the book or in the pool, and leaking nothing.
+
+Each case was found by a randomized probe (the book and the pool observed after every
+call) and failed before its fix: a trim cut the book and then met the pool's refusal of
+a stale handle (a live block leaked); a trim marked the key block and then met a value
+block shared behind the back; a fork shared every block of the owner and then could not
+find a stale one (the shares leaked to the twin's owner); growth into a shared last block
+checked out first, which can grow the pool; a rewrite after a fork moved its blocks and
+then met the store's refusal of a stale block elsewhere in the table.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+
+import mlx.core as mx
+import pytest
+from conftest import pool_unchanged
+
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache, StaleBlockTableError
+from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
+
+BLOCK_SIZE = 4
+BOOK, TWIN, OTHER = 1, 2, 99
+
+
+def _book(
+    n_blocks: int = 16,
+    *,
+    reserve_tokens: int = 0,
+    n_layers: int = 2,
+    grow_on_exhaustion: bool = False,
+    max_blocks: int | None = None,
+) -> tuple[BlockPoolAllocator, PooledKVCache]:
+    config = PoolConfig(
+        block_size=BLOCK_SIZE,
+        n_blocks=n_blocks,
+        grow_on_exhaustion=grow_on_exhaustion,
+        max_blocks=max_blocks,
+    )
+    pool = BlockPoolAllocator(config)
+    return pool, PooledKVCache(pool, BOOK, n_layers=n_layers, reserve_tokens=reserve_tokens)
+
+
+def _book_state(book: PooledKVCache) -> tuple[object, ...]:
+    return (
+        tuple(book.layer_offset(layer) for layer in range(book.n_layers)),
+        book.offset,
+        [(block.block_id, block.n_used) for block in (*book.key_blocks, *book.value_blocks)],
+        book.reserved_blocks,
+    )
+
+
+def _refused_unchanged(
+    pool: BlockPoolAllocator,
+    book: PooledKVCache,
+    step: Callable[[], object],
+    error: type[Exception],
+    match: str,
+) -> None:
+    """``step`` raises ``error`` (matching ``match``) and changes neither book nor pool."""
+    before = _book_state(book)
+    with pool_unchanged(pool, owners=[BOOK, TWIN, OTHER]), pytest.raises(error, match=match):
+        step()
+    assert _book_state(book) == before
+
+
+def _named(block: Block) -> str:
+    return re.escape(f"block {block!r} of owner {BOOK}'s book")
+
+
+@pytest.mark.parametrize("reserve_tokens", [0, 32])
+@pytest.mark.parametrize("stream", ["k", "v"])
+def test_a_trim_over_a_block_freed_behind_the_book_is_refused_unchanged(
+    reserve_tokens: int, stream: str
+) -> None:
+    pool, book = _book(reserve_tokens=reserve_tokens)
+    book.append(6, layer=0)
+    book.append(6, layer=1)
+    stale = (book.key_blocks if stream == "k" else book.value_blocks)[1]
+    pool.free([stale])
+    _refused_unchanged(pool, book, lambda: book.trim(3), StaleBlockTableError, _named(stale))
+    book.release()
+    assert pool.stats.blocks_in_use() == 0  # the live block of the other stream came back
+
+
+def test_a_trim_over_a_reserved_block_freed_behind_the_book_is_refused_unchanged() -> None:
+    pool, book = _book(reserve_tokens=32)
+    book.append(6)
+    [stale] = [b for b in pool.blocks_for(BOOK) if b.block_id == book.key_blocks[-1].block_id + 1]
+    pool.free([stale])
+    match = re.escape(f"reserved block {stale!r}")
+    _refused_unchanged(pool, book, lambda: book.trim(3), StaleBlockTableError, match)
+
+
+@pytest.mark.parametrize("stream", ["k", "v"])
+def test_a_trim_whose_new_last_block_is_shared_behind_the_book_is_refused_unchanged(
+    stream: str,
+) -> None:
+    pool, book = _book()
+    book.append(6, layer=0)
+    book.append(6, layer=1)
+    shared = (book.key_blocks if stream == "k" else book.value_blocks)[0]
+    pool.share([shared], OTHER)
+    _refused_unchanged(pool, book, lambda: book.trim(3), ValueError, "shared")
+    book.check_invariants()
+
+
+@pytest.mark.parametrize("reserve_tokens", [0, 32])
+@pytest.mark.parametrize("behind", ["free", "make_writable"])
+def test_a_fork_of_a_book_with_a_block_freed_or_moved_behind_its_back_is_refused_unchanged(
+    reserve_tokens: int, behind: str
+) -> None:
+    pool, book = _book(32, reserve_tokens=reserve_tokens, n_layers=1)
+    book.append(6)
+    stale = book.key_blocks[1]
+    if behind == "free":
+        pool.free([stale])
+    else:
+        pool.share([book.key_blocks[1]], OTHER)
+        pool.make_writable(stale)  # the book's handle moves to a new block
+    _refused_unchanged(pool, book, lambda: book.fork(TWIN), StaleBlockTableError, _named(stale))
+    assert pool.blocks_for(TWIN) == []  # no share leaked to the twin's owner id
+
+
+def test_a_fork_gives_back_the_blocks_checked_out_to_the_owner_behind_the_books_back() -> None:
+    pool, book = _book(n_layers=1)
+    book.append(6)
+    extra = pool.allocate("k", BLOCK_SIZE, owner=BOOK)  # not the book's
+    twin = book.fork(TWIN)
+    assert sorted(b.block_id for b in pool.blocks_for(TWIN)) == sorted(
+        b.block_id for b in (*twin.key_blocks, *twin.value_blocks)
+    )
+    twin.release()
+    book.release()
+    pool.free(extra)
+    assert pool.stats.blocks_in_use() == 0
+
+
+@pytest.mark.parametrize("reserve_tokens", [0, 32])
+@pytest.mark.parametrize("stream", ["k", "v"])
+def test_growth_into_a_last_block_shared_behind_the_book_never_checks_out(
+    reserve_tokens: int, stream: str
+) -> None:
+    """With ``grow_on_exhaustion`` the checkout grew the pool before the pool refused
+    to mark the shared last block; giving the blocks back cannot undo growth."""
+    pool, book = _book(
+        n_blocks=2 if reserve_tokens == 0 else 16,
+        reserve_tokens=reserve_tokens,
+        grow_on_exhaustion=True,
+        max_blocks=64,
+    )
+    book.append(2)
+    shared = (book.key_blocks if stream == "k" else book.value_blocks)[0]
+    pool.share([shared], OTHER)
+    _refused_unchanged(pool, book, lambda: book.append(3 * BLOCK_SIZE), ValueError, "shared")
+
+
+def test_a_rewrite_after_a_fork_refused_for_a_stale_block_elsewhere_moves_nothing() -> None:
+    """The rewrite moves the blocks it writes; a stale block it does not write made the
+    store's table check refuse the write after the moves, which no undo reverses."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
+    cache = PoolBackedPromptCache(store, PooledKVCache(pool, BOOK, n_layers=2))
+
+    def tokens(n: int) -> mx.array:
+        return mx.ones((1, 1, n, 4), dtype=mx.float16)
+
+    for layer in cache:
+        layer.update_and_fetch(tokens(8), tokens(8))
+    twin = cache.fork(owner=TWIN)
+    twin[0].trim(3)  # layer 0 holds 5 positions; the next write rewrites block 1 only
+    stale = twin.book.key_blocks[0]
+    pool.free([stale])
+    before = _book_state(twin.book)
+    with (
+        pool_unchanged(pool, owners=[BOOK, TWIN]),
+        pytest.raises(StaleBlockTableError, match=re.escape(f"block {stale!r}")),
+    ):
+        twin[0].update_and_fetch(tokens(3), tokens(3))
+    assert _book_state(twin.book) == before
