@@ -1,5 +1,5 @@
 """What the benchmarks share: the platform header of a JSON report, printing the
-report, and raising MLX's buffer-cache limit.
+report, raising MLX's buffer-cache limit, and running a main whose sizes may not fit.
 
 A figure means little without what produced it (MLX's version, the device,
 and whether the pool ran compiled by mypyc or interpreted: host times differ
@@ -18,10 +18,12 @@ import importlib.metadata
 import json
 import platform
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import mlx.core as mx
 
+from veloxquant_mlx.commandline.bad_input import BadInputError
+from veloxquant_mlx.commandline.interrupts import run_command
 from veloxquant_mlx.memory import block_pool
 
 #: The buffer-cache limit the benchmarks give MLX (8 GiB).
@@ -62,3 +64,18 @@ def set_buffer_cache_limit(n_bytes: int = RAISED_CACHE_LIMIT_BYTES) -> int:
     :data:`RAISED_CACHE_LIMIT_BYTES`); return the limit it replaced."""
     previous: int = mx.set_cache_limit(n_bytes)
     return previous
+
+
+def run_benchmark(prog: str, main: Callable[[], int], sizes: str = "--contexts") -> int:
+    """``main()``'s exit status, run as the commands run (one line and status 2 on bad
+    input, 130 on Ctrl-C); a size the machine cannot hold (a context whose pool needs
+    more memory than it has: the pool's ``MemoryError``) is bad input, said to come from
+    the option ``sizes``."""
+
+    def body() -> int:
+        try:
+            return main()
+        except MemoryError as error:
+            raise BadInputError(f"{error}; expected a smaller {sizes}") from None
+
+    return run_command(prog, body)

@@ -121,7 +121,7 @@ def _worker(root: Path, context: int, steps: int) -> dict[str, float]:
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
         print(f"bench_cache_host.py: error: the worker on {root} failed: {last}", file=sys.stderr)
-        raise SystemExit(1)
+        raise SystemExit(2 if done.returncode == 2 else 1)  # 2: the sizes were bad input
     figures: dict[str, float] = json.loads(done.stdout.splitlines()[-1])
     return figures
 
@@ -177,7 +177,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.worker is not None:
         root, context, steps = args.worker
-        print(json.dumps(measure(Path(root), int(context), int(steps))))
+        try:
+            figures = measure(Path(root), int(context), int(steps))
+        except MemoryError as error:  # a context this machine cannot hold: bad input
+            parser.exit(2, f"{parser.prog}: error: {error} (--contexts {context})\n")
+        print(json.dumps(figures))
         return 0
     if args.against_tree is not None:
         base_tree: AbstractContextManager[Path] = nullcontext(

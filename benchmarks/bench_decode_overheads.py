@@ -64,7 +64,7 @@ from collections.abc import Callable
 from typing import cast
 
 import mlx.core as mx
-from _report import print_report, set_buffer_cache_limit
+from _report import print_report, run_benchmark, set_buffer_cache_limit
 from bench_kv_cache import (
     BLOCK_SIZE,
     HEAD_DIM,
@@ -264,4 +264,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    raise SystemExit(run_benchmark("bench_decode_overheads.py", main))

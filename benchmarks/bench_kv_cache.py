@@ -65,7 +65,7 @@ from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import mlx.core as mx
-from _report import print_report, set_buffer_cache_limit
+from _report import print_report, run_benchmark, set_buffer_cache_limit
 from mlx.nn.layers.base import Module
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache
@@ -574,4 +574,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_benchmark("bench_kv_cache.py", main))

@@ -41,7 +41,7 @@ import sys
 import time
 
 import mlx.core as mx
-from _report import print_report, set_buffer_cache_limit
+from _report import print_report, run_benchmark, set_buffer_cache_limit
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
 from veloxquant_mlx.commandline.values import int_at_least
@@ -162,4 +162,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_benchmark("bench_slab_copy.py", main, "--context"))

@@ -545,3 +545,42 @@ def test_a_benchmark_refuses_a_bad_option_in_one_line(
     [line] = captured.err.splitlines()
     assert line.startswith(f"{script}.py: error: ")
     assert fragment in line
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "option"),
+    [
+        ("bench_kv_cache", ["--contexts", "100000000000", "--skip-memory"], "--contexts"),
+        ("bench_read_by_runs", ["--contexts", "100000000000"], "--contexts"),
+        ("bench_slab_copy", ["--context", "100000000000"], "--context"),
+        ("bench_decode_overheads", ["--contexts", "100000000000"], "--contexts"),
+    ],
+)
+def test_a_benchmark_refuses_a_context_too_large_for_the_machine_in_one_line(
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    script: str,
+    args: list[str],
+    option: str,
+) -> None:
+    # Each was a 22-line traceback ending in the pool's MemoryError, status 1.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    main = importlib.import_module(script).main
+    run_benchmark = importlib.import_module("_report").run_benchmark
+    assert run_benchmark(f"{script}.py", lambda: main(args), option) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"{script}.py: error: a pool of n_blocks=")
+    assert line.endswith(f"expected a smaller {option}")
+
+
+def test_bench_cache_host_worker_refuses_a_context_too_large_with_status_2(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    main = importlib.import_module("bench_cache_host").main
+    root = str(BENCHMARKS.parent)
+    with pytest.raises(SystemExit) as ended:
+        main(["--worker", root, "100000000000", "1"])
+    assert ended.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "a pool of n_blocks=" in line and line.endswith("(--contexts 100000000000)")

@@ -157,9 +157,10 @@ def _add_run_arguments(parser: argparse.ArgumentParser) -> None:
         "--ops",
         type=int_at_least(1),
         metavar="N",
-        help="stop after the worker threads made N calls (the queries recorded at each "
-        "barrier and the final audit's calls come on top), or after the profile's "
-        "duration if that comes first",
+        help="stop after the worker threads made N calls, give or take one per thread "
+        "(the last window is shared out evenly; the queries recorded at each barrier "
+        "and the final audit's calls come on top), or after the profile's duration if "
+        "that comes first",
     )
     group.add_argument(
         "--duration",
