@@ -122,7 +122,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-states",
         type=int_at_least(1),
         metavar="N",
-        help=f"distinct states per scope before it stops, inconclusive (default: "
+        help="distinct states per scope after which it stops, inconclusive (the state it "
+        "is expanding finishes first, so a few more may be known; default: "
         f"{DEFAULT_MAX_STATES:,}, or what half this machine's memory holds if fewer)",
     )
     parser.add_argument(
