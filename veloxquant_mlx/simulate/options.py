@@ -235,8 +235,9 @@ def _sizes_named(args: argparse.Namespace) -> str:
         if args.requests is not None
         else f"--duration {args.duration if args.duration is not None else DEFAULT_DURATION}"
     )
+    cap = "" if args.max_blocks is None else f"--max-blocks {args.max_blocks}, "
     return (
-        f"a simulation with --n-blocks {args.n_blocks}, --max-blocks {args.max_blocks}, "
+        f"a simulation with --n-blocks {args.n_blocks}, {cap}"
         f"{length}, --arrival-rate {args.arrival_rate:g} and --max-seq-len {args.max_seq_len}"
     )
 

@@ -278,8 +278,8 @@ def summary_text(report: StressReport) -> str:
         timing = report.timing
         lines.append(
             f"  time: {timing.total_seconds:.1f} s in all; checking busy "
-            f"{timing.checking_seconds:.1f} s, of which {timing.checking_after_calls_seconds:.1f}"
-            f" s after the last call (budget {timing.check_budget_seconds:g} s)"
+            f"{timing.checking_seconds:.1f} s; {timing.checking_after_calls_seconds:.1f} s "
+            f"from the last call to the end (budget {timing.check_budget_seconds:g} s)"
         )
     replay = report.replay
     lines.append(
