@@ -381,7 +381,9 @@ class PooledKVCache:
         start = offsets[layer]
         end = start + n_tokens
         if end > self._n_tokens and self._reserved_keys:  # before any move after a fork
-            self._require_reserved_intact(-(-end // self._block_size) - len(self._key_blocks))
+            n_taken = -(-end // self._block_size) - len(self._key_blocks)
+            if n_taken > 0:  # growth into the reserve: once a block, not every step
+                self._require_reserved_intact(n_taken)
         if start < self._maybe_shared * self._block_size and start < self._n_tokens and n_tokens:
             self._own_rewritten(start, end)  # after a fork only
         if end > self._n_tokens:
@@ -678,10 +680,10 @@ class PooledKVCache:
         return max(n_held + n_new, self._reserve_blocks) - n_held - n_reserved
 
     def _require_reserved_intact(self, n_taken: int) -> None:
-        """Before growth takes the first ``n_taken`` reserved blocks of each stream: each
+        """Before growth takes the first ``n_taken`` (>= 1) reserved blocks of each stream: each
         is still a live handle no one else shares (INV-RES-HANDLES), or the growth is
         refused with nothing changed."""
-        pool, n_taken = self._pool, max(0, n_taken)
+        pool = self._pool
         taken = (*self._reserved_keys[:n_taken], *self._reserved_values[:n_taken])
         for block in taken:
             if not pool.is_live(block) or pool.is_shared(block.block_id):
