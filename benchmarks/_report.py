@@ -66,11 +66,11 @@ def set_buffer_cache_limit(n_bytes: int = RAISED_CACHE_LIMIT_BYTES) -> int:
     return previous
 
 
-def run_benchmark(prog: str, main: Callable[[], int], sizes: str = "--contexts") -> int:
+def run_benchmark(prog: str, main: Callable[[], int], sizes: str) -> int:
     """``main()``'s exit status, run as the commands run (one line and status 2 on bad
     input, 130 on Ctrl-C); a size the machine cannot hold (a context whose pool needs
     more memory than it has: the pool's ``MemoryError``) is bad input, said to come from
-    the option ``sizes``."""
+    the options ``sizes`` name."""
 
     def body() -> int:
         try:

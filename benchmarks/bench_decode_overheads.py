@@ -221,6 +221,10 @@ def bench_and_report(
     return row
 
 
+#: The options whose values size the pool: what a refusal for memory names.
+SIZE_OPTIONS = "--contexts"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -264,4 +268,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_benchmark("bench_decode_overheads.py", main))
+    raise SystemExit(run_benchmark("bench_decode_overheads.py", main, SIZE_OPTIONS))

@@ -266,8 +266,8 @@ def make_variants(
     ``own_stores`` one more variant gives each request a pool and store of its own.
     """
 
-    def paged(n_requests: int = n_requests, **store_options: bool) -> MLXBlockStorage:
-        n_blocks = 2 * n_requests * (positions // BLOCK_SIZE + 2)
+    def paged(requests: int = n_requests, **store_options: bool) -> MLXBlockStorage:
+        n_blocks = 2 * requests * (positions // BLOCK_SIZE + 2)
         pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks))
         return MLXBlockStorage(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, **store_options)
 
@@ -515,6 +515,10 @@ def bench_memory(options: Options) -> dict[str, object]:
 # -- the run ----------------------------------------------------------------------------------
 
 
+#: The options whose values size the pool: what a refusal for memory names.
+SIZE_OPTIONS = "--contexts or --concurrent"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small and short: a smoke run")
@@ -574,4 +578,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_benchmark("bench_kv_cache.py", main))
+    sys.exit(run_benchmark("bench_kv_cache.py", main, SIZE_OPTIONS))

@@ -260,6 +260,10 @@ def one_context(context: int, options: argparse.Namespace) -> dict[str, object] 
     return row
 
 
+#: The options whose values size the pool: what a refusal for memory names.
+SIZE_OPTIONS = "--contexts, --decoded or --neighbours"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -311,4 +315,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_benchmark("bench_read_by_runs.py", main))
+    sys.exit(run_benchmark("bench_read_by_runs.py", main, SIZE_OPTIONS))

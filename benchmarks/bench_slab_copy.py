@@ -139,6 +139,10 @@ def one_count(n_requests: int, context: int, steps: int) -> dict[str, object]:
     return row
 
 
+#: The options whose values size the pool: what a refusal for memory names.
+SIZE_OPTIONS = "--context or --requests"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = OneLineParser(description=__doc__.splitlines()[0])
     parser.add_argument(
@@ -162,4 +166,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(run_benchmark("bench_slab_copy.py", main, "--context"))
+    sys.exit(run_benchmark("bench_slab_copy.py", main, SIZE_OPTIONS))

@@ -665,4 +665,4 @@ def test_a_store_call_recorded_as_returning_that_the_store_refuses_fails_everywh
         trace(Allocate("kv", 2, owner=1), TraceLine(write, outcome=Returned(None))), on
     )
     assert verdict is Verdict.VIOLATION
-    assert "a store of 1 layers and blocks of 2 slots refuses its layer" in why
+    assert "a store of 1 layer(s) and blocks of 2 slots refuses its layer" in why

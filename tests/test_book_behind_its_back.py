@@ -19,7 +19,12 @@ import mlx.core as mx
 import pytest
 from conftest import pool_unchanged
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.block_pool import (
+    Block,
+    BlockPoolAllocator,
+    OwnerAlreadyActiveError,
+    PoolConfig,
+)
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache, StaleBlockTableError
 from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
@@ -127,21 +132,31 @@ def test_a_fork_of_a_book_with_a_block_freed_or_moved_behind_its_back_is_refused
     assert pool.blocks_for(TWIN) == []  # no share leaked to the twin's owner id
 
 
-def test_a_fork_gives_back_the_blocks_checked_out_to_the_owner_behind_the_books_back() -> None:
+@pytest.mark.parametrize("n_tokens", [0, 6])
+def test_a_fork_shares_only_the_books_blocks_not_those_checked_out_to_its_owner_id(
+    n_tokens: int,
+) -> None:
+    """The pool's ``fork`` shares every block of the owner id; the book's shares its own.
+    An empty book's twin once lost its owner id when the shares it did not want went
+    back, so a second book could claim the id while the twin lived."""
     pool, book = _book(n_layers=1)
-    book.append(6)
+    book.append(n_tokens)
     extra = pool.allocate("k", BLOCK_SIZE, owner=BOOK)  # not the book's
     twin = book.fork(TWIN)
+    assert not pool.is_shared(extra[0].block_id)
     assert sorted(b.block_id for b in pool.blocks_for(TWIN)) == sorted(
         b.block_id for b in (*twin.key_blocks, *twin.value_blocks)
     )
+    with pytest.raises(OwnerAlreadyActiveError):
+        PooledKVCache(pool, TWIN)
+    twin.check_invariants()
     twin.release()
     book.release()
     pool.free(extra)
     assert pool.stats.blocks_in_use() == 0
 
 
-@pytest.mark.parametrize("reserve_tokens", [0, 32])
+@pytest.mark.parametrize("reserve_tokens", [0, BLOCK_SIZE])  # growth goes past either
 @pytest.mark.parametrize("stream", ["k", "v"])
 def test_growth_into_a_last_block_shared_behind_the_book_never_checks_out(
     reserve_tokens: int, stream: str
@@ -149,10 +164,7 @@ def test_growth_into_a_last_block_shared_behind_the_book_never_checks_out(
     """With ``grow_on_exhaustion`` the checkout grew the pool before the pool refused
     to mark the shared last block; giving the blocks back cannot undo growth."""
     pool, book = _book(
-        n_blocks=2 if reserve_tokens == 0 else 16,
-        reserve_tokens=reserve_tokens,
-        grow_on_exhaustion=True,
-        max_blocks=64,
+        n_blocks=2, reserve_tokens=reserve_tokens, grow_on_exhaustion=True, max_blocks=64
     )
     book.append(2)
     shared = (book.key_blocks if stream == "k" else book.value_blocks)[0]
@@ -183,3 +195,32 @@ def test_a_rewrite_after_a_fork_refused_for_a_stale_block_elsewhere_moves_nothin
     ):
         twin[0].update_and_fetch(tokens(3), tokens(3))
     assert _book_state(twin.book) == before
+
+
+def test_a_trim_inside_the_last_block_does_not_look_at_the_reserved_blocks() -> None:
+    """Only a trim that gives blocks back or keeps them reserved needs them live."""
+    pool, book = _book(32, reserve_tokens=32, n_layers=1)
+    book.append(6)
+    held = {id(block) for block in (*book.key_blocks, *book.value_blocks)}
+    reserved = [block for block in pool.blocks_for(BOOK) if id(block) not in held]
+    pool.free([reserved[-1]])
+    assert book.trim(1) == 1
+    assert book.offset == 5
+
+
+def test_a_rewrite_that_also_grows_into_a_last_block_shared_behind_the_book_moves_nothing() -> None:
+    """After a fork, a layer trimmed alone writes its positions again and grows past the
+    extent: the rewrite moved its shared blocks before the pool refused to mark the last
+    block, shared behind the book's back."""
+    pool, book = _book(32)
+    for layer in (0, 1):
+        book.append(8, layer=layer)
+    twin = book.fork(TWIN)
+    for layer in (0, 1):
+        book.append(2, layer=layer)  # into a new, private block
+    book.trim(4, layer=0)  # layer 0 at 6, layer 1 at 10
+    shared = book.key_blocks[-1]
+    pool.share([shared], OTHER)
+    match = re.escape(f"block {shared!r} of owner {BOOK}'s book is shared behind")
+    _refused_unchanged(pool, book, lambda: book.append(8, layer=0), ValueError, match)
+    twin.release()

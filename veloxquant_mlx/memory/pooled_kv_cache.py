@@ -73,11 +73,12 @@ late release never frees another request's blocks, even one that reuses
 the id, and :func:`~veloxquant_mlx.memory.deferred_release.reclaim_dropped_caches`
 drains on demand.
 
-Complexity (``L`` = layers): ``append`` O(1) when it stays in the last
-block, else O(k) for the k blocks it checks out (amortised O(1) per token),
-and O(r) for the r blocks it writes again below the extent after a fork;
-``trim`` O(L + k) for the k blocks it frees; ``release`` O(blocks held);
-``check_invariants`` O(blocks held + L).
+Complexity (``L`` = layers, ``n`` = blocks held): ``append`` O(1) when it
+stays in the last block, else O(k) for the k blocks it checks out (amortised
+O(1) per token), and O(n) when it copies shared blocks on write after a fork
+(every held handle is checked once); ``trim`` O(L + k) for the k blocks it
+frees (O(L + n) after a fork, when it copies the new last blocks); ``fork``
+and ``release`` O(n); ``check_invariants`` O(n + L).
 
 Thread safety: a book belongs to one request and is used from one thread
 at a time; the pool it draws from is shared and locks itself.
@@ -366,6 +367,10 @@ class PooledKVCache:
             TypeError, ValueError: ``n_tokens`` is not an int ``>= 0`` or ``layer``
                 is out of range.
             BlockPoolExhaustedError: The pool has too few free blocks.
+            StaleBlockTableError: A block the append needs (one to move, a reserved
+                one to take) was freed, moved or shared behind the book's back.
+            ValueError: The last block, whose fill the append marks, was shared behind
+                the book's back (read-only).
         """
         offsets = self._offsets
         if (
@@ -385,6 +390,8 @@ class PooledKVCache:
             if n_taken > 0:  # growth into the reserve: once a block, not every step
                 self._require_reserved_intact(n_taken)
         if start < self._maybe_shared * self._block_size and start < self._n_tokens and n_tokens:
+            if end > self._n_tokens:  # the growth's mark must not be refused after the moves
+                self._require_last_markable()
             self._own_rewritten(start, end)  # after a fork only
         if end > self._n_tokens:
             self._grow_to(end)
@@ -452,16 +459,11 @@ class PooledKVCache:
         self._require_held_live(range(len(self._key_blocks)))  # before the twin claims
         twin = PooledKVCache(self._pool, owner, n_layers=len(self._offsets), format=self._format)
         twin.copy_block = self.copy_block
-        if self._reserved_keys:  # RES-FORK: reserved blocks stay this book's alone
-            n_keys = len(self._key_blocks)
-            handles = self._pool.share([*self._key_blocks, *self._value_blocks], twin._owner)
-            twin._key_blocks, twin._value_blocks = tuple(handles[:n_keys]), tuple(handles[n_keys:])
-        else:
-            by_id = {block.block_id: block for block in self._pool.fork(self._owner, twin._owner)}
-            twin._key_blocks = tuple(by_id.pop(block.block_id) for block in self._key_blocks)
-            twin._value_blocks = tuple(by_id.pop(block.block_id) for block in self._value_blocks)
-            if by_id:  # blocks checked out to the owner id behind the book's back: not its
-                self._pool.free(list(by_id.values()))
+        # The book's own handles, not every block of the owner id (the pool's fork): not
+        # its reserved blocks (RES-FORK), nor blocks checked out to the id behind its back.
+        n_keys = len(self._key_blocks)
+        handles = self._pool.share([*self._key_blocks, *self._value_blocks], twin._owner)
+        twin._key_blocks, twin._value_blocks = tuple(handles[:n_keys]), tuple(handles[n_keys:])
         twin._table_version += 1
         twin._extent_version += 1
         twin._n_tokens = self._n_tokens
@@ -665,7 +667,7 @@ class PooledKVCache:
             return
         try:
             self._pool.mark_used(value, fill)
-        except ValueError:
+        except BaseException:  # refused, or interrupted between the two marks
             if key_fill != fill:
                 self._pool.mark_used(key, key_fill)
             raise
@@ -764,9 +766,34 @@ class PooledKVCache:
         the free half-way, with the book already cut)."""
         n_kept = -(-n_tokens // self._block_size)
         self._require_held_live(range(n_kept, len(self._key_blocks)))
+        if n_kept == len(self._key_blocks) or self._shares or self._reserve_blocks <= n_kept:
+            return  # the reserve is not touched (_tail_to_free)
         for block in (*self._reserved_keys, *self._reserved_values):
             if block.owner is None:
                 raise stale_block_error(f"reserved block {block!r}", self._owner, "book", "book")
+
+    def _require_last_markable(self) -> None:
+        """Before a rewrite that also grows moves a block: the last blocks, whose fill the
+        growth marks, are not shared behind the book's back, or the pool would refuse the
+        mark with the moves made. Blocks the rewrite or the growth moves first (below
+        ``_maybe_shared``, or the last one after a fork) and a full last block need no look.
+        """
+        index = len(self._key_blocks) - 1
+        last_key = self._key_blocks[index]
+        if (
+            self._last_may_be_shared
+            or last_key.n_used == self._block_size
+            or index < self._maybe_shared
+        ):
+            return
+        for block in (last_key, self._value_blocks[index]):
+            if self._pool.is_shared(block.block_id):
+                raise ValueError(
+                    f"block {block!r} of owner {self._owner}'s book is shared behind the "
+                    "book's back (pool.share of its handle), so read-only: growth cannot "
+                    "fill it (docs/CONTRACT.md#c-shared-read-only); expected the book's "
+                    "blocks to stay its own"
+                )
 
     def _own_rewritten(self, start: int, end: int) -> None:
         """Copy-on-write before an append writes positions ``start .. end - 1``, the first
@@ -812,21 +839,22 @@ class PooledKVCache:
         A retry after a collection redoes only what the refusal left undone: a
         block already moved has count 1, and ``make_writable`` returns it as it is.
         """
+        self._require_held_live(range(len(self._key_blocks)))  # before any exhaustion
         self._releases.check_out_reclaiming(lambda: self._own_blocks(index, growth))
 
     def _own_blocks(self, index: int, growth: int = 0) -> None:
         """Copy-on-write: the key and value blocks at ``index``, if shared, move to
         private ones.
 
-        The pool is asked first whether it can supply a private block of each
-        stream that moves, and the ``growth`` blocks per stream the append then
-        checks out, so a refusal moves neither. Each move is recorded before
+        The caller checked every held handle (``_require_held_live``). The pool is
+        asked first whether it can supply a private block of each stream that moves,
+        and the ``growth`` blocks per stream the append then checks out, so a refusal
+        moves neither. Each move is recorded before
         its data is copied, so the table never holds a handle the pool has made
         stale, even if another thread took the value block after that look.
         """
         pool = self._pool
         pair = (("k", self._key_blocks[index]), ("v", self._value_blocks[index]))
-        self._require_held_live(range(len(self._key_blocks)))  # before any exhaustion
         demand = {stream: int(pool.is_shared(block.block_id)) + growth for stream, block in pair}
         require_supply(pool, demand, self._owner, self._format, self._free)
         for stream in ("k", "v"):

@@ -105,7 +105,7 @@ class OperationMix:
         for kind, weight in self.weights.items():
             if type(weight) is not int or weight < 0:
                 raise ValueError(f"the weight of {kind!r} must be an int >= 0, got {weight!r}")
-            if weight > MAX_INT:  # random.choices sums them as floats: keep them exact
+            if weight > MAX_INT:  # the command line's bound on an int (commandline.values)
                 raise _too_heavy(kind, str(weight))
         if not any(self.weights.values()):
             raise ValueError("at least one operation kind needs a positive weight")
@@ -136,7 +136,7 @@ class OperationMix:
         for item in filter(None, (part.strip() for part in text.split(","))):
             kind, sep, value = item.partition("=")
             digits = value.strip()
-            if not sep or not digits.isdigit():
+            if not sep or not (digits.isascii() and digits.isdigit()):
                 raise ValueError(f"a mix item must be kind=weight (an int >= 0), got {shown(item)}")
             if kind.strip() in weights:
                 raise ValueError(f"{kind.strip()!r} is given twice in {shown(text)}; expected once")

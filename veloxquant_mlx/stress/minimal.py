@@ -175,6 +175,12 @@ def _stuck_lines(result: SearchResult, window: Window) -> list[str]:
     assert checkpoint is not None, "called with a search that expanded a configuration"
     for i in window.candidates(result.deepest_mask):
         event = ordered[i]
-        predicted = predicted_outcome(checkpoint.state, checkpoint.names, event, window.issuing)
+        predicted = predicted_outcome(
+            checkpoint.state,
+            checkpoint.names,
+            event,
+            window.issuing,
+            store_layers=window.store_layers,
+        )
         lines.append(f"  op {event.call:<8} {describe(event)}; the spec: {predicted}")
     return lines

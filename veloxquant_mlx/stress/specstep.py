@@ -208,7 +208,7 @@ def predicted_outcome(
     block_size = state.config.block_size
     if store_layers is not None and _returned_though_misfit(event, store_layers, block_size):
         return (
-            f"a store of {store_layers} layers and blocks of {block_size} slots refuses its "
+            f"a store of {store_layers} layer(s) and blocks of {block_size} slots refuses its "
             "layer, slots or token count, wherever it goes"
         )
     try:
