@@ -33,8 +33,8 @@ blocks. A book cannot be copied (``copy.copy`` or ``copy.deepcopy`` raise
 ``TypeError``): two objects releasing one claim would release it twice.
 
 Sharing: ``fork()`` gives a second book holding every block of this one
-that holds positions (the pool's ``fork``; its ``share`` of those blocks
-while reserved blocks are held), for parallel sampling or beam search. A shared block
+that holds positions (the pool's ``share`` of the book's own handles, never
+every block of its owner id), for parallel sampling or beam search. A shared block
 is read-only in the pool, so the first append (or trim) that changes the
 fill of a shared last block first moves it to a private one
 (``make_writable``) and has the store copy its slots (the ``copy_block``
