@@ -357,6 +357,13 @@ def test_stress_replay_refuses_the_run_options_it_would_ignore(
     [
         (cli.main, ["simulate", "--n-blocks", "100000000000"], "--n-blocks 100000000000"),
         (cli.main, ["simulate", "--requests", "1000000000000"], "--requests 1000000000000"),
+        # Each was an int(inf) traceback: the estimate overflowed the largest float.
+        (cli.main, ["simulate", "--arrival-rate", "5e-324", "--requests", "1"], "2**1024 bytes"),
+        (
+            cli.main,
+            ["simulate", "--duration", "9223372036854775807", "--arrival-rate", "1e300"],
+            "2**1024",
+        ),
         (exhaustive.main, ["--depth", "-1"], "argument --depth: expected an int >= 0, got '-1'"),
         (exhaustive.main, ["--max-states", "100000000000"], "--max-states 100000000000"),
         (exhaustive.main, ["--scope", "nowhere"], "invalid choice: 'nowhere'"),

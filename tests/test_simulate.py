@@ -189,6 +189,11 @@ def test_arrivals_are_poisson_with_the_configured_rate() -> None:
     assert statistics.pvariance(per_step) == pytest.approx(0.5, rel=0.1)
 
 
+def test_a_rate_so_small_that_no_request_arrives_gives_an_empty_workload() -> None:
+    # The gap to the first arrival is inf: math.floor(inf) raised OverflowError.
+    assert generate_workload(WorkloadConfig(arrival_rate=1e-309), 0, until_step=5) == []
+
+
 def test_workload_needs_a_bound() -> None:
     with pytest.raises(ValueError, match="until_step or max_requests"):
         generate_workload(SMALL_MIX, 0)
@@ -507,3 +512,19 @@ def test_summary_is_ordered(samples: list[float]) -> None:
     assert summary.min <= summary.mean <= summary.max
     assert summary.max == pytest.approx(max(samples), abs=1e-6)
     assert math.isfinite(summary.mean)
+
+
+def test_a_request_refused_for_its_value_blocks_leaves_no_peak_and_no_growth() -> None:
+    # 7 blocks: 4 key and 3 value. A prompt of 16 positions needs 4 of each: the key
+    # blocks were checked out, then given back when the value list fell short, and the
+    # pool's peak and blocks_handed_out counted blocks no request ever held.
+    engine = make_engine(block_size=4, n_blocks=7)
+    report = simulate(engine, [request(0, 16, 1)])
+    stats = engine.pool.stats
+    assert (stats.peak_blocks_in_use, stats.n_allocations) == (0, 0)
+    assert engine.counters.blocks_handed_out == 0
+    assert report.requests.rejected == 1
+    # Growth room for one block: the key list grew by it, and growth is never undone.
+    grown = make_engine(block_size=4, n_blocks=7, grow=True, max_blocks=8)
+    assert simulate(grown, [request(0, 20, 1)]).requests.rejected == 1
+    assert (grown.pool.stats.n_grown, grown.pool.stats.peak_blocks_in_use) == (0, 0)

@@ -55,7 +55,8 @@ empty pool is rejected.
 
 Prompt lengths are lognormal by default (a long tail of huge prompts), decode
 lengths geometric (a constant chance of stopping at each token). Output is
-deterministic for a seed, apart from the "timings" key of --json.
+deterministic for a seed, apart from the timings (the "timings" key of
+--json, the wall-time row of the table).
 """
 
 

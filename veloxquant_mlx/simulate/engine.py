@@ -57,6 +57,7 @@ from veloxquant_mlx.memory.block_pool import (
     BlockPoolAllocator,
     BlockPoolExhaustedError,
 )
+from veloxquant_mlx.memory.stream_supply import require_supply
 from veloxquant_mlx.simulate.metrics import Recorder, StepSample
 from veloxquant_mlx.simulate.workload import Request
 
@@ -261,8 +262,21 @@ class ServingEngine:
         return self._allocate_shared(state, n_tokens)
 
     def _allocate_separate(self, state: RequestState, n_tokens: int) -> list[Block] | None:
-        # One call per free list; the streams only differ in size with an odd
-        # n_blocks or uneven growth, so the rollback below is rare.
+        # One call per free list, after a look at both (stream_supply): a key checkout
+        # given back when the value list is short would still count in the pool's peak
+        # and growth, and in blocks_handed_out. The rollback below is for safety only.
+        n_blocks = -(-n_tokens // self.block_size)
+        try:
+            require_supply(
+                self.pool,
+                dict.fromkeys(STREAMS, n_blocks),
+                state.owner,
+                self.block_format,
+                self.pool.free,
+            )
+        except BlockPoolExhaustedError:
+            self.counters.exhaustion_events += 1
+            return None
         allocated: list[list[Block]] = []
         for stream in STREAMS:
             blocks = self._allocate(state, stream, n_tokens)

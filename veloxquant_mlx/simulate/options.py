@@ -16,6 +16,7 @@ Complexity: O(number of options). Thread safety: pure functions.
 from __future__ import annotations
 
 import argparse
+import math
 
 from veloxquant_mlx.commandline.bad_input import require_fits_in_memory
 from veloxquant_mlx.commandline.sizes import REQUEST_BYTES, STEP_BYTES, pool_bytes
@@ -211,6 +212,10 @@ def validate(args: argparse.Namespace) -> str | None:
     return None
 
 
+#: What :func:`memory_estimate` says of a size past the largest float: 2**1024 bytes.
+_BEYOND_FLOATS = 1 << 1024
+
+
 def memory_estimate(args: argparse.Namespace) -> int:
     """Bytes a simulation of these options may hold: the pool, the requests, the metrics.
 
@@ -226,7 +231,10 @@ def memory_estimate(args: argparse.Namespace) -> int:
         steps = args.duration if args.duration is not None else DEFAULT_DURATION
         requests = 2 * args.arrival_rate * steps
     steps += args.max_seq_len
-    return int(pool_bytes(ids) + REQUEST_BYTES * requests + STEP_BYTES * steps)
+    total = pool_bytes(ids) + REQUEST_BYTES * requests + STEP_BYTES * steps
+    # A float past the largest one (a rate near 0 with --requests, a duration near 2**63
+    # with a huge rate) is still too big: refused by the caller, not an int(inf) crash.
+    return int(total) if math.isfinite(total) else _BEYOND_FLOATS
 
 
 def _sizes_named(args: argparse.Namespace) -> str:

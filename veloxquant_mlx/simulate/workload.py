@@ -191,6 +191,8 @@ def arrival_steps(
     time = 0.0
     while max_requests is None or len(steps) < max_requests:
         time += rng.expovariate(config.arrival_rate)
+        if not math.isfinite(time):  # a rate so small that the next arrival never comes
+            break
         step = math.floor(time)
         if until_step is not None and step >= until_step:
             break
