@@ -224,3 +224,59 @@ def test_a_rewrite_that_also_grows_into_a_last_block_shared_behind_the_book_move
     match = re.escape(f"block {shared!r} of owner {BOOK}'s book is shared behind")
     _refused_unchanged(pool, book, lambda: book.append(8, layer=0), ValueError, match)
     twin.release()
+
+
+@pytest.mark.parametrize("stream", ["k", "v"])
+def test_positions_written_again_into_a_block_shared_behind_the_book_are_refused(
+    stream: str,
+) -> None:
+    """A layer trimmed alone and written again (the state setter does so) wrote through
+    the table into a block shared behind the book's back, changing what its other owner
+    reads; only a fork's shares were looked at."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
+    cache = PoolBackedPromptCache(store, PooledKVCache(pool, BOOK, n_layers=2))
+
+    def tokens(n: int, value: float) -> mx.array:
+        return mx.full((1, 1, n, 4), value, dtype=mx.float16)
+
+    for layer in cache:
+        layer.update_and_fetch(tokens(8, 1.0), tokens(8, 1.0))
+    shared = (cache.book.key_blocks if stream == "k" else cache.book.value_blocks)[0]
+    [theirs] = pool.share([shared], OTHER)
+    cache[0].trim(8)
+    with pytest.raises(ValueError, match=re.escape(f"block {shared!r} of owner {BOOK}'s book")):
+        cache[0].update_and_fetch(tokens(8, 7.0), tokens(8, 7.0))
+    assert (
+        store.gather(0, [theirs], BLOCK_SIZE).tolist()
+        == tokens(4, 1.0)[0].transpose(1, 0, 2).tolist()
+    )
+    assert cache[0].offset == 0  # the refused write took no position
+
+
+class _LookCounting(BlockPoolAllocator):
+    """A pool that counts its ``is_shared`` calls."""
+
+    looks = 0
+
+    def is_shared(self, block_id: int) -> bool:
+        _LookCounting.looks += 1
+        return super().is_shared(block_id)
+
+
+def test_a_decode_steps_later_layers_do_not_look_at_the_pool() -> None:
+    """Only positions a layer wrote before are looked at: a step's later layers write
+    where they stopped, so decoding makes no is_shared call."""
+    pool = _LookCounting(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    book = PooledKVCache(pool, BOOK, n_layers=2)
+    for _ in range(14):
+        for layer in (0, 1):
+            book.append(1, layer=layer)
+    _LookCounting.looks = 0
+    for _ in range(5):
+        for layer in (0, 1):
+            book.append(1, layer=layer)
+    assert _LookCounting.looks == 0
+    book.trim(2, layer=0)  # positions 17 and 18, in block 4
+    book.append(2, layer=0)  # written again: that block's key and value looked at
+    assert _LookCounting.looks == 2

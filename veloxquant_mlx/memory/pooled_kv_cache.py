@@ -51,8 +51,10 @@ copy-on-write, a fork, or a trim over a stale handle is refused first, by
 name (``StaleBlockTableError``), whatever the pool could supply; a fill
 mark the pool refuses (a block shared behind the back is read-only) is
 made first, for both streams or neither, so growth past it checks nothing
-out and a trim cuts nothing. A fork gives back at once the shares of
-blocks checked out to the owner id behind the book's back.
+out and a trim cuts nothing. Positions a layer writes again (after a trim
+of that layer alone) are refused if their block was shared behind the
+book's back; a decode step's later layers write where they stopped, and
+make no such look.
 
 Reservation (docs/RESERVATIONS.md): a book built with ``reserve_tokens``
 checks out the blocks for that many positions at its first growth, in one
@@ -75,8 +77,9 @@ drains on demand.
 
 Complexity (``L`` = layers, ``n`` = blocks held): ``append`` O(1) when it
 stays in the last block, else O(k) for the k blocks it checks out (amortised
-O(1) per token), and O(n) when it copies shared blocks on write after a fork
-(every held handle is checked once); ``trim`` O(L + k) for the k blocks it
+O(1) per token), O(r) pool looks for the r blocks a layer writes again,
+and O(n) when it copies shared blocks on write after a fork (every held
+handle is checked once); ``trim`` O(L + k) for the k blocks it
 frees (O(L + n) after a fork, when it copies the new last blocks); ``fork``
 and ``release`` O(n); ``check_invariants`` O(n + L).
 
@@ -230,6 +233,11 @@ class PooledKVCache:
         # them): a layer that writes positions below the extent again, after a trim of
         # that layer alone, must not write into a block another book reads.
         self._maybe_shared = 0
+        # Per layer, how far it has written (a trim of that layer alone leaves it): a write
+        # below it writes positions again, into blocks that may have been shared behind the
+        # book's back since, so it looks at the pool first (_require_rewritten_private).
+        # A decode step's later layers write where they stopped: no look.
+        self._written: Final = [0] * n_layers
         # Copies a moved block's data: (old block id, new handle); None for a book alone.
         self.copy_block: Callable[[int, Block], None] | None = None
         # The pool's owner claims and dropped books; claiming drains them first, so a
@@ -389,6 +397,9 @@ class PooledKVCache:
             n_taken = -(-end // self._block_size) - len(self._key_blocks)
             if n_taken > 0:  # growth into the reserve: once a block, not every step
                 self._require_reserved_intact(n_taken)
+        written = self._written
+        if start < written[layer] and n_tokens:  # positions this layer wrote, again
+            self._require_rewritten_private(start, min(end, written[layer]))
         if start < self._maybe_shared * self._block_size and start < self._n_tokens and n_tokens:
             if end > self._n_tokens:  # the growth's mark must not be refused after the moves
                 self._require_last_markable()
@@ -396,6 +407,7 @@ class PooledKVCache:
         if end > self._n_tokens:
             self._grow_to(end)
         offsets[layer] = end
+        written[layer] = max(written[layer], end)
         return start
 
     def trim(self, n: int, *, layer: int | None = None) -> int:
@@ -468,6 +480,7 @@ class PooledKVCache:
         twin._extent_version += 1
         twin._n_tokens = self._n_tokens
         twin._offsets[:] = self._offsets
+        twin._written[:] = self._written
         self._last_may_be_shared = twin._last_may_be_shared = bool(self._key_blocks)
         self._shares = twin._shares = True
         self._maybe_shared = twin._maybe_shared = len(self._key_blocks)
@@ -734,6 +747,7 @@ class PooledKVCache:
         self._key_blocks = self._key_blocks[:n_kept]
         self._value_blocks = self._value_blocks[:n_kept]
         self._maybe_shared = min(self._maybe_shared, n_kept)  # blocks grown later are new
+        self._written[:] = [min(done, n_tokens) for done in self._written]
         if len(self._key_blocks) != n_kept_before:
             self._table_version += 1
         self._n_tokens = n_tokens
@@ -771,6 +785,23 @@ class PooledKVCache:
         for block in (*self._reserved_keys, *self._reserved_values):
             if block.owner is None:
                 raise stale_block_error(f"reserved block {block!r}", self._owner, "book", "book")
+
+    def _require_rewritten_private(self, start: int, end: int) -> None:
+        """Before positions ``start .. end - 1``, written by an earlier step, are written
+        again: their blocks that the book holds as its own (from ``_maybe_shared`` on; the
+        ones below move first, copy-on-write) are not shared behind the book's back, or
+        the store would write into a block another owner reads."""
+        block_size = self._block_size
+        first = max(start // block_size, self._maybe_shared)
+        for index in range(first, (end - 1) // block_size + 1):
+            for block in (self._key_blocks[index], self._value_blocks[index]):
+                if self._pool.is_shared(block.block_id):
+                    raise ValueError(
+                        f"block {block!r} of owner {self._owner}'s book is shared behind "
+                        "the book's back (pool.share of its handle), so read-only: its "
+                        "positions cannot be written again (docs/CONTRACT.md"
+                        "#c-shared-read-only); expected the book's blocks to stay its own"
+                    )
 
     def _require_last_markable(self) -> None:
         """Before a rewrite that also grows moves a block: the last blocks, whose fill the
@@ -927,6 +958,7 @@ class PooledKVCache:
         self._extent_version += 1
         self._n_tokens = 0
         self._offsets[:] = [0] * len(self._offsets)
+        self._written[:] = [0] * len(self._written)
 
 
 def _newest_first(blocks: list[Block]) -> list[Block]:
