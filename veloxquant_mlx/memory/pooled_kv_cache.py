@@ -233,11 +233,11 @@ class PooledKVCache:
         # them): a layer that writes positions below the extent again, after a trim of
         # that layer alone, must not write into a block another book reads.
         self._maybe_shared = 0
-        # Per layer, how far it has written (a trim of that layer alone leaves it): a write
-        # below it writes positions again, into blocks that may have been shared behind the
-        # book's back since, so it looks at the pool first (_require_rewritten_private).
-        # A decode step's later layers write where they stopped: no look.
-        self._written: Final = [0] * n_layers
+        # Per layer trimmed alone, how far it had written: its writes up to there write
+        # positions again, into blocks that may have been shared behind the book's back
+        # since, so they look at the pool first (_require_rewritten_private). Empty while
+        # no layer is trimmed alone: a decode step's layers write where they stopped.
+        self._rewrites: Final[dict[int, int]] = {}
         # Copies a moved block's data: (old block id, new handle); None for a book alone.
         self.copy_block: Callable[[int, Block], None] | None = None
         # The pool's owner claims and dropped books; claiming drains them first, so a
@@ -397,9 +397,8 @@ class PooledKVCache:
             n_taken = -(-end // self._block_size) - len(self._key_blocks)
             if n_taken > 0:  # growth into the reserve: once a block, not every step
                 self._require_reserved_intact(n_taken)
-        written = self._written
-        if start < written[layer] and n_tokens:  # positions this layer wrote, again
-            self._require_rewritten_private(start, min(end, written[layer]))
+        if self._rewrites and n_tokens:  # a layer trimmed alone: it may write again
+            self._require_rewrite_private(layer, start, end)
         if start < self._maybe_shared * self._block_size and start < self._n_tokens and n_tokens:
             if end > self._n_tokens:  # the growth's mark must not be refused after the moves
                 self._require_last_markable()
@@ -407,7 +406,8 @@ class PooledKVCache:
         if end > self._n_tokens:
             self._grow_to(end)
         offsets[layer] = end
-        written[layer] = max(written[layer], end)
+        if self._rewrites and self._rewrites.get(layer, 0) <= end:
+            self._rewrites.pop(layer, None)  # past what it had written: writes are new
         return start
 
     def trim(self, n: int, *, layer: int | None = None) -> int:
@@ -449,6 +449,10 @@ class PooledKVCache:
             self._require_trimmable(furthest)  # the steps that may be refused: first
             self._own_blocks_kept_by(furthest)
             self._shrink_to(furthest)
+        if layer is not None and n:  # its positions up to here are written again later
+            done = min(max(self._rewrites.get(layer, 0), self._offsets[layer]), self._n_tokens)
+            if done > offsets[layer]:
+                self._rewrites[layer] = done
         self._offsets[:] = offsets
         return n
 
@@ -480,7 +484,7 @@ class PooledKVCache:
         twin._extent_version += 1
         twin._n_tokens = self._n_tokens
         twin._offsets[:] = self._offsets
-        twin._written[:] = self._written
+        twin._rewrites.update(self._rewrites)
         self._last_may_be_shared = twin._last_may_be_shared = bool(self._key_blocks)
         self._shares = twin._shares = True
         self._maybe_shared = twin._maybe_shared = len(self._key_blocks)
@@ -747,7 +751,8 @@ class PooledKVCache:
         self._key_blocks = self._key_blocks[:n_kept]
         self._value_blocks = self._value_blocks[:n_kept]
         self._maybe_shared = min(self._maybe_shared, n_kept)  # blocks grown later are new
-        self._written[:] = [min(done, n_tokens) for done in self._written]
+        for layer, done in [*self._rewrites.items()]:  # positions past n_tokens are gone
+            self._rewrites[layer] = min(done, n_tokens)
         if len(self._key_blocks) != n_kept_before:
             self._table_version += 1
         self._n_tokens = n_tokens
@@ -785,6 +790,13 @@ class PooledKVCache:
         for block in (*self._reserved_keys, *self._reserved_values):
             if block.owner is None:
                 raise stale_block_error(f"reserved block {block!r}", self._owner, "book", "book")
+
+    def _require_rewrite_private(self, layer: int, start: int, end: int) -> None:
+        """``_require_rewritten_private`` of the positions ``start .. end - 1`` that
+        ``layer`` had written before a trim of it alone, if any."""
+        done = self._rewrites.get(layer, 0)
+        if start < done:
+            self._require_rewritten_private(start, min(end, done))
 
     def _require_rewritten_private(self, start: int, end: int) -> None:
         """Before positions ``start .. end - 1``, written by an earlier step, are written
@@ -958,7 +970,7 @@ class PooledKVCache:
         self._extent_version += 1
         self._n_tokens = 0
         self._offsets[:] = [0] * len(self._offsets)
-        self._written[:] = [0] * len(self._written)
+        self._rewrites.clear()
 
 
 def _newest_first(blocks: list[Block]) -> list[Block]:
