@@ -280,3 +280,24 @@ def test_a_decode_steps_later_layers_do_not_look_at_the_pool() -> None:
     book.trim(2, layer=0)  # positions 17 and 18, in block 4
     book.append(2, layer=0)  # written again: that block's key and value looked at
     assert _LookCounting.looks == 2
+
+
+def test_growth_refused_for_a_block_freed_behind_the_cache_grows_neither_pool_nor_store() -> None:
+    """The book checked only its last and reserved blocks before a checkout; the store's
+    table found the stale block after it, when growth of the pool (and so of the store)
+    and the counters of a checkout and its return could no longer be undone."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=4, grow_on_exhaustion=True))
+    store = MLXBlockStorage(pool, 1, 1, 2, mx.float32)
+    cache = PoolBackedPromptCache(store, PooledKVCache(pool, BOOK, n_layers=1))
+    ones = mx.ones((1, 1, 4, 2), mx.float32)
+    cache[0].update_and_fetch(ones, ones)  # the pool is full
+    stale = cache.book.key_blocks[0]
+    pool.free([stale])  # behind the cache's back; not its last block
+    sizes = (store.capacity(), store.resident_bytes())
+    with (
+        pool_unchanged(pool, owners=[BOOK]),
+        pytest.raises(StaleBlockTableError, match=re.escape(f"block {stale!r}")),
+    ):
+        cache[0].update_and_fetch(ones[:, :, :1], ones[:, :, :1])
+    assert (store.capacity(), store.resident_bytes()) == sizes
+    assert cache[0].offset == 4

@@ -112,7 +112,7 @@ def test_a_new_request_on_a_second_thread_is_refused_before_it_takes_a_block() -
     other.book.release()
 
 
-@pytest.mark.parametrize("change", ["trim", "state"])
+@pytest.mark.parametrize("change", ["trim", "state", "book trim"])
 def test_a_forks_trim_or_state_on_a_second_thread_is_refused_before_it_moves_a_block(
     change: str,
 ) -> None:
@@ -127,6 +127,9 @@ def test_a_forks_trim_or_state_on_a_second_thread_is_refused_before_it_moves_a_b
     calls: dict[str, Callable[[], object]] = {
         "trim": lambda: child[0].trim(1),
         "state": lambda: setattr(child[0], "state", (held[:, :, :2], held[:, :, :2], 2)),
+        # The book, as PoolBackedPromptCache.book hands it out: it moved the block, then
+        # the store refused the copy (the book asks the store first now: before_change).
+        "book trim": lambda: child.book.trim(1),
     }
     with pool_unchanged(pool, owners=[parent.book.owner, child.book.owner]):
         error = in_thread("intruder", calls[change])
@@ -169,3 +172,17 @@ def test_another_thread_sees_the_sizes_of_the_last_sync() -> None:
     assert in_thread("metrics", lambda: seen.append(store.capacity())) is None
     assert seen == [8]  # a resize would evaluate the owner's pending writes: not here
     assert store.capacity() >= pool.id_bound()  # the owning thread follows the pool
+
+
+@pytest.mark.parametrize("n", [0, 1])
+def test_a_trim_on_another_thread_binds_no_store(n: int) -> None:
+    # A trim touches no data, yet it gave an unbound store to its thread, which then
+    # ended: every later data call, from any thread, was refused.
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=8))
+    store = MLXBlockStorage(pool, 1, 1, 2, mx.float32, lazy_writes=True)
+    cache = PoolBackedPromptCache(store, PooledKVCache(pool))
+    assert in_thread("trimmer", lambda: cache[0].trim(n)) is None
+    ones = mx.ones((1, 1, 1, 2), mx.float32)
+    cache[0].update_and_fetch(ones, ones)  # this thread may still take the store
+    assert in_thread("intruder", lambda: cache[0].trim(1)) is not None  # now it is bound
+    cache.release()

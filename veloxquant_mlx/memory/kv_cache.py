@@ -218,12 +218,11 @@ class PoolBackedKVCache(KVCacheConventions):
         self._fused: Final = resolve_attention(storage, attention) == "fused"
         # The pool's dropped books: every update releases them first (O(1) if none).
         self._releases: Final = deferred_releases_for(book.pool)
-        # A lazy_writes store refuses other threads: asked before the book takes blocks.
-        self._thread_check: Final = (
-            storage.require_this_thread
-            if isinstance(storage, MLXBlockStorage) and storage.lazy_writes
-            else None
-        )
+        # A lazy_writes store refuses other threads: asked before the book takes blocks
+        # (binding the store, as its data is written next), or before a trim (binding none).
+        lazy = storage if isinstance(storage, MLXBlockStorage) and storage.lazy_writes else None
+        self._thread_check: Final = None if lazy is None else lazy.require_this_thread
+        self._thread_refusal: Final = None if lazy is None else lazy.refuse_other_thread
         # Whether a call has looked for the generator's kv_bits (a prompt of one or two
         # tokens reaches the cache as one-position calls only).
         self._kv_bits_checked = False
@@ -366,9 +365,11 @@ class PoolBackedKVCache(KVCacheConventions):
         return self._book.trim(n, layer=self._layer)
 
     def _require_store_thread(self) -> None:
-        """Refuse another thread than a ``lazy_writes`` store's, before the book changes."""
-        if self._thread_check is not None:
-            self._thread_check()
+        """Refuse another thread than a ``lazy_writes`` store's, before the book changes,
+        binding no store: a trim touches no data (a copy-on-write it makes binds the store
+        through the book's ``before_change``, before the move)."""
+        if self._thread_refusal is not None:
+            self._thread_refusal()
 
     @property
     def nbytes(self) -> int:

@@ -66,7 +66,9 @@ store belongs to the first thread that writes or reads data through it
 other thread raises ``RuntimeError`` naming ``lazy_writes`` and both
 threads, before it touches a slab, so the store stays usable from its own
 thread. (Unchecked, such a call would leave a slab whose graph no thread can
-evaluate, and every later call would fail.) ``capacity()`` and
+evaluate, and every later call would fail.) A call that touches no data (a
+cache's trim) asks ``refuse_other_thread``, which refuses as that does but
+binds nothing. ``capacity()`` and
 ``resident_bytes()`` never bind the store and answer on any thread; on
 another thread than a bound store's own they report without following the
 pool (a resize evaluates the slabs, which only the owning thread can).
@@ -266,6 +268,19 @@ class MLXBlockStorage:
         if self._lazy_writes and self._owning_thread is not threading.current_thread():
             with self._lock:
                 self._use_data_locked()
+
+    def refuse_other_thread(self) -> None:
+        """With ``lazy_writes``, refuse any thread but the store's own, binding none: what
+        a call that touches no data checks (a trim, say), so that it never gives the store
+        to a thread that may write nothing through it.
+
+        Raises:
+            RuntimeError: A ``lazy_writes`` store that belongs to another thread.
+        """
+        owner = self._owning_thread
+        if self._lazy_writes and owner is not None and owner is not threading.current_thread():
+            with self._lock:
+                self._use_data_locked()  # names both threads
 
     # -- protocol: data ----------------------------------------------------------------
 

@@ -54,7 +54,11 @@ made first, for both streams or neither, so growth past it checks nothing
 out and a trim cuts nothing. Positions a layer writes again (after a trim
 of that layer alone) are refused if their block was shared behind the
 book's back; a decode step's later layers write where they stopped, and
-make no such look.
+make no such look. And a step the pool cannot undo (a checkout, which may
+grow the pool; a copy-on-write move, whose copy the store makes) first runs
+``before_change``, the store's own checks (a pool-backed cache installs its
+thread check and its device table's liveness check), so a step the store
+would refuse changes nothing.
 
 Reservation (docs/RESERVATIONS.md): a book built with ``reserve_tokens``
 checks out the blocks for that many positions at its first growth, in one
@@ -240,6 +244,10 @@ class PooledKVCache:
         self._rewrites: Final[dict[int, int]] = {}
         # Copies a moved block's data: (old block id, new handle); None for a book alone.
         self.copy_block: Callable[[int, Block], None] | None = None
+        # The store's checks (its thread, the device table's liveness), run before a step
+        # the pool cannot undo: a checkout (it may grow the pool) or a copy-on-write move
+        # (its copy is the store's). So a step the store would refuse changes nothing.
+        self.before_change: Callable[[], None] | None = None
         # The pool's owner claims and dropped books; claiming drains them first, so a
         # dropped request's id is free again at once.
         self._releases: Final = deferred_releases_for(pool)
@@ -639,6 +647,7 @@ class PooledKVCache:
             past_held = n_tokens - n_held * block_size  # the positions, when none reserved
             n_tokens_out = n_more * block_size if self._reserve_blocks else past_held
             try:  # a dropped cache's blocks first, even one dropped in a cycle, before exhaustion
+                self._check_store()
                 new_keys, new_values = self._releases.check_out_reclaiming(
                     lambda: self._check_out(n_tokens_out)
                 )
@@ -861,6 +870,7 @@ class PooledKVCache:
             "v": sum(pool.is_shared(self._value_blocks[index].block_id) for index in indices),
         }
         if moves["k"] or moves["v"]:
+            self._check_store()
             demand = {stream: count + growth for stream, count in moves.items()}
             require_supply(pool, demand, self._owner, self._format, self._free)
             for index in indices:
@@ -883,6 +893,7 @@ class PooledKVCache:
         block already moved has count 1, and ``make_writable`` returns it as it is.
         """
         self._require_held_live(range(len(self._key_blocks)))  # before any exhaustion
+        self._check_store()
         self._releases.check_out_reclaiming(lambda: self._own_blocks(index, growth))
 
     def _own_blocks(self, index: int, growth: int = 0) -> None:
@@ -924,6 +935,10 @@ class PooledKVCache:
             for block in (self._key_blocks[index], self._value_blocks[index]):
                 if block.owner is None:
                     raise stale_block_error(f"block {block!r}", self._owner, "book", "book")
+
+    def _check_store(self) -> None:
+        if self.before_change is not None:
+            self.before_change()
 
     def _copy(self, old_id: int, own: Block) -> None:
         if self.copy_block is not None:

@@ -19,7 +19,8 @@ themselves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import weakref
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Final, NoReturn
 
@@ -30,6 +31,7 @@ from veloxquant_mlx.memory.block_table import DeviceBlockTable
 from veloxquant_mlx.memory.cache_storage import AttentionMode, MLXStorage, resolve_attention
 from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache
 from veloxquant_mlx.memory.mlx_lm_protocol import save_kv_caches, split_state
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.model_kv_layout import attention_layers
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx.memory.storage import BlockStorage, CopiesBlocks
@@ -38,6 +40,31 @@ __all__ = ["PoolBackedPromptCache", "make_pool_backed_cache"]
 
 #: Block format tags for the usual storage dtypes; others use the dtype's name.
 _FORMAT_OF_DTYPE: Final = {mx.float16: "fp16", mx.bfloat16: "bf16", mx.float32: "fp32"}
+
+
+def _store_checks(storage: MLXStorage, table: DeviceBlockTable) -> Callable[[], None]:
+    """What the book asks before a step the pool cannot undo (a checkout, a copy-on-write
+    move; ``PooledKVCache.before_change``): that this thread may use a ``lazy_writes``
+    store's data (binding it: the step writes data next), and that the table's blocks
+    are live. Either refusal then changes nothing.
+
+    The table is held weakly: it holds the book, which holds this check, and a cycle
+    would keep a dropped request's blocks until a garbage collection."""
+    thread_check = (
+        storage.require_this_thread
+        if isinstance(storage, MLXBlockStorage) and storage.lazy_writes
+        else None
+    )
+    table_of = weakref.ref(table)
+
+    def check() -> None:
+        if thread_check is not None:
+            thread_check()
+        live_table = table_of()
+        if live_table is not None:  # else no cache reads through it any more
+            live_table.require_live()
+
+    return check
 
 
 class PoolBackedPromptCache(list[PoolBackedKVCache]):
@@ -68,6 +95,7 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
         self._attention: Final = attention
         if isinstance(storage, CopiesBlocks):  # copy-on-write copies every layer's slots
             book.copy_block = lambda old_id, own: storage.copy_block(None, old_id, own)
+        book.before_change = _store_checks(storage, table)
 
     @property
     def book(self) -> PooledKVCache:
