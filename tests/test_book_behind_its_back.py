@@ -301,3 +301,28 @@ def test_growth_refused_for_a_block_freed_behind_the_cache_grows_neither_pool_no
         cache[0].update_and_fetch(ones[:, :, :1], ones[:, :, :1])
     assert (store.capacity(), store.resident_bytes()) == sizes
     assert cache[0].offset == 4
+
+
+def test_a_state_set_over_a_block_shared_behind_the_book_is_refused_unchanged() -> None:
+    """The setter trims its layer, then appends the new positions: the append's look
+    refused, after the trim had emptied the layer (and freed its blocks, had it been
+    the longest)."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
+    cache = PoolBackedPromptCache(store, PooledKVCache(pool, BOOK, n_layers=2))
+
+    def tokens(n: int, value: float) -> mx.array:
+        return mx.full((1, 1, n, 4), value, dtype=mx.float16)
+
+    for layer in cache:
+        layer.update_and_fetch(tokens(8, 1.0), tokens(8, 1.0))
+    shared = cache.book.key_blocks[0]
+    pool.share([shared], OTHER)
+    before = _book_state(cache.book)
+    with (
+        pool_unchanged(pool, owners=[BOOK, OTHER]),
+        pytest.raises(ValueError, match=re.escape(f"block {shared!r} of owner {BOOK}'s book")),
+    ):
+        cache[0].state = (tokens(8, 7.0), tokens(8, 7.0), 8)
+    assert _book_state(cache.book) == before
+    assert mx.array_equal(cache[0].state[0], tokens(8, 1.0))

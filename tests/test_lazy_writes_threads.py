@@ -112,7 +112,7 @@ def test_a_new_request_on_a_second_thread_is_refused_before_it_takes_a_block() -
     other.book.release()
 
 
-@pytest.mark.parametrize("change", ["trim", "state", "book trim"])
+@pytest.mark.parametrize("change", ["trim", "state", "book trim", "book's fork's trim"])
 def test_a_forks_trim_or_state_on_a_second_thread_is_refused_before_it_moves_a_block(
     change: str,
 ) -> None:
@@ -124,18 +124,23 @@ def test_a_forks_trim_or_state_on_a_second_thread_is_refused_before_it_moves_a_b
     held = mx.arange(12, dtype=mx.float32).reshape(1, 1, 6, 2) + 1
     parent[0].update_and_fetch(held, held)
     child = parent.fork()
+    twin = parent.book.fork()
     calls: dict[str, Callable[[], object]] = {
         "trim": lambda: child[0].trim(1),
         "state": lambda: setattr(child[0], "state", (held[:, :, :2], held[:, :, :2], 2)),
         # The book, as PoolBackedPromptCache.book hands it out: it moved the block, then
-        # the store refused the copy (the book asks the store first now: before_change).
+        # the store refused the copy (the book asks the store first now: before_copy).
         "book trim": lambda: child.book.trim(1),
+        # A fork of the book itself: the check goes with copy_block to the twin.
+        "book's fork's trim": lambda: twin.trim(1),
     }
-    with pool_unchanged(pool, owners=[parent.book.owner, child.book.owner]):
+    owners = [parent.book.owner, child.book.owner, twin.owner]
+    with pool_unchanged(pool, owners=owners):
         error = in_thread("intruder", calls[change])
     assert isinstance(error, RuntimeError)
-    assert child[0].offset == 6
+    assert (child[0].offset, twin.offset) == (6, 6)
     assert mx.array_equal(child[0].state[0], held)
+    twin.release()
     child.book.release()
     parent.book.release()
 

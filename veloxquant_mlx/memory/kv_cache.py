@@ -332,8 +332,9 @@ class PoolBackedKVCache(KVCacheConventions):
         values)``), written into the request's blocks.
 
         Raises:
-            TypeError, ValueError: Not such a tuple, or arrays of another shape or dtype
-                than the storage's; nothing changes.
+            TypeError, ValueError: Not such a tuple, arrays of another shape or dtype
+                than the storage's, or positions held in a block shared behind the
+                book's back (``PooledKVCache.require_rewritable``); nothing changes.
             BlockPoolExhaustedError: Too few free blocks; the layer is left empty.
             RuntimeError: A ``lazy_writes`` store called from another thread; nothing
                 changes.
@@ -343,6 +344,7 @@ class PoolBackedKVCache(KVCacheConventions):
         if offset:
             keys, values = keys[..., :offset, :], values[..., :offset, :]
             self._require_update(keys, values)
+            self._book.require_rewritable(offset)  # before the trim empties the layer
         self._book.trim(self.offset, layer=self._layer)
         if offset:
             self.update_and_fetch(keys, values)

@@ -56,9 +56,10 @@ of that layer alone) are refused if their block was shared behind the
 book's back; a decode step's later layers write where they stopped, and
 make no such look. And a step the pool cannot undo (a checkout, which may
 grow the pool; a copy-on-write move, whose copy the store makes) first runs
-``before_change``, the store's own checks (a pool-backed cache installs its
-thread check and its device table's liveness check), so a step the store
-would refuse changes nothing.
+``before_change``, the device table's liveness check, and a move first
+runs ``before_copy``, the store's check that this thread may copy (a
+pool-backed cache installs both), so a step the store would refuse changes
+nothing.
 
 Reservation (docs/RESERVATIONS.md): a book built with ``reserve_tokens``
 checks out the blocks for that many positions at its first growth, in one
@@ -244,10 +245,13 @@ class PooledKVCache:
         self._rewrites: Final[dict[int, int]] = {}
         # Copies a moved block's data: (old block id, new handle); None for a book alone.
         self.copy_block: Callable[[int, Block], None] | None = None
-        # The store's checks (its thread, the device table's liveness), run before a step
-        # the pool cannot undo: a checkout (it may grow the pool) or a copy-on-write move
-        # (its copy is the store's). So a step the store would refuse changes nothing.
+        # The device table's liveness check, run before a step the pool cannot undo: a
+        # checkout (it may grow the pool) or a copy-on-write move. So a step the table
+        # would refuse changes nothing. This book's own: a fork does not copy it.
         self.before_change: Callable[[], None] | None = None
+        # The store's check that this thread may copy (a lazy_writes store's), run just
+        # before a copy-on-write move; it goes with copy_block, to a fork too.
+        self.before_copy: Callable[[], None] | None = None
         # The pool's owner claims and dropped books; claiming drains them first, so a
         # dropped request's id is free again at once.
         self._releases: Final = deferred_releases_for(pool)
@@ -418,6 +422,19 @@ class PooledKVCache:
             self._rewrites.pop(layer, None)  # past what it had written: writes are new
         return start
 
+    def require_rewritable(self, end: int) -> None:
+        """Refuse, before anything changes, to write positions ``0 .. end - 1`` again (a
+        cache's ``state`` setter does: it trims its layer, then appends the new positions)
+        when a block holding them was shared behind the book's back. Positions past the
+        extent are new; blocks a fork shares move on write instead (copy-on-write). O(r)
+        pool looks for the r blocks.
+
+        Raises:
+            ValueError: Such a block, named.
+        """
+        if end > 0:
+            self._require_rewritten_private(0, min(end, self._n_tokens))
+
     def trim(self, n: int, *, layer: int | None = None) -> int:
         """Drop the last ``n`` positions of ``layer`` (of every layer if ``None``).
 
@@ -482,7 +499,7 @@ class PooledKVCache:
         self._require_open()
         self._require_held_live(range(len(self._key_blocks)))  # before the twin claims
         twin = PooledKVCache(self._pool, owner, n_layers=len(self._offsets), format=self._format)
-        twin.copy_block = self.copy_block
+        twin.copy_block, twin.before_copy = self.copy_block, self.before_copy
         # The book's own handles, not every block of the owner id (the pool's fork): not
         # its reserved blocks (RES-FORK), nor blocks checked out to the id behind its back.
         n_keys = len(self._key_blocks)
@@ -647,7 +664,7 @@ class PooledKVCache:
             past_held = n_tokens - n_held * block_size  # the positions, when none reserved
             n_tokens_out = n_more * block_size if self._reserve_blocks else past_held
             try:  # a dropped cache's blocks first, even one dropped in a cycle, before exhaustion
-                self._check_store()
+                self._check_table()
                 new_keys, new_values = self._releases.check_out_reclaiming(
                     lambda: self._check_out(n_tokens_out)
                 )
@@ -870,7 +887,7 @@ class PooledKVCache:
             "v": sum(pool.is_shared(self._value_blocks[index].block_id) for index in indices),
         }
         if moves["k"] or moves["v"]:
-            self._check_store()
+            self._check_table()
             demand = {stream: count + growth for stream, count in moves.items()}
             require_supply(pool, demand, self._owner, self._format, self._free)
             for index in indices:
@@ -893,7 +910,7 @@ class PooledKVCache:
         block already moved has count 1, and ``make_writable`` returns it as it is.
         """
         self._require_held_live(range(len(self._key_blocks)))  # before any exhaustion
-        self._check_store()
+        self._check_table()
         self._releases.check_out_reclaiming(lambda: self._own_blocks(index, growth))
 
     def _own_blocks(self, index: int, growth: int = 0) -> None:
@@ -911,6 +928,8 @@ class PooledKVCache:
         pair = (("k", self._key_blocks[index]), ("v", self._value_blocks[index]))
         demand = {stream: int(pool.is_shared(block.block_id)) + growth for stream, block in pair}
         require_supply(pool, demand, self._owner, self._format, self._free)
+        if self.before_copy is not None and demand["k"] + demand["v"] > 2 * growth:
+            self.before_copy()  # a move follows: the store must be able to copy it
         for stream in ("k", "v"):
             blocks = self._key_blocks if stream == "k" else self._value_blocks
             shared = blocks[index]
@@ -936,7 +955,7 @@ class PooledKVCache:
                 if block.owner is None:
                     raise stale_block_error(f"block {block!r}", self._owner, "book", "book")
 
-    def _check_store(self) -> None:
+    def _check_table(self) -> None:
         if self.before_change is not None:
             self.before_change()
 

@@ -42,24 +42,16 @@ __all__ = ["PoolBackedPromptCache", "make_pool_backed_cache"]
 _FORMAT_OF_DTYPE: Final = {mx.float16: "fp16", mx.bfloat16: "bf16", mx.float32: "fp32"}
 
 
-def _store_checks(storage: MLXStorage, table: DeviceBlockTable) -> Callable[[], None]:
+def _table_check(table: DeviceBlockTable) -> Callable[[], None]:
     """What the book asks before a step the pool cannot undo (a checkout, a copy-on-write
-    move; ``PooledKVCache.before_change``): that this thread may use a ``lazy_writes``
-    store's data (binding it: the step writes data next), and that the table's blocks
-    are live. Either refusal then changes nothing.
+    move; ``PooledKVCache.before_change``): that the table's blocks are live, so that the
+    store's refusal of a stale one comes before the step, not after it.
 
     The table is held weakly: it holds the book, which holds this check, and a cycle
     would keep a dropped request's blocks until a garbage collection."""
-    thread_check = (
-        storage.require_this_thread
-        if isinstance(storage, MLXBlockStorage) and storage.lazy_writes
-        else None
-    )
     table_of = weakref.ref(table)
 
     def check() -> None:
-        if thread_check is not None:
-            thread_check()
         live_table = table_of()
         if live_table is not None:  # else no cache reads through it any more
             live_table.require_live()
@@ -95,7 +87,11 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
         self._attention: Final = attention
         if isinstance(storage, CopiesBlocks):  # copy-on-write copies every layer's slots
             book.copy_block = lambda old_id, own: storage.copy_block(None, old_id, own)
-        book.before_change = _store_checks(storage, table)
+            if isinstance(storage, MLXBlockStorage) and storage.lazy_writes:
+                # Its copy is refused on another thread: asked before the move (binding
+                # the store, whose data the copy then writes).
+                book.before_copy = storage.require_this_thread
+        book.before_change = _table_check(table)
 
     @property
     def book(self) -> PooledKVCache:
