@@ -74,6 +74,20 @@ def _refused_unchanged(
     assert _book_state(book) == before
 
 
+def _tokens(n: int, value: float) -> mx.array:
+    return mx.full((1, 1, n, 4), value, dtype=mx.float16)
+
+
+def _cache_of_eight_ones() -> tuple[BlockPoolAllocator, MLXBlockStorage, PoolBackedPromptCache]:
+    """A two-layer request holding 8 positions of ones, on a store with heads of 4."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
+    cache = PoolBackedPromptCache(store, PooledKVCache(pool, BOOK, n_layers=2))
+    for layer in cache:
+        layer.update_and_fetch(_tokens(8, 1.0), _tokens(8, 1.0))
+    return pool, store, cache
+
+
 def _named(block: Block) -> str:
     return re.escape(f"block {block!r} of owner {BOOK}'s book")
 
@@ -175,15 +189,7 @@ def test_growth_into_a_last_block_shared_behind_the_book_never_checks_out(
 def test_a_rewrite_after_a_fork_refused_for_a_stale_block_elsewhere_moves_nothing() -> None:
     """The rewrite moves the blocks it writes; a stale block it does not write made the
     store's table check refuse the write after the moves, which no undo reverses."""
-    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
-    store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
-    cache = PoolBackedPromptCache(store, PooledKVCache(pool, BOOK, n_layers=2))
-
-    def tokens(n: int) -> mx.array:
-        return mx.ones((1, 1, n, 4), dtype=mx.float16)
-
-    for layer in cache:
-        layer.update_and_fetch(tokens(8), tokens(8))
+    pool, _, cache = _cache_of_eight_ones()
     twin = cache.fork(owner=TWIN)
     twin[0].trim(3)  # layer 0 holds 5 positions; the next write rewrites block 1 only
     stale = twin.book.key_blocks[0]
@@ -193,7 +199,7 @@ def test_a_rewrite_after_a_fork_refused_for_a_stale_block_elsewhere_moves_nothin
         pool_unchanged(pool, owners=[BOOK, TWIN]),
         pytest.raises(StaleBlockTableError, match=re.escape(f"block {stale!r}")),
     ):
-        twin[0].update_and_fetch(tokens(3), tokens(3))
+        twin[0].update_and_fetch(_tokens(3, 1.0), _tokens(3, 1.0))
     assert _book_state(twin.book) == before
 
 
@@ -233,23 +239,15 @@ def test_positions_written_again_into_a_block_shared_behind_the_book_are_refused
     """A layer trimmed alone and written again (the state setter does so) wrote through
     the table into a block shared behind the book's back, changing what its other owner
     reads; only a fork's shares were looked at."""
-    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
-    store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
-    cache = PoolBackedPromptCache(store, PooledKVCache(pool, BOOK, n_layers=2))
-
-    def tokens(n: int, value: float) -> mx.array:
-        return mx.full((1, 1, n, 4), value, dtype=mx.float16)
-
-    for layer in cache:
-        layer.update_and_fetch(tokens(8, 1.0), tokens(8, 1.0))
+    pool, store, cache = _cache_of_eight_ones()
     shared = (cache.book.key_blocks if stream == "k" else cache.book.value_blocks)[0]
     [theirs] = pool.share([shared], OTHER)
     cache[0].trim(8)
     with pytest.raises(ValueError, match=re.escape(f"block {shared!r} of owner {BOOK}'s book")):
-        cache[0].update_and_fetch(tokens(8, 7.0), tokens(8, 7.0))
+        cache[0].update_and_fetch(_tokens(8, 7.0), _tokens(8, 7.0))
     assert (
         store.gather(0, [theirs], BLOCK_SIZE).tolist()
-        == tokens(4, 1.0)[0].transpose(1, 0, 2).tolist()
+        == _tokens(4, 1.0)[0].transpose(1, 0, 2).tolist()
     )
     assert cache[0].offset == 0  # the refused write took no position
 
@@ -307,15 +305,7 @@ def test_a_state_set_over_a_block_shared_behind_the_book_is_refused_unchanged() 
     """The setter trims its layer, then appends the new positions: the append's look
     refused, after the trim had emptied the layer (and freed its blocks, had it been
     the longest)."""
-    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
-    store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
-    cache = PoolBackedPromptCache(store, PooledKVCache(pool, BOOK, n_layers=2))
-
-    def tokens(n: int, value: float) -> mx.array:
-        return mx.full((1, 1, n, 4), value, dtype=mx.float16)
-
-    for layer in cache:
-        layer.update_and_fetch(tokens(8, 1.0), tokens(8, 1.0))
+    pool, _, cache = _cache_of_eight_ones()
     shared = cache.book.key_blocks[0]
     pool.share([shared], OTHER)
     before = _book_state(cache.book)
@@ -323,6 +313,6 @@ def test_a_state_set_over_a_block_shared_behind_the_book_is_refused_unchanged() 
         pool_unchanged(pool, owners=[BOOK, OTHER]),
         pytest.raises(ValueError, match=re.escape(f"block {shared!r} of owner {BOOK}'s book")),
     ):
-        cache[0].state = (tokens(8, 7.0), tokens(8, 7.0), 8)
+        cache[0].state = (_tokens(8, 7.0), _tokens(8, 7.0), 8)
     assert _book_state(cache.book) == before
-    assert mx.array_equal(cache[0].state[0], tokens(8, 1.0))
+    assert mx.array_equal(cache[0].state[0], _tokens(8, 1.0))
