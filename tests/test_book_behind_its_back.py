@@ -316,3 +316,17 @@ def test_a_state_set_over_a_block_shared_behind_the_book_is_refused_unchanged() 
         cache[0].state = (_tokens(8, 7.0), _tokens(8, 7.0), 8)
     assert _book_state(cache.book) == before
     assert mx.array_equal(cache[0].state[0], _tokens(8, 1.0))
+
+
+def test_a_state_set_writes_no_held_block_past_the_other_layers_so_it_is_not_refused() -> None:
+    """The setter's trim gives back the blocks past the other layers (here: there are
+    none), and the append writes new ones: a block shared behind the back there is the
+    other owner's alone afterwards, untouched. The look once refused such a set."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    store = MLXBlockStorage(pool, 1, 1, 4, mx.float16)
+    cache = PoolBackedPromptCache(store, PooledKVCache(pool, BOOK, n_layers=1))
+    cache[0].update_and_fetch(_tokens(8, 1.0), _tokens(8, 1.0))
+    [theirs] = pool.share([cache.book.key_blocks[1]], OTHER)
+    cache[0].state = (_tokens(8, 7.0), _tokens(8, 7.0), 8)
+    assert mx.array_equal(cache[0].state[0], _tokens(8, 7.0))
+    assert store.gather(0, [theirs], BLOCK_SIZE).tolist() == [[[1.0] * 4]] * BLOCK_SIZE

@@ -344,7 +344,7 @@ class PoolBackedKVCache(KVCacheConventions):
         if offset:
             keys, values = keys[..., :offset, :], values[..., :offset, :]
             self._require_update(keys, values)
-            self._book.require_rewritable(offset)  # before the trim empties the layer
+            self._book.require_rewritable(self._layer, offset)  # before the trim empties it
         self._book.trim(self.offset, layer=self._layer)
         if offset:
             self.update_and_fetch(keys, values)
@@ -369,7 +369,7 @@ class PoolBackedKVCache(KVCacheConventions):
     def _require_store_thread(self) -> None:
         """Refuse another thread than a ``lazy_writes`` store's, before the book changes,
         binding no store: a trim touches no data (a copy-on-write it makes binds the store
-        through the book's ``before_change``, before the move)."""
+        through the book's ``before_copy``, before the move)."""
         if self._thread_refusal is not None:
             self._thread_refusal()
 

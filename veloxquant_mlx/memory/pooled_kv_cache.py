@@ -422,18 +422,23 @@ class PooledKVCache:
             self._rewrites.pop(layer, None)  # past what it had written: writes are new
         return start
 
-    def require_rewritable(self, end: int) -> None:
-        """Refuse, before anything changes, to write positions ``0 .. end - 1`` again (a
-        cache's ``state`` setter does: it trims its layer, then appends the new positions)
-        when a block holding them was shared behind the book's back. Positions past the
-        extent are new; blocks a fork shares move on write instead (copy-on-write). O(r)
-        pool looks for the r blocks.
+    def require_rewritable(self, layer: int, end: int) -> None:
+        """Refuse, before anything changes, to replace ``layer``'s positions by ``end`` new
+        ones (a cache's ``state`` setter does: it trims the layer to nothing, then appends)
+        when a block that would hold some of them was shared behind the book's back.
+        Only positions the other layers still hold stay in held blocks: the trim gives the
+        rest back, and the append writes those into new blocks. Blocks a fork shares move
+        on write instead (copy-on-write). O(L) plus O(r) pool looks for the r blocks.
 
         Raises:
-            ValueError: Such a block, named.
+            TypeError, ValueError: ``layer`` or ``end`` is out of range; or such a block,
+                named (``ValueError``).
         """
-        if end > 0:
-            self._require_rewritten_private(0, min(end, self._n_tokens))
+        self._require_layer(layer)
+        require_int("end", end, minimum=0)
+        kept = max((o for i, o in enumerate(self._offsets) if i != layer), default=0)
+        if min(end, kept) > 0:
+            self._require_rewritten_private(0, min(end, kept))
 
     def trim(self, n: int, *, layer: int | None = None) -> int:
         """Drop the last ``n`` positions of ``layer`` (of every layer if ``None``).
@@ -486,9 +491,10 @@ class PooledKVCache:
         same positions.
 
         Both books then write copy-on-write (module docstring). The new book
-        claims ``owner`` (a fresh id if ``None``) and copies the ``copy_block``
-        callback; it holds no reservation, and this book's reserved blocks are
-        not shared (RES-FORK).
+        claims ``owner`` (a fresh id if ``None``) and copies the ``copy_block`` and
+        ``before_copy`` callbacks (not ``before_change``, this book's table's check);
+        it holds no reservation, and this book's reserved blocks are not shared
+        (RES-FORK).
 
         Raises:
             RuntimeError: This book was released.

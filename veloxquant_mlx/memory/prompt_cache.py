@@ -87,10 +87,14 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
         self._attention: Final = attention
         if isinstance(storage, CopiesBlocks):  # copy-on-write copies every layer's slots
             book.copy_block = lambda old_id, own: storage.copy_block(None, old_id, own)
-            if isinstance(storage, MLXBlockStorage) and storage.lazy_writes:
-                # Its copy is refused on another thread: asked before the move (binding
-                # the store, whose data the copy then writes).
-                book.before_copy = storage.require_this_thread
+        # A lazy_writes store refuses a copy on another thread: asked before the move
+        # (binding the store, whose data the copy then writes). None for any other store,
+        # even if the book served a lazy one before.
+        book.before_copy = (
+            storage.require_this_thread
+            if isinstance(storage, MLXBlockStorage) and storage.lazy_writes
+            else None
+        )
         book.before_change = _table_check(table)
 
     @property
