@@ -330,3 +330,25 @@ def test_a_state_set_writes_no_held_block_past_the_other_layers_so_it_is_not_ref
     cache[0].state = (_tokens(8, 7.0), _tokens(8, 7.0), 8)
     assert mx.array_equal(cache[0].state[0], _tokens(8, 7.0))
     assert store.gather(0, [theirs], BLOCK_SIZE).tolist() == [[[1.0] * 4]] * BLOCK_SIZE
+
+
+@pytest.mark.parametrize("fault", ["a held block freed", "a reserved block shared"])
+def test_a_state_set_that_would_be_refused_after_its_trim_is_refused_before_it(
+    fault: str,
+) -> None:
+    """The refusal came from the append, after the trim had emptied the layer."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=32))
+    store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
+    book = PooledKVCache(pool, BOOK, n_layers=2, reserve_tokens=16)
+    cache = PoolBackedPromptCache(store, book)
+    for layer in cache:
+        layer.update_and_fetch(_tokens(4, 1.0), _tokens(4, 1.0))
+    if fault == "a held block freed":
+        pool.free([book.key_blocks[0]])
+    else:
+        held = {id(block) for block in (*book.key_blocks, *book.value_blocks)}
+        pool.share([b for b in pool.blocks_for(BOOK) if id(b) not in held][:1], OTHER)
+    before = _book_state(book)
+    with pytest.raises(StaleBlockTableError):
+        cache[0].state = (_tokens(8, 7.0), _tokens(8, 7.0), 8)
+    assert _book_state(book) == before

@@ -333,8 +333,8 @@ class PoolBackedKVCache(KVCacheConventions):
 
         Raises:
             TypeError, ValueError: Not such a tuple, arrays of another shape or dtype
-                than the storage's, or positions held in a block shared behind the
-                book's back (``PooledKVCache.require_rewritable``); nothing changes.
+                than the storage's, or blocks changed behind the book's back (freed,
+                moved or shared: ``PooledKVCache.require_rewritable``); nothing changes.
             BlockPoolExhaustedError: Too few free blocks; the layer is left empty.
             RuntimeError: A ``lazy_writes`` store called from another thread; nothing
                 changes.

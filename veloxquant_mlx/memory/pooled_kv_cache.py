@@ -425,18 +425,25 @@ class PooledKVCache:
     def require_rewritable(self, layer: int, end: int) -> None:
         """Refuse, before anything changes, to replace ``layer``'s positions by ``end`` new
         ones (a cache's ``state`` setter does: it trims the layer to nothing, then appends)
-        when a block that would hold some of them was shared behind the book's back.
-        Only positions the other layers still hold stay in held blocks: the trim gives the
-        rest back, and the append writes those into new blocks. Blocks a fork shares move
-        on write instead (copy-on-write). O(L) plus O(r) pool looks for the r blocks.
+        where the trim or the append would be refused after the trim: a held block freed
+        or moved behind the book's back, a reserved one the append would take that is no
+        longer the book's alone, or a block that would hold some of the positions shared
+        behind its back. Only positions the other layers still hold stay in held blocks:
+        the trim gives the rest back, and the append writes those into new blocks. Blocks
+        a fork shares move on write instead (copy-on-write). O(n + L) plus O(r) pool looks
+        for the r blocks written again and the reserved ones.
 
         Raises:
-            TypeError, ValueError: ``layer`` or ``end`` is out of range; or such a block,
-                named (``ValueError``).
+            TypeError, ValueError: ``layer`` or ``end`` is out of range.
+            StaleBlockTableError: A held or reserved block, named.
+            ValueError: A block shared behind the book's back, named.
         """
         self._require_layer(layer)
         require_int("end", end, minimum=0)
+        self._require_held_live(range(len(self._key_blocks)))
         kept = max((o for i, o in enumerate(self._offsets) if i != layer), default=0)
+        if end > kept and self._reserved_keys:
+            self._require_reserved_intact(len(self._reserved_keys))
         if min(end, kept) > 0:
             self._require_rewritten_private(0, min(end, kept))
 
