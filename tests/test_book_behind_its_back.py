@@ -352,3 +352,30 @@ def test_a_state_set_that_would_be_refused_after_its_trim_is_refused_before_it(
     with pytest.raises(StaleBlockTableError):
         cache[0].state = (_tokens(8, 7.0), _tokens(8, 7.0), 8)
     assert _book_state(book) == before
+
+
+class _InterruptedOnValueMarks(BlockPoolAllocator):
+    """A pool whose ``mark_used`` of a value block is interrupted (Ctrl-C) once armed."""
+
+    armed = False
+
+    def mark_used(self, block: Block, n_used: int) -> None:
+        if _InterruptedOnValueMarks.armed and block.stream == "v":
+            raise KeyboardInterrupt
+        super().mark_used(block, n_used)
+
+
+def test_an_interrupt_between_the_two_marks_of_a_growth_leaves_neither() -> None:
+    # The undo of the key block's mark ran only for the pool's ValueError.
+    pool = _InterruptedOnValueMarks(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    book = PooledKVCache(pool, BOOK)
+    book.append(2)
+    fills = [block.n_used for block in (*book.key_blocks, *book.value_blocks)]
+    _InterruptedOnValueMarks.armed = True
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            book.append(1)
+    finally:
+        _InterruptedOnValueMarks.armed = False
+    assert [block.n_used for block in (*book.key_blocks, *book.value_blocks)] == fills
+    book.check_invariants()

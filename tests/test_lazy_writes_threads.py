@@ -191,3 +191,18 @@ def test_a_trim_on_another_thread_binds_no_store(n: int) -> None:
     cache[0].update_and_fetch(ones, ones)  # this thread may still take the store
     assert in_thread("intruder", lambda: cache[0].trim(1)) is not None  # now it is bound
     cache.release()
+
+
+def test_a_book_wrapped_again_over_a_store_without_lazy_writes_drops_the_old_check() -> None:
+    # It kept the lazy_writes store's thread check: a fork's copy-on-write on another
+    # thread was refused for a store it no longer used.
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=16))
+    lazy = MLXBlockStorage(pool, 1, 1, 2, mx.float32, lazy_writes=True)
+    book = PooledKVCache(pool)
+    held = mx.ones((1, 1, 6, 2), mx.float32)
+    PoolBackedPromptCache(lazy, book)[0].update_and_fetch(held, held)  # binds it here
+    cache = PoolBackedPromptCache(MLXBlockStorage(pool, 1, 1, 2, mx.float32), book)
+    twin = cache.fork()
+    assert in_thread("other", lambda: twin[0].trim(1)) is None  # a copy-on-write
+    twin.release()
+    cache.release()
