@@ -1,8 +1,8 @@
 """The fused paged-attention kernel against the gathered path: correctness, then speed.
 
-Run on a machine where MLX's CUDA back-end works (elsewhere it says why and
-exits 0 after checking the gathered reference alone). Prints a table and one
-JSON document (``--json PATH``).
+Run on a machine where MLX's CUDA back-end works (elsewhere it checks nothing,
+says why, and exits 3: inconclusive). Prints a table and one JSON document
+(``--json PATH``).
 
 1. **Correctness.** For every dtype (float32, float16, bfloat16), head
    dimension (64, 128), head grouping (8/2, 8/8, 32/4 query/KV heads) and a
@@ -19,8 +19,9 @@ JSON document (``--json PATH``).
 
     python benchmarks/bench_paged_attention.py [--quick] [--json PATH]
 
-Exit status: 0 when every case passed (or there is no CUDA to check), 1 if a
-case failed. Thread safety: single-threaded.
+Exit status (``commandline.verdicts``): 0 when every case passed, 1 if a case
+failed, 2 on bad input, 3 when there is no CUDA back-end to check the kernel
+on. Thread safety: single-threaded.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import mlx.core as mx
 from _accuracy import relative_error
 
 from veloxquant_mlx.commandline.bad_input import OneLineParser
+from veloxquant_mlx.commandline.verdicts import ExitStatus
 from veloxquant_mlx.memory.paged_attention import (
     PagedKV,
     cuda_paged_decode_attention,
@@ -169,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     reason = cuda_unavailable_reason()
     report: dict[str, object] = {"device": str(mx.default_device()), "cuda": reason or "available"}
     if reason is not None:
-        print(f"fused kernel not checked: {reason}")
+        print(f"fused kernel not checked, INCONCLUSIVE: {reason}")
     else:
         cases = check_correctness(arguments.quick)
         failed = [case for case in cases if not case["ok"]]
@@ -204,7 +206,9 @@ def main(argv: list[str] | None = None) -> int:
     if arguments.json:
         with open(arguments.json, "w") as handle:
             json.dump(report, handle, indent=2)
-    return 1 if report.get("failed") else 0
+    if reason is not None:
+        return ExitStatus.INCONCLUSIVE
+    return ExitStatus.VIOLATION if report.get("failed") else ExitStatus.OK
 
 
 if __name__ == "__main__":

@@ -593,3 +593,16 @@ def test_bench_cache_host_worker_refuses_a_context_too_large_with_status_2(
     assert ended.value.code == 2
     [line] = capsys.readouterr().err.splitlines()
     assert "a pool of n_blocks=" in line and line.endswith("(--contexts 100000000000)")
+
+
+def test_bench_paged_attention_without_cuda_checks_nothing_and_says_inconclusive(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # It exited 0, as if the kernel had been checked.
+    monkeypatch.syspath_prepend(str(BENCHMARKS))
+    module = importlib.import_module("bench_paged_attention")
+    monkeypatch.setattr(module, "cuda_unavailable_reason", lambda: "no CUDA in this test")
+    assert module.main(["--quick"]) == 3
+    assert capsys.readouterr().out == (
+        "fused kernel not checked, INCONCLUSIVE: no CUDA in this test\n"
+    )
