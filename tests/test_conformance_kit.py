@@ -110,6 +110,25 @@ def test_an_unknown_capability_is_refused_by_name() -> None:
         Port(MyPool, capabilities=frozenset({"allocate", "defragment"}))
 
 
+def test_a_port_offering_fewer_calls_than_the_reference_and_the_contract_is_refused() -> None:
+    # Once checked on the calls it named alone: a port without free passed exhaustive.
+    with pytest.raises(ValueError, match=r"missing \['free'\]"):
+        Port(MyPool, capabilities=REFERENCE_CALLS - {"free"})
+
+
+class _StatsRaise(BlockPoolAllocator):
+    """A port whose ``stats`` raises: a deviation for the checks to find."""
+
+    @property
+    def stats(self) -> Any:
+        raise RuntimeError("no stats here")
+
+
+def test_a_port_whose_stats_raise_is_a_port_the_checks_can_run() -> None:
+    # Looking at which calls it offers read its stats: a traceback before any check.
+    assert as_port(_StatsRaise).offered == REFERENCE_CALLS
+
+
 def test_a_config_class_that_refuses_an_empty_pool_is_a_finding() -> None:
     class NoEmptyPools(reference_port.PoolConfig):
         def __init__(self, *args: Any, **fields: Any) -> None:

@@ -30,13 +30,14 @@ from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.testing.driven import DriverFailure, DriverProcess, driven_port
 from veloxquant_mlx.testing.driver import PROTOCOL, PROTOCOL_VERSION
 from veloxquant_mlx.testing.exhaustive import SCOPES, explore
+from veloxquant_mlx.testing.port import ALL_CALLS
 from veloxquant_mlx.testing.report import conformance_report
 
 DRIVER = [sys.executable, "-m", "veloxquant_mlx.testing.driver"]
 #: The subcommand's form, serving a pool with a planted bug (tests/planted_bugs.py).
 PLANTED = [sys.executable, "-m", "veloxquant_mlx", "driver", "--factory"]
 SEPARATE_4 = next(scope for scope in SCOPES if scope.name == "separate-4")
-HELLO = json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "calls": []})
+HELLO = json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION, "calls": sorted(ALL_CALLS)})
 
 
 @pytest.mark.slow
@@ -72,6 +73,31 @@ def test_a_failed_invariant_check_comes_back_as_its_class() -> None:
     assert type(raised.value).__name__ == "InvariantViolationError"
 
 
+def hello_saying_calls(calls: str | None) -> str:
+    """The hello with ``calls`` as the raw JSON text of its calls (``None``: no calls key)."""
+    if calls is None:
+        return json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION})
+    head = json.dumps({"protocol": PROTOCOL, "version": PROTOCOL_VERSION})[:-1]
+    return f'{head}, "calls": {calls}}}'
+
+
+@pytest.mark.parametrize(
+    ("calls", "said"),
+    [
+        # Once a traceback and status 1: the Port refused the name with a ValueError.
+        (json.dumps([*sorted(ALL_CALLS), "teleport"]), "must be names of the operation table"),
+        # Once checked on those calls alone, and OK.
+        ('["allocate", "free"]', "missing ['blocks_for', 'free_all'"),
+        ("[]", "missing ['allocate', 'blocks_for'"),
+    ],
+    ids=["unknown-call", "too-few", "none"],
+)
+def test_a_driver_offering_other_calls_than_the_kit_needs_is_refused(calls: str, said: str) -> None:
+    script = f"print({hello_saying_calls(calls)!r}, flush=True); input()"
+    with pytest.raises(DriverFailure, match=re.escape(said)):
+        driven_port(_fake(script))
+
+
 def _fake(script: str) -> list[str]:
     return [sys.executable, "-c", script]
 
@@ -99,12 +125,23 @@ def _fake(script: str) -> list[str]:
         ),
         ("print('{}', flush=True)", 10, "its hello is {}"),
         (
-            f"print({HELLO.replace('[]', '5')!r}, flush=True)",
+            f"print({hello_saying_calls('5')!r}, flush=True)",
             10,
             "expected its calls as a list of names",
         ),
+        # Once a hello without calls stood for no calls.
+        (f"print({hello_saying_calls(None)!r}, flush=True)", 10, "expected its calls as a list"),
     ],
-    ids=["dies", "junk", "late", "trickles", "endless-line", "no-hello", "calls-not-a-list"],
+    ids=[
+        "dies",
+        "junk",
+        "late",
+        "trickles",
+        "endless-line",
+        "no-hello",
+        "calls-not-a-list",
+        "no-calls",
+    ],
 )
 def test_a_broken_driver_is_one_clear_failure(script: str, timeout: float, said: str) -> None:
     with pytest.raises(DriverFailure, match=said):

@@ -128,7 +128,7 @@ class DriverProcess:
         hello = self._read_line("the hello line")
         if hello.get("protocol") != PROTOCOL or hello.get("version") != PROTOCOL_VERSION:
             self.fail(f"its hello is {hello!r}; expected protocol {PROTOCOL!r} v{PROTOCOL_VERSION}")
-        calls = hello.get("calls", [])
+        calls = hello.get("calls")
         if not isinstance(calls, list) or not all(isinstance(call, str) for call in calls):
             self.fail(f"its hello is {hello!r}; expected its calls as a list of names")
         self.calls: frozenset[str] = frozenset(calls)
@@ -332,11 +332,14 @@ def driven_port(
         return objects.decode_ref(objects.driver.request("block", block_id=block_id), "block")
 
     factory.__name__ = name
-    return Port(
-        factory,
-        config_class=None,
-        block_class=block_class,
-        errors=ERRORS,
-        capabilities=objects.driver.calls,
-        name=name,
-    )
+    try:
+        return Port(
+            factory,
+            config_class=None,
+            block_class=block_class,
+            errors=ERRORS,
+            capabilities=objects.driver.calls,
+            name=name,
+        )
+    except ValueError as error:  # calls the table does not have, or too few
+        objects.driver.fail(f"its hello's calls: {error}")
