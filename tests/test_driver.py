@@ -31,7 +31,7 @@ from veloxquant_mlx.testing.driven import DriverFailure, DriverProcess, driven_p
 from veloxquant_mlx.testing.driver import PROTOCOL, PROTOCOL_VERSION
 from veloxquant_mlx.testing.exhaustive import SCOPES, explore
 from veloxquant_mlx.testing.port import ALL_CALLS
-from veloxquant_mlx.testing.report import conformance_report
+from veloxquant_mlx.testing.report import check_conformance, conformance_report
 
 DRIVER = [sys.executable, "-m", "veloxquant_mlx.testing.driver"]
 #: The subcommand's form, serving a pool with a planted bug (tests/planted_bugs.py).
@@ -437,3 +437,14 @@ def test_the_kit_finds_a_planted_deviation_through_a_driver_and_allows_it() -> N
     allowed = report_on(allow={"C-COUNTERS-NFREES": "planted"})
     assert allowed.conforms, allowed.render()
     assert [(f.rule, why) for f, why in allowed.expected] == [("C-COUNTERS-NFREES", "planted")]
+    # The sequences past it were not followed: the summary says so, never a plain conforms.
+    assert allowed.unfollowed == ["C-COUNTERS-NFREES"]
+    assert ": conforms (not followed past C-COUNTERS-NFREES): " in allowed.render()
+    with pytest.warns(UserWarning, match=r"past an allowed deviation \(C-COUNTERS-NFREES\)"):
+        check_conformance(
+            port,
+            allow={"C-COUNTERS-NFREES": "planted"},
+            depth=2,
+            scopes=[SEPARATE_4],
+            examples=0,
+        )

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import time
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Final
@@ -91,6 +92,12 @@ class Report:
         return not self.findings and not self.gaps
 
     @property
+    def unfollowed(self) -> list[str]:
+        """The allowed rules found in a sequence of calls: a sequence is not followed past
+        a deviation, allowed or not, so what the port does after one is not checked."""
+        return sorted({finding.rule for finding, _ in self.expected if finding.calls})
+
+    @property
     def verdict(self) -> str:
         """``conforms``, ``deviates`` or ``inconclusive`` (a part could not be checked)."""
         if self.findings:
@@ -100,8 +107,10 @@ class Report:
     def render(self, *, verbose: bool = False) -> str:
         """The report as text: a summary line, then each finding under its rule."""
         rules = sorted({f.rule for f in self.findings})
+        unfollowed = self.unfollowed
+        cut = f" (not followed past {', '.join(unfollowed)})" if unfollowed else ""
         lines = [
-            f"{self.port.name}: {self.verdict}: {len(self.findings)} deviations under "
+            f"{self.port.name}: {self.verdict}{cut}: {len(self.findings)} deviations under "
             f"{len(rules)} rules, {len(self.expected)} expected, {self.seconds:.1f}s "
             f"(longest shrink {self.longest_shrink:.1f}s)"
         ]
@@ -112,6 +121,13 @@ class Report:
         if self.expected:
             lines += ["", "Expected (allow-list):"]
             lines += [f"  {f.rule} {f.call} {f.field}: {why}" for f, why in self.expected]
+        if unfollowed:
+            lines += [
+                "",
+                f"Not followed: sequences past an allowed deviation ({', '.join(unfollowed)}) "
+                "end there, as past any deviation, so what the port does after one is not "
+                "checked; the fewer the sequences it ends, the more a verdict covers",
+            ]
         if self.gaps:
             lines += ["", "Not checked:", *(f"  {gap}" for gap in self.gaps)]
         lines += ["", f"Not in scope: {NOT_IN_SCOPE}"]
@@ -435,9 +451,17 @@ def check_conformance(
     """Run :func:`conformance_report`; raise ``AssertionError`` with it unless the port conforms.
 
     Returns:
-        The report, when the port conforms (allowed deviations aside).
+        The report, when the port conforms (allowed deviations aside; a
+        ``UserWarning`` names the rules past which sequences were not followed).
     """
     report = conformance_report(factory, allow=allow, **options)
     if not report.conforms:
         raise AssertionError(report.render(verbose=verbose))
+    if report.unfollowed:
+        warnings.warn(
+            f"{report.port.name} conforms, but sequences past an allowed deviation "
+            f"({', '.join(report.unfollowed)}) were not followed: what the port does after "
+            "one is not checked",
+            stacklevel=2,
+        )
     return report
