@@ -425,3 +425,12 @@ def test_an_exhaustive_scope_cut_short_does_not_claim_every_sequence() -> None:
     line = next(part for part in report.checked if part.startswith(f"exhaustive {scope.name}"))
     assert "stopped early" in line
     assert "every sequence" not in line
+
+
+def test_a_report_names_every_rule_it_does_not_check() -> None:
+    # It named the thread rules alone: a port whose errors say nothing conformed, with no
+    # word that C-ERROR-MESSAGE was never looked at.
+    last = conformance_report(BlockPoolAllocator, scopes=[], examples=0).render().splitlines()[-1]
+    for rule in ("C-THREAD-SAFE", "C-LINEARIZABLE", "C-ERROR-MESSAGE", "C-GROW-MEMORY"):
+        assert rule in last
+    assert "C-IMPORT-NO-MLX" in last

@@ -66,7 +66,9 @@ SHRINK_BUDGET: Final = 30.0
 #: What no report checks, said at the end of every one (a verdict covers the rest).
 NOT_IN_SCOPE: Final = (
     "calls from several threads at once (C-THREAD-SAFE, C-LINEARIZABLE): every check "
-    "here calls the pool from one thread"
+    "here calls the pool from one thread; what an error message says (C-ERROR-MESSAGE: "
+    "classes are compared, wording is free); memory the process cannot hold "
+    "(C-GROW-MEMORY); imports without MLX (C-IMPORT-NO-MLX)"
 )
 
 
