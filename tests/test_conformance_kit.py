@@ -124,7 +124,7 @@ class _StatsRaise(BlockPoolAllocator):
         raise RuntimeError("no stats here")
 
 
-def test_a_port_whose_stats_raise_is_a_port_the_checks_can_run() -> None:
+def test_finding_the_calls_of_a_port_whose_stats_raise_does_not_crash() -> None:
     # Looking at which calls it offers read its stats: a traceback before any check.
     assert as_port(_StatsRaise).offered == REFERENCE_CALLS
 

@@ -440,7 +440,7 @@ class PooledKVCache:
         """
         self._require_layer(layer)
         require_int("end", end, minimum=0)
-        self._require_held_live(range(len(self._key_blocks)))
+        self._require_held_live()
         kept = max((o for i, o in enumerate(self._offsets) if i != layer), default=0)
         if end > kept and self._reserved_keys:
             self._require_reserved_intact(len(self._reserved_keys))
@@ -510,7 +510,7 @@ class PooledKVCache:
                 back; nothing changes.
         """
         self._require_open()
-        self._require_held_live(range(len(self._key_blocks)))  # before the twin claims
+        self._require_held_live()  # before the twin claims
         twin = PooledKVCache(self._pool, owner, n_layers=len(self._offsets), format=self._format)
         twin.copy_block, twin.before_copy = self.copy_block, self.before_copy
         # The book's own handles, not every block of the owner id (the pool's fork): not
@@ -808,7 +808,7 @@ class PooledKVCache:
         tail = [*tail_keys, *tail_values]
         n_reserved = max(0, self._reserve_blocks - n_kept)
         pool = self._pool
-        if not (tail and n_reserved) or self._shares:
+        if not self._trim_reaches_reserve(n_kept):
             return tail
         if any(pool.is_shared(block.block_id) for block in tail):  # shared behind its back
             return tail
@@ -818,14 +818,20 @@ class PooledKVCache:
         self._reserved_keys, self._reserved_values = keys[:n_reserved], values[:n_reserved]
         return [*keys[n_reserved:], *values[n_reserved:]]
 
+    def _trim_reaches_reserve(self, n_kept: int) -> bool:
+        """Whether a shrink to ``n_kept`` blocks rebuilds the reserve (RES-TRIM): it frees
+        blocks, the reservation lacks some of them, and the book never shared."""
+        n_held = len(self._key_blocks)
+        return n_kept < n_held and n_kept < self._reserve_blocks and not self._shares
+
     def _require_trimmable(self, n_tokens: int) -> None:
         """Before a shrink to ``n_tokens`` changes anything: every block it gives back or
         keeps reserved is still the book's handle (a stale one would make the pool refuse
         the free half-way, with the book already cut)."""
         n_kept = -(-n_tokens // self._block_size)
         self._require_held_live(range(n_kept, len(self._key_blocks)))
-        if n_kept == len(self._key_blocks) or self._shares or self._reserve_blocks <= n_kept:
-            return  # the reserve is not touched (_tail_to_free)
+        if not self._trim_reaches_reserve(n_kept):
+            return
         for block in (*self._reserved_keys, *self._reserved_values):
             if block.owner is None:
                 raise stale_block_error(f"reserved block {block!r}", self._owner, "book", "book")
@@ -845,14 +851,7 @@ class PooledKVCache:
         block_size = self._block_size
         first = max(start // block_size, self._maybe_shared)
         for index in range(first, (end - 1) // block_size + 1):
-            for block in (self._key_blocks[index], self._value_blocks[index]):
-                if self._pool.is_shared(block.block_id):
-                    raise ValueError(
-                        f"block {block!r} of owner {self._owner}'s book is shared behind "
-                        "the book's back (pool.share of its handle), so read-only: its "
-                        "positions cannot be written again (docs/CONTRACT.md"
-                        "#c-shared-read-only); expected the book's blocks to stay its own"
-                    )
+            self._require_unshared(index, "its positions cannot be written again")
 
     def _require_last_markable(self) -> None:
         """Before a rewrite that also grows moves a block: the last blocks, whose fill the
@@ -868,13 +867,18 @@ class PooledKVCache:
             or index < self._maybe_shared
         ):
             return
-        for block in (last_key, self._value_blocks[index]):
+        self._require_unshared(index, "growth cannot fill it")
+
+    def _require_unshared(self, index: int, consequence: str) -> None:
+        """Refuse if the key or value block at ``index``, which the book holds as its own,
+        was shared behind its back (read-only then: ``consequence``)."""
+        for block in (self._key_blocks[index], self._value_blocks[index]):
             if self._pool.is_shared(block.block_id):
                 raise ValueError(
                     f"block {block!r} of owner {self._owner}'s book is shared behind the "
-                    "book's back (pool.share of its handle), so read-only: growth cannot "
-                    "fill it (docs/CONTRACT.md#c-shared-read-only); expected the book's "
-                    "blocks to stay its own"
+                    f"book's back (pool.share of its handle), so read-only: {consequence} "
+                    "(docs/CONTRACT.md#c-shared-read-only); expected the book's blocks to "
+                    "stay its own"
                 )
 
     def _own_rewritten(self, start: int, end: int) -> None:
@@ -894,7 +898,7 @@ class PooledKVCache:
         them all and for the ``growth`` blocks per stream the append then checks out, so
         a refusal moves none."""
         pool, indices = self._pool, range(first, last + 1)
-        self._require_held_live(range(len(self._key_blocks)))  # before any exhaustion
+        self._require_held_live()  # before any exhaustion
         moves = {
             "k": sum(pool.is_shared(self._key_blocks[index].block_id) for index in indices),
             "v": sum(pool.is_shared(self._value_blocks[index].block_id) for index in indices),
@@ -922,7 +926,7 @@ class PooledKVCache:
         A retry after a collection redoes only what the refusal left undone: a
         block already moved has count 1, and ``make_writable`` returns it as it is.
         """
-        self._require_held_live(range(len(self._key_blocks)))  # before any exhaustion
+        self._require_held_live()  # before any exhaustion
         self._check_table()
         self._releases.check_out_reclaiming(lambda: self._own_blocks(index, growth))
 
@@ -957,13 +961,13 @@ class PooledKVCache:
             self._table_version += 1
             self._copy(shared.block_id, own)
 
-    def _require_held_live(self, indices: Sequence[int]) -> None:
-        """Refuse a step if a key or value block at ``indices`` was freed or moved behind
-        the book's back (its handle is stale): that fault is named whatever the pool could
-        supply, so it is checked before any supply is. A copy-on-write checks every held
-        block: the store's table check after it would refuse a stale one, too late to undo
-        the moves."""
-        for index in indices:
+    def _require_held_live(self, indices: Sequence[int] | None = None) -> None:
+        """Refuse a step if a key or value block at ``indices`` (every held one if
+        ``None``) was freed or moved behind the book's back (its handle is stale): that
+        fault is named whatever the pool could supply, so it is checked before any supply
+        is. A copy-on-write checks every held block: the store's table check after it
+        would refuse a stale one, too late to undo the moves."""
+        for index in range(len(self._key_blocks)) if indices is None else indices:
             for block in (self._key_blocks[index], self._value_blocks[index]):
                 if block.owner is None:
                     raise stale_block_error(f"block {block!r}", self._owner, "book", "book")

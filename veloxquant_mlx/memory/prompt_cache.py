@@ -88,12 +88,10 @@ class PoolBackedPromptCache(list[PoolBackedKVCache]):
         if isinstance(storage, CopiesBlocks):  # copy-on-write copies every layer's slots
             book.copy_block = lambda old_id, own: storage.copy_block(None, old_id, own)
         # A lazy_writes store refuses a copy on another thread: asked before the move
-        # (binding the store, whose data the copy then writes). None for any other store,
-        # even if the book served a lazy one before.
+        # (binding the store, whose data the copy then writes; a no-op without lazy_writes).
+        # Set for every store, so a book that served a lazy one before drops its check.
         book.before_copy = (
-            storage.require_this_thread
-            if isinstance(storage, MLXBlockStorage) and storage.lazy_writes
-            else None
+            storage.require_this_thread if isinstance(storage, MLXBlockStorage) else None
         )
         book.before_change = _table_check(table)
 

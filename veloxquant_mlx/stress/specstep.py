@@ -201,12 +201,12 @@ def predicted_outcome(
     event: TraceLine,
     window_calls: Container[int],
     *,
-    store_layers: int | None = None,
+    store_layers: int,
 ) -> str:
-    """What the spec says ``event``'s call returns or raises at ``state``, as text; given
-    ``store_layers``, a store call recorded as returning that the store refuses says so."""
+    """What the spec says ``event``'s call returns or raises at ``state``, as text; a
+    store call recorded as returning that a store of ``store_layers`` refuses says so."""
     block_size = state.config.block_size
-    if store_layers is not None and _returned_though_misfit(event, store_layers, block_size):
+    if _returned_though_misfit(event, store_layers, block_size):
         return (
             f"a store of {store_layers} layer(s) and blocks of {block_size} slots refuses its "
             "layer, slots or token count, wherever it goes"
