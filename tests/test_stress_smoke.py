@@ -39,7 +39,7 @@ from veloxquant_mlx.stress.config import OPERATION_KINDS, OperationMix, profile
 from veloxquant_mlx.stress.history import ThreadRecorder
 from veloxquant_mlx.stress.linearizability import split_at_quiescent_points
 from veloxquant_mlx.stress.recording import EXPECTED_ERRORS
-from veloxquant_mlx.stress.reproducer import recheck, replay_trace, write_reproducer
+from veloxquant_mlx.stress.reproducer import replay_trace, write_reproducer
 from veloxquant_mlx.stress.specstep import compact, initial_checkpoint
 from veloxquant_mlx.stress.workload import (
     FOREIGN_OWNER,
@@ -365,7 +365,7 @@ def test_a_reproducer_is_written_and_still_fails_when_rechecked(
     reproducer = load(path)
     assert not reproducer.partial
     assert reproducer.lines == violation.window
-    assert recheck(reproducer)[0] is Verdict.VIOLATION
+    assert replay_trace(reproducer)[0] is Verdict.VIOLATION
     verdict, message = replay_trace(reproducer, "pool")
     assert verdict is Verdict.VIOLATION
     assert "not linearizable" in message

@@ -46,7 +46,7 @@ from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConf
 from veloxquant_mlx.stress import cli as stress_cli
 from veloxquant_mlx.stress.config import StressConfig, profile
 from veloxquant_mlx.stress.report import StressReport
-from veloxquant_mlx.stress.reproducer import recheck
+from veloxquant_mlx.stress.reproducer import replay_trace
 from veloxquant_mlx.stress.runner import run_stress
 from veloxquant_mlx.testing.traces import load
 
@@ -169,7 +169,7 @@ def assert_caught_by_linearizability(report: StressReport) -> None:
     # is handed out twice), so the window shows where the spec first disagrees.
     assert "; the spec: " in found[0].message
     assert found[0].path is not None
-    assert recheck(load(Path(found[0].path)))[0] is Verdict.VIOLATION
+    assert replay_trace(load(Path(found[0].path)))[0] is Verdict.VIOLATION
 
 
 def test_the_mix_reaches_the_shared_count_race_and_one_thread_alone_never_hits_it(

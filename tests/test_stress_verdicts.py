@@ -41,7 +41,7 @@ from veloxquant_mlx.stress.conservation import CONSERVATION_OWNER
 from veloxquant_mlx.stress.linearizability import SearchResult
 from veloxquant_mlx.stress.replay import LinearizedReplay
 from veloxquant_mlx.stress.report import summary_text
-from veloxquant_mlx.stress.reproducer import recheck
+from veloxquant_mlx.stress.reproducer import replay_trace
 from veloxquant_mlx.stress.runner import run_stress
 from veloxquant_mlx.stress.specstep import Checkpoint
 from veloxquant_mlx.testing.aliasing import spec_config
@@ -98,8 +98,8 @@ def test_check_history_raises_rather_than_calling_an_unchecked_history_lineariza
 def test_a_reproducer_rechecked_past_its_budget_is_inconclusive_not_linearizable() -> None:
     window = tuple(two_concurrent_allocates()[:2])
     reproducer = Trace(PoolConfig(block_size=4, n_blocks=8), lines=window, history_len=HISTORY_LEN)
-    assert recheck(reproducer, budget=1)[0] is Verdict.INCONCLUSIVE
-    assert recheck(reproducer)[0] is Verdict.OK
+    assert replay_trace(reproducer, budget=1)[0] is Verdict.INCONCLUSIVE
+    assert replay_trace(reproducer)[0] is Verdict.OK
 
 
 # -- runs ----------------------------------------------------------------------------------

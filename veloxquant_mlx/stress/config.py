@@ -38,8 +38,10 @@ __all__ = [
     "MAX_WINDOW_OPS",
     "OPERATION_KINDS",
     "PROFILES",
+    "AllocatorFactory",
     "OperationMix",
     "StressConfig",
+    "default_allocator",
     "default_out_dir",
     "profile",
 ]
@@ -171,7 +173,8 @@ AllocatorFactory = Callable[[PoolConfig, int], BlockPoolAllocator]
 """Builds the pool under test from its config and ``history_len``."""
 
 
-def _default_allocator(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
+def default_allocator(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
+    """The real allocator (a test passes a subclass with a planted bug instead)."""
     return BlockPoolAllocator(config, history_len=history_len)
 
 
@@ -227,7 +230,7 @@ class StressConfig:
     check_budget: float = 30.0
     max_queued_windows: int = 16
     out_dir: Path | None = None
-    allocator_factory: AllocatorFactory = _default_allocator
+    allocator_factory: AllocatorFactory = default_allocator
 
     def __post_init__(self) -> None:
         if self.threads < 1:

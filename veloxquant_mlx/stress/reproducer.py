@@ -34,8 +34,8 @@ from typing import Any, Final
 from veloxquant_mlx.commandline.files import atomic_file
 from veloxquant_mlx.commandline.progress import ProgressThrottle
 from veloxquant_mlx.commandline.verdicts import Verdict
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.stress.checker import Violation
+from veloxquant_mlx.stress.config import default_allocator
 from veloxquant_mlx.stress.linearizability import DEFAULT_BUDGET, search
 from veloxquant_mlx.stress.minimal import explain
 from veloxquant_mlx.stress.report import REPRODUCER_NAME
@@ -60,7 +60,7 @@ from veloxquant_mlx.testing.sides import describe
 from veloxquant_mlx.testing.traces import Trace, TraceLine, encode_header, encode_line
 from veloxquant_mlx_spec.table import declaration_of
 
-__all__ = ["REPRODUCER_NAME", "recheck", "replay_trace", "write_reproducer"]
+__all__ = ["REPRODUCER_NAME", "replay_trace", "write_reproducer"]
 
 _COMPACT_AFTER: Final = 256
 
@@ -139,11 +139,7 @@ def _target(trace: Trace, on: str, port: Port | None) -> _Target:
     if port is not None:  # a port's finding may be a value read after a call: read them all
         return _Target(Lockstep(port, config, trace.history_len, check=Check.STATE))
     if on == "pool":
-
-        def make(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
-            return BlockPoolAllocator(config, history_len=history_len)
-
-        return _Target(Lockstep(make, config, trace.history_len, check=Check.OUTCOMES))
+        return _Target(Lockstep(default_allocator, config, trace.history_len, check=Check.OUTCOMES))
     backend = mlx_backend(lazy_writes=True) if on == "mlx-lazy" else builtin_backend(on)
     return _Target(AliasingReplay(trace.pool, trace.store, backend, history_len=trace.history_len))
 
@@ -240,8 +236,3 @@ def _contradiction(file_line: int, line: TraceLine, at: Checkpoint, layers: int)
     recorded = "(nothing)" if line.outcome is None else describe(line.outcome)
     predicted = predicted_outcome(at.state, at.names, line, (), store_layers=layers)
     return f"line {file_line} {encode_line(line)}: it records {recorded}; the spec: {predicted}"
-
-
-def recheck(trace: Trace, *, budget: int | None = DEFAULT_BUDGET) -> tuple[Verdict, str]:
-    """Check a reproducer again, on the spec: a violation while it still fails."""
-    return replay_trace(trace, "spec", budget=budget)

@@ -74,6 +74,7 @@ from typing import Literal
 from veloxquant_mlx.commandline.progress import ProgressThrottle
 from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.stress.config import AllocatorFactory, default_allocator
 from veloxquant_mlx.stress.controlled_scheduler import (
     ControlledLock,
     ControlledRun,
@@ -96,7 +97,6 @@ __all__ = [
     "SCENARIOS",
     "Exploration",
     "Granularity",
-    "PoolFactory",
     "Scenario",
     "ScheduleViolation",
     "explore",
@@ -104,14 +104,6 @@ __all__ = [
 ]
 
 Granularity = Literal["lock", "line"]
-
-#: Builds the pool under test from a config and a ``history_len``.
-PoolFactory = Callable[[PoolConfig, int], BlockPoolAllocator]
-
-
-def default_factory(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
-    """The real allocator."""
-    return BlockPoolAllocator(config, history_len=history_len)
 
 
 # ---- running one schedule --------------------------------------------------------
@@ -141,7 +133,7 @@ class ScheduleViolation:
 class _Schedule:
     """One fresh pool, its setup, and the scenario's threads under one ``ControlledRun``."""
 
-    def __init__(self, scenario: Scenario, factory: PoolFactory) -> None:
+    def __init__(self, scenario: Scenario, factory: AllocatorFactory) -> None:
         created: list[BlockPoolAllocator] = []
 
         def make(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
@@ -178,7 +170,9 @@ class _Schedule:
 class _Checker:
     """Runs schedules of one scenario on one kind of pool and judges each against the spec."""
 
-    def __init__(self, scenario: Scenario, factory: PoolFactory, granularity: Granularity) -> None:
+    def __init__(
+        self, scenario: Scenario, factory: AllocatorFactory, granularity: Granularity
+    ) -> None:
         self.scenario = scenario
         self.factory = factory
         self.granularity = granularity
@@ -290,7 +284,7 @@ class Exploration:
 
 def explore(
     scenario: Scenario,
-    factory: PoolFactory = default_factory,
+    factory: AllocatorFactory = default_allocator,
     *,
     granularity: Granularity = "lock",
     max_preemptions: int | None = None,
@@ -361,7 +355,7 @@ def explore(
 def replay(
     scenario: Scenario,
     choices: Sequence[int],
-    factory: PoolFactory = default_factory,
+    factory: AllocatorFactory = default_allocator,
     *,
     granularity: Granularity = "lock",
 ) -> ScheduleViolation | None:
