@@ -335,7 +335,9 @@ class PoolBackedKVCache(KVCacheConventions):
             TypeError, ValueError: Not such a tuple, arrays of another shape or dtype
                 than the storage's, or blocks changed behind the book's back (freed,
                 moved or shared: ``PooledKVCache.require_rewritable``); nothing changes.
-            BlockPoolExhaustedError: Too few free blocks; the layer is left empty.
+            BlockPoolExhaustedError: Too few free blocks, looked for before the trim;
+                nothing changes. Only if another thread takes blocks between that look
+                and the append is the layer left empty.
             RuntimeError: A ``lazy_writes`` store called from another thread; nothing
                 changes.
         """

@@ -430,13 +430,18 @@ class PooledKVCache:
         longer the book's alone, or a block that would hold some of the positions shared
         behind its back. Only positions the other layers still hold stay in held blocks:
         the trim gives the rest back, and the append writes those into new blocks. Blocks
-        a fork shares move on write instead (copy-on-write). O(n + L) plus O(r) pool looks
-        for the r blocks written again and the reserved ones.
+        a fork shares move on write instead (copy-on-write). Last, the pool is asked
+        whether it can supply the blocks both steps check out in all (the growth past the
+        extent, and the copies of shared blocks), so that exhaustion, too, is refused with
+        nothing changed. O(n + L) plus O(r) pool looks for the r blocks written again and
+        the reserved ones.
 
         Raises:
             TypeError, ValueError: ``layer`` or ``end`` is out of range.
             StaleBlockTableError: A held or reserved block, named.
             ValueError: A block shared behind the book's back, named.
+            BlockPoolExhaustedError: The pool cannot supply those blocks (after a
+                collection, as ``append``); it counted one exhaustion.
         """
         self._require_layer(layer)
         require_int("end", end, minimum=0)
@@ -446,6 +451,52 @@ class PooledKVCache:
             self._require_reserved_intact(len(self._reserved_keys))
         if min(end, kept) > 0:
             self._require_rewritten_private(0, min(end, kept))
+        demand = self._replacement_demand(end, kept)
+        if demand["k"] or demand["v"]:
+            pool, owner, format_ = self._pool, self._owner, self._format
+            self._releases.check_out_reclaiming(
+                lambda: require_supply(pool, demand, owner, format_, self._free)
+            )
+
+    def _replacement_demand(self, end: int, kept: int) -> dict[str, int]:
+        """Blocks per stream that trimming a layer to nothing, with ``kept`` positions
+        held by the others, then appending ``end`` positions takes from the pool.
+
+        The trim may copy the new last block (a fork shares it, and its fill changes),
+        then gives back the blocks past ``kept``: to the pool only those no one else
+        holds, or to the reservation (RES-TRIM). The append copies each shared block it
+        writes again, then grows. The pool must meet the trim's copy alone, and then
+        all of it less what the trim gave back."""
+        n_kept = -(-kept // self._block_size)
+        shrinks = kept < self._n_tokens
+        trim_copies = {n_kept - 1} if shrinks and n_kept and self._shares else set()
+        first_unwritten = min(-(-min(end, kept) // self._block_size), self._maybe_shared)
+        rewrite_copies = set(range(first_unwritten)) - trim_copies
+        tail = (*self._key_blocks[n_kept:], *self._value_blocks[n_kept:])
+        rebuilds_reserve = (
+            shrinks
+            and self._trim_reaches_reserve(n_kept)
+            and not any(self._pool.is_shared(block.block_id) for block in tail)
+        )
+        demand = {}
+        for stream, blocks, reserved in (
+            ("k", self._key_blocks, self._reserved_keys),
+            ("v", self._value_blocks, self._reserved_values),
+        ):
+            n_reserved, given_back = len(reserved), 0
+            if rebuilds_reserve:
+                n_reserved = max(0, self._reserve_blocks - n_kept)
+                given_back = len(blocks) - n_kept + len(reserved) - n_reserved
+            elif shrinks:
+                given_back = sum(not self._pool.is_shared(b.block_id) for b in blocks[n_kept:])
+            growth = self._checkout_for(end, n_kept, n_reserved) if end > kept else 0
+            trim_copy = self._n_shared(blocks, trim_copies)
+            rest = self._n_shared(blocks, rewrite_copies) + growth - given_back
+            demand[stream] = max(trim_copy, trim_copy + rest)
+        return demand
+
+    def _n_shared(self, blocks: tuple[Block, ...], indices: set[int]) -> int:
+        return sum(self._pool.is_shared(blocks[index].block_id) for index in indices)
 
     def trim(self, n: int, *, layer: int | None = None) -> int:
         """Drop the last ``n`` positions of ``layer`` (of every layer if ``None``).
@@ -731,7 +782,11 @@ class PooledKVCache:
     def _blocks_to_check_out(self, n_tokens: int) -> int:
         """Blocks per stream that growth to ``n_tokens`` positions checks out: none while
         the reserved blocks cover it, else enough for ``max(needed, R)`` (RES-TAKE)."""
-        n_held, n_reserved = len(self._key_blocks), len(self._reserved_keys)
+        return self._checkout_for(n_tokens, len(self._key_blocks), len(self._reserved_keys))
+
+    def _checkout_for(self, n_tokens: int, n_held: int, n_reserved: int) -> int:
+        """``_blocks_to_check_out`` of a book holding ``n_held`` blocks and ``n_reserved``
+        reserved ones per stream."""
         n_new = -(-n_tokens // self._block_size) - n_held
         if n_new <= n_reserved:
             return 0
