@@ -77,13 +77,12 @@ from veloxquant_mlx.testing.store_operations import Gather, Sync, Write, fits_th
 from veloxquant_mlx.testing.traces import StoreSpec, Trace, TraceLine, encode_line, load
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.table import (
-    ArgKind,
-    AsTuple,
     Handle,
     Outcome,
     Raised,
     Returned,
     declaration_of,
+    handle_names,
     matches,
 )
 
@@ -245,7 +244,7 @@ class AliasingReplay(Generic[ArrayT]):
         """Apply ``line``; return it with its outcome, and the handles it may have freed."""
         if declaration_of(line.op).target == "store":
             outcome = self._store_call(index, line)
-            return replace(line, outcome=outcome), _names_in(line.op)
+            return replace(line, outcome=outcome), list(handle_names(line.op))
         label = index if line.call is None else line.call
         spec = self.lockstep.spec
         before = spec.live_names()
@@ -267,22 +266,21 @@ class AliasingReplay(Generic[ArrayT]):
             outcome = Raised(outcome.kind)
         # An unlabelled line (one that hands out no handle) stays unlabelled: its position,
         # the lockstep's label for it, may be another line's label in the file.
-        return replace(line, outcome=outcome), [*_names_in(line.op), *gone]
+        return replace(line, outcome=outcome), [*handle_names(line.op), *gone]
 
     def _give_contents(self, name: Handle) -> None:
         """A handle the spec says became live: a share of a block already live reads its
         contents (one shadow for both); a block new to the live set gets sentinels."""
-        block_id = self._block_id(name)
-        holder = next((other for other in self._shadow if self._block_id(other) == block_id), None)
-        if holder is None:
-            self._give_sentinels(name)
+        holders = self._sharers(name)
+        if holders:
+            self._shadow[name] = self._shadow[holders[0]]  # one block: one content, read by both
         else:
-            self._shadow[name] = self._shadow[holder]  # one block: one content, read by both
+            self._give_sentinels(name)
 
-    def _sharers(self, name: Handle) -> int:
-        """How many live handles show ``name``'s block id."""
+    def _sharers(self, name: Handle) -> list[Handle]:
+        """The live handles that show ``name``'s block id (``name`` too, once it is live)."""
         block_id = self._block_id(name)
-        return sum(1 for other in self._shadow if self._block_id(other) == block_id)
+        return [other for other in self._shadow if self._block_id(other) == block_id]
 
     def _give_sentinels(self, name: Handle) -> None:
         """A block the spec says became live: its shadow, and sentinels in every slot."""
@@ -310,7 +308,7 @@ class AliasingReplay(Generic[ArrayT]):
             raise _CheckError(f"malformed trace: a write of {n_tokens} tokens")
         valid = (
             op.block in self._shadow
-            and self._sharers(op.block) == 1  # a shared block is read-only
+            and len(self._sharers(op.block)) == 1  # a shared block is read-only
             and fits_the_store(op, self.spec.n_layers, self._block_size)
         )
         if not valid:
@@ -338,7 +336,7 @@ class AliasingReplay(Generic[ArrayT]):
 
     def _gather(self, index: int, op: Gather) -> Outcome:
         layer, n_tokens, hold = _ints(op.layer, op.n_tokens, op.hold)
-        names = _names_in(op)
+        names = handle_names(op)
         blocks = [self._object(name) for name in names]
         valid = all(name in self._shadow for name in names) and fits_the_store(
             op, self.spec.n_layers, self._block_size
@@ -525,19 +523,6 @@ def _ints(*values: object) -> tuple[int, ...]:
     if not all(model.is_int(value) for value in values):
         raise _CheckError(f"malformed trace: a store call's numbers must be ints, got {values}")
     return values  # type: ignore[return-value]
-
-
-def _names_in(op: object) -> list[Handle]:
-    """The handle names ``op`` passes, in argument order."""
-    declaration = declaration_of(op)
-    names: list[Handle] = []
-    for parameter, value in zip(declaration.parameters, declaration.arguments(op), strict=True):
-        if parameter.kind is ArgKind.HANDLE and isinstance(value, Handle):
-            names.append(value)
-        elif parameter.kind is ArgKind.HANDLES and isinstance(value, tuple | AsTuple):
-            refs = value.refs if isinstance(value, AsTuple) else value
-            names += [ref for ref in refs if isinstance(ref, Handle)]
-    return names
 
 
 def replay(trace: Trace, backend: StorageBackend[ArrayT]) -> AliasingReplay[ArrayT]:
