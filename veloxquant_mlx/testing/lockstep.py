@@ -32,7 +32,7 @@ at ``OUTCOMES``. Thread safety: none; one thread drives one ``Lockstep``.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Final, NoReturn, Protocol
 
@@ -183,16 +183,9 @@ class Lockstep:
         state = model.new_pool(config, history_len)
         if isinstance(state, model.Err):
             raise ValueError(f"history_len {history_len!r} is rejected by the spec: {state}")
-        pool_config = PoolConfig(
-            config.block_size,
-            config.n_blocks,
-            config.separate_kv,
-            config.grow_on_exhaustion,
-            config.max_blocks,
-        )
-        if not isinstance(factory, Port):  # a bare factory offers every call unless told
-            factory = Port(factory, capabilities=ALL_CALLS)
-        port = factory
+        pool_config = PoolConfig(**asdict(config))  # the spec's twin: the same fields
+        # A bare factory offers every call unless told.
+        port = factory if isinstance(factory, Port) else Port(factory, capabilities=ALL_CALLS)
         make = port.allocator_factory()
         pool = make(pool_config, history_len)
         self.spec: Final = SpecSide(state)
@@ -347,9 +340,7 @@ class Lockstep:
     def observed_queries(self, handles: Sequence[Handle]) -> list[QueryPlan]:
         """The queries compared after each call (the table's, within ``capabilities``)."""
         owners = tuple(sorted(self.owners_named))
-        config = (
-            self.state.config
-        )  # as its fields: hashed by the interpreter (see sides.query_plan)
+        config = self.state.config  # keyed by its fields: see sides.query_plan
         fields = (config.block_size, config.n_blocks, config.separate_kv, config.max_blocks)
         key = (*fields, config.grow_on_exhaustion, self.capabilities, owners, tuple(handles))
         queries = _OBSERVED.get(key) if plans_are_cached() else None
