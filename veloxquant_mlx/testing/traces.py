@@ -213,7 +213,7 @@ def _int(name: str, value: object) -> int:
     return value
 
 
-def _ref_from_json(name: str, value: object) -> object:
+def _ref_from_json(name: str, value: object) -> HandleRef:
     if isinstance(value, list) and len(value) == 2:
         return Handle(_int(name, value[0]), _int(name, value[1]))
     if value in ({"hand_made": True}, {"foreign": None}):
@@ -226,12 +226,6 @@ def _ref_from_json(name: str, value: object) -> object:
         f'field {name!r} must be a handle [call, position], {{"foreign": owner}}, '
         f'{{"hand_made": true}} or {{"not_a_block": true}}, got {value!r}'
     )
-
-
-def _handle_ref(name: str, value: object) -> HandleRef:
-    ref = _ref_from_json(name, value)
-    assert isinstance(ref, Handle | ForeignBlock | NotABlock), "a reference, by construction"
-    return ref
 
 
 def _refs_to_json(value: object) -> object:
@@ -247,13 +241,22 @@ def _refs_from_json(name: str, value: object) -> object:
     if value == {"not_a_list": True}:
         return NotAList()
     if isinstance(value, dict) and set(value) == {"tuple"} and isinstance(value["tuple"], list):
-        return AsTuple(tuple(_handle_ref(name, item) for item in value["tuple"]))
+        return AsTuple(tuple(_ref_from_json(name, item) for item in value["tuple"]))
     if isinstance(value, list):
         return tuple(_ref_from_json(name, item) for item in value)
     raise TraceFormatError(
         f'field {name!r} must be a list of handles, {{"tuple": [...]}} or '
         f'{{"not_a_list": true}}, got {value!r}'
     )
+
+
+#: How an argument of each kind is written, and read back (the field's name is for errors).
+_Codec = tuple[Callable[[object], object], Callable[[str, object], object]]
+_ARGUMENT_JSON: Final[dict[ArgKind, _Codec]] = {
+    ArgKind.VALUE: (_value_to_json, _value_from_json),
+    ArgKind.HANDLE: (_ref_to_json, _ref_from_json),
+    ArgKind.HANDLES: (_refs_to_json, _refs_from_json),
+}
 
 
 def _returned_to_json(value: object) -> object:
@@ -319,12 +322,7 @@ def encode_line(line: TraceLine) -> str:
         record["call"] = line.call
     arguments = declaration.arguments(line.op)
     for parameter, value in zip(declaration.parameters, arguments, strict=True):
-        if parameter.kind is ArgKind.HANDLE:
-            record[parameter.name] = _ref_to_json(value)
-        elif parameter.kind is ArgKind.HANDLES:
-            record[parameter.name] = _refs_to_json(value)
-        else:
-            record[parameter.name] = _value_to_json(value)
+        record[parameter.name] = _ARGUMENT_JSON[parameter.kind][0](value)
     if line.outcome is not None:
         _outcome_to_json(declaration, line.outcome, record)
     if line.timed:
@@ -341,12 +339,7 @@ def _op_from_json(declaration: Declaration, record: dict[str, Any]) -> object:
             arguments.append(parameter.default)
             continue
         value = record.pop(parameter.name)
-        if parameter.kind is ArgKind.HANDLE:
-            arguments.append(_ref_from_json(parameter.name, value))
-        elif parameter.kind is ArgKind.HANDLES:
-            arguments.append(_refs_from_json(parameter.name, value))
-        else:
-            arguments.append(_value_from_json(parameter.name, value))
+        arguments.append(_ARGUMENT_JSON[parameter.kind][1](parameter.name, value))
     return declaration.op(*arguments)
 
 
@@ -678,10 +671,9 @@ class TraceRecorder:
         Raises:
             ValueError: ``block`` was not handed out by a recorded call.
         """
-        entry = self._names.get(id(block))
-        if entry is None or entry[1] is not block:
+        if not self._named(block):
             raise ValueError(f"{block!r} was not handed out by a recorded call")
-        return entry[0]
+        return self._names[id(block)][0]
 
     def record(
         self, op: object, result: object = None, *, error: BaseException | None = None
