@@ -21,6 +21,7 @@ starts; it writes to ``sys.stdout`` and ``sys.stderr``.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -80,6 +81,9 @@ MIN_STALL_TIMEOUT: Final = 1.0
 MAX_SWITCH_INTERVAL: Final = 1.0
 #: Recorded calls of the barrier's observations and the audit, beyond the workers' calls.
 _OBSERVATION_CALLS: Final = 16
+#: The options that set the :class:`StressConfig` field of their name to the value given;
+#: the profile, ``--ops`` (which ``--duration`` alone clears) and ``--mix`` need more.
+_AS_GIVEN: Final = {f.name for f in dataclasses.fields(StressConfig)} - {"profile", "ops", "mix"}
 
 SUMMARY = "hammer one pool from many threads; check linearizability and replay on MLX"
 
@@ -274,11 +278,8 @@ def validate(args: argparse.Namespace) -> str | None:
             return f"argument --mix: {problem}"
     try:
         config = config_from(args)
-    except (TypeError, ValueError) as error:
-        return str(error)
-    try:
         require_fits_in_memory(memory_estimate(config), _sizes_named(config))
-    except ValueError as error:
+    except (TypeError, ValueError) as error:  # BadInputError, the memory's, is a ValueError
         return str(error)
     return None
 
@@ -414,24 +415,11 @@ def config_from(args: argparse.Namespace) -> StressConfig:
     """
     base = profile(args.profile)
     changes: dict[str, object] = {"pool": _pool_from(args, base.pool)}
-    if args.duration is not None:  # a time-bound run: the profile's ops go, unless given
-        changes["ops"], changes["duration"] = args.ops, args.duration
-    elif args.ops is not None:  # the profile's duration stays, as the wall-time bound
+    # --duration: a time-bound run, the profile's ops go unless given; --ops alone: the
+    # profile's duration stays, as the wall-time bound.
+    if args.ops is not None or args.duration is not None:
         changes["ops"] = args.ops
-    simple = {
-        "threads": args.threads,
-        "seed": args.seed,
-        "window_ops": args.window_ops,
-        "switch_interval": args.switch_interval,
-        "history_len": args.history_len,
-        "check_interval": args.check_interval,
-        "stall_timeout": args.stall_timeout,
-        "storage": args.storage,
-        "replay_backend": args.replay_backend,
-        "search_budget": args.search_budget,
-        "check_budget": args.check_budget,
-    }
-    changes.update({name: value for name, value in simple.items() if value is not None})
+    changes.update((k, v) for k, v in vars(args).items() if k in _AS_GIVEN and v is not None)
     if args.mix is not None:
         changes["mix"] = OperationMix.parse(args.mix)
     if args.no_progress:

@@ -25,10 +25,10 @@ from typing import Any, Final
 
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.stress.history import ThreadRecorder
-from veloxquant_mlx.stress.recording import record_call
+from veloxquant_mlx.stress.recording import record_unnamed_call
 from veloxquant_mlx_spec.model import STATS_FIELDS, free_list_names
 from veloxquant_mlx_spec.operations import Allocate, BlocksFor, FreeAll, NFree, RefCount, Stats
-from veloxquant_mlx_spec.table import bind, stats_values
+from veloxquant_mlx_spec.table import stats_values
 
 __all__ = ["CONSERVATION_OWNER", "check_conservation"]
 
@@ -37,10 +37,6 @@ CONSERVATION_OWNER: Final = 999_999
 
 _IN_USE: Final = STATS_FIELDS.index("blocks_in_use")
 _N_BLOCKS: Final = STATS_FIELDS.index("n_blocks")
-
-
-def _storage_streams(pool: BlockPoolAllocator) -> tuple[str, ...]:
-    return free_list_names(pool.config)
 
 
 class _Auditor:
@@ -53,7 +49,7 @@ class _Auditor:
 
     def call(self, op: object) -> Any:
         """Make and record ``op``; its result (``None`` and a problem if it raised)."""
-        result = record_call(self.recorder, op, bind(self.pool, op, _no_ref)).result
+        result = record_unnamed_call(self.recorder, self.pool, op).result
         if isinstance(result, Exception):
             self.problems.append(f"{op!r} raised {result!r}")
             return None
@@ -71,10 +67,6 @@ class _Auditor:
 
     def free_all(self, owner: int) -> None:
         self.call(FreeAll(owner))
-
-
-def _no_ref(ref: object) -> object:
-    raise AssertionError(f"the audit names no handle, got {ref!r}")
 
 
 def check_conservation(
@@ -124,7 +116,7 @@ def _check_held(audit: _Auditor, owners: list[int]) -> None:
             f"the owners hold {held} blocks but blocks_in_use() is {stats[_IN_USE]}: "
             "blocks were lost or counted twice"
         )
-    free = sum(audit.n_free(stream) for stream in _storage_streams(audit.pool))
+    free = sum(audit.n_free(stream) for stream in free_list_names(audit.pool.config))
     if stats[_N_BLOCKS] != free + stats[_IN_USE]:
         audit.problems.append(
             f"n_blocks is {stats[_N_BLOCKS]} but {free} are free and {stats[_IN_USE]} in use"
@@ -134,7 +126,7 @@ def _check_held(audit: _Auditor, owners: list[int]) -> None:
 def _check_all_free(audit: _Auditor) -> None:
     """After every owner's free_all, nothing is in use and every block is free."""
     stats = audit.stats()
-    free = sum(audit.n_free(stream) for stream in _storage_streams(audit.pool))
+    free = sum(audit.n_free(stream) for stream in free_list_names(audit.pool.config))
     if stats is None:
         return
     if stats[_IN_USE] != 0 or free != stats[_N_BLOCKS]:
@@ -148,7 +140,7 @@ def _check_drain(audit: _Auditor) -> None:
     """Each stream's free blocks, allocated at once, are n_free distinct ids."""
     pool = audit.pool
     seen: set[int] = set()
-    for stream in _storage_streams(pool):
+    for stream in free_list_names(pool.config):
         n_free = audit.n_free(stream)
         if n_free == 0:
             continue

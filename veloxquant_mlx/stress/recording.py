@@ -21,9 +21,9 @@ from typing import Final, Generic, TypeVar
 from veloxquant_mlx.stress.history import ThreadRecorder
 from veloxquant_mlx.testing.sides import pool_encoder
 from veloxquant_mlx_spec.model import ErrorKind
-from veloxquant_mlx_spec.table import Outcome, Raised, Returned, Returns, declaration_of
+from veloxquant_mlx_spec.table import Outcome, Raised, Returned, Returns, bind, declaration_of
 
-__all__ = ["EXPECTED_ERRORS", "Invoked", "encoder_of", "record_call"]
+__all__ = ["EXPECTED_ERRORS", "Invoked", "encoder_of", "record_call", "record_unnamed_call"]
 
 T = TypeVar("T")
 
@@ -73,3 +73,13 @@ def record_call(recorder: ThreadRecorder, op: object, action: Callable[[], T]) -
     end = perf_counter_ns()
     recorder.add(op_id, op, start, end, encode(result))
     return Invoked(op_id, result)
+
+
+def record_unnamed_call(recorder: ThreadRecorder, pool: object, op: object) -> Invoked[object]:
+    """:func:`record_call` of ``op`` on ``pool``, a call that names no handle (a query at a
+    barrier, a call of the conservation audit, a worker's look at a shared owner)."""
+    return record_call(recorder, op, bind(pool, op, _names_no_handle))
+
+
+def _names_no_handle(ref: object) -> object:
+    raise AssertionError(f"a call that names no handle resolved {ref!r}")

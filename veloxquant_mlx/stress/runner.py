@@ -67,7 +67,7 @@ from veloxquant_mlx.stress.checking import (
 from veloxquant_mlx.stress.config import StressConfig
 from veloxquant_mlx.stress.conservation import CONSERVATION_OWNER, check_conservation
 from veloxquant_mlx.stress.history import ThreadRecorder
-from veloxquant_mlx.stress.recording import record_call
+from veloxquant_mlx.stress.recording import record_unnamed_call
 from veloxquant_mlx.stress.replay import LinearizedReplay, backend_named
 from veloxquant_mlx.stress.report import (
     REPORT_NAME,
@@ -91,7 +91,7 @@ from veloxquant_mlx.stress.workload import (
 )
 from veloxquant_mlx.testing.aliasing import spec_config
 from veloxquant_mlx.testing.traces import Trace, TraceLine
-from veloxquant_mlx_spec.table import Raised, bind, declaration_of, observation_ops
+from veloxquant_mlx_spec.table import Raised, declaration_of, observation_ops
 
 __all__ = ["run_stress"]
 
@@ -255,7 +255,7 @@ class _Run:
         runner compares them after every call.
         """
         for op in self.observed:
-            record_call(self.observer, op, bind(self.pool, op, _no_ref))
+            record_unnamed_call(self.observer, self.pool, op)
 
     def _tally(self, events: Sequence[TraceLine]) -> None:
         observer = self.observer.thread
@@ -366,10 +366,6 @@ class _Run:
     def owners(self) -> list[int]:
         mine = [owner for i in range(self.config.threads) for owner in private_owners(i)]
         return [*SHARED_OWNERS, *mine, CONSERVATION_OWNER]
-
-
-def _no_ref(ref: object) -> object:
-    raise AssertionError(f"an observation names no handle, got {ref!r}")
 
 
 def _foreign_block(config: PoolConfig) -> Block:

@@ -48,7 +48,7 @@ from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 from veloxquant_mlx.memory.storage import BlockStorage
 from veloxquant_mlx.stress.config import OPERATION_KINDS, STORE_KINDS, OperationMix
 from veloxquant_mlx.stress.history import ThreadRecorder
-from veloxquant_mlx.stress.recording import record_call
+from veloxquant_mlx.stress.recording import record_call, record_unnamed_call
 from veloxquant_mlx.testing.aliasing import StorageBackend, spec_config
 from veloxquant_mlx.testing.store_operations import Gather, Write
 from veloxquant_mlx.testing.traces import TraceLine
@@ -310,7 +310,7 @@ class Worker:
     def _others_blocks(self) -> list[Held]:
         """A shared owner's handles, whoever was handed them, through a recorded blocks_for."""
         op = BlocksFor(self.rng.choice(SHARED_OWNERS))
-        result = record_call(self.recorder, op, bind(self.shared.pool, op, _no_ref)).result
+        result = record_unnamed_call(self.recorder, self.shared.pool, op).result
         registry = self.shared.registry
         known = []
         blocks: list[Block] = [] if isinstance(result, Exception) else result  # type: ignore[assignment]
@@ -415,7 +415,3 @@ class Worker:
                     f"layer {layer}) and found {found}, but it wrote {expected} there and no "
                     "one else writes to it: two live handles share storage, or a write was lost",
                 )
-
-
-def _no_ref(ref: HandleRef) -> object:
-    raise AssertionError(f"a call with no handle argument resolved {ref!r}")
