@@ -187,8 +187,10 @@ def test_every_pool_request_carries_all_five_config_fields() -> None:
         ('{"id": ID, "error": "oops"}', 'expected an error {"class": NAME, "message": TEXT}'),
         ('{"id": ID, "result": 1, "error": {"class": "X"}}', "expected result or error"),
         ('{"id": ID}', "expected result or error"),
+        # The pool request is request 1, and true == 1 in Python.
+        ('{"id": true, "result": {"ref": 1}}', "it answered {'id': True, "),
     ],
-    ids=["not-a-ref", "ref-not-an-int", "error-not-an-object", "both", "neither"],
+    ids=["not-a-ref", "ref-not-an-int", "error-not-an-object", "both", "neither", "id-true"],
 )
 def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
     response: str, said: str
@@ -236,6 +238,12 @@ def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
             b'{"id": 2, "op": "pool", "config": {}, "history_len": "x"}',
             "request line 2 (pool) has history_len 'x'; expected a JSON int or null",
         ),
+        (b'{"op": "get", "on": 1, "name": "stats"}', "request line 2 has id None; expected a"),
+        (b'{"id": true, "op": "get", "on": 1, "name": "stats"}', "request line 2 has id True;"),
+        (
+            b'{"id": 2, "op": "call", "on": 1, "name": "allocate", "args": ["k", NaN, 7]}',
+            "request line 2 cannot be read (NaN is not a JSON value)",
+        ),
     ],
     ids=[
         "not-json",
@@ -250,6 +258,9 @@ def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
         "unknown-ref",
         "unknown-ref-in-args",
         "history-len-not-an-int",
+        "no-id",
+        "id-true",
+        "nan",
     ],
 )
 def test_the_driver_refuses_a_request_line_the_protocol_has_no_answer_for(

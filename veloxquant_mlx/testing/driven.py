@@ -153,7 +153,8 @@ class DriverProcess:
         except (BrokenPipeError, OSError):
             self.fail(f"it stopped reading (request {line.strip()})")
         response = self._read_line(f"the response to {line.strip()}")
-        if response.get("id") != self._next_id:
+        answered_id = response.get("id")
+        if type(answered_id) is not int or answered_id != self._next_id:  # true == 1
             self.fail(f"it answered {response!r} to request {self._next_id}")
         if ("result" in response) == ("error" in response):
             self.fail(f"it answered {response!r} to {line.strip()}: expected result or error")

@@ -28,7 +28,7 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one 
 
 import json
 from collections.abc import Iterable, Sequence
-from typing import IO, Any, Final
+from typing import IO, Any, Final, NoReturn
 
 from veloxquant_mlx.commandline.bad_input import BadInputError
 from veloxquant_mlx.testing.port import Port
@@ -193,6 +193,9 @@ def _require_protocol_fields(request: dict[str, Any], number: int) -> None:
     """Refuse a request the protocol has no answer for: an unknown op, a field missing or
     of the wrong type, or a private or special name (``_lock``, ``__init__``) to get or
     call; the reference's one underscored name, ``_fragmented_count``, is served."""
+    request_id = request.get("id")
+    if type(request_id) is not int:  # the response carries it back; true is not 1 here
+        raise BadInputError(f"request line {number} has id {request_id!r}; expected a JSON int")
     op = request.get("op")
     fields = _REQUEST_FIELDS.get(op) if isinstance(op, str) else None
     if fields is None:
@@ -220,6 +223,11 @@ def _require_protocol_fields(request: dict[str, Any], number: int) -> None:
         )
 
 
+def _refuse_constant(name: str) -> NoReturn:
+    """``json.loads`` reads ``NaN`` and ``Infinity``, which JSON does not have."""
+    raise ValueError(f"{name} is not a JSON value")
+
+
 def _request(raw: bytes, number: int) -> dict[str, Any]:
     """Request line ``number`` as a JSON object, or the bad input it is."""
     try:
@@ -229,12 +237,12 @@ def _request(raw: bytes, number: int) -> dict[str, Any]:
         raise BadInputError(why) from None
     shown = repr(text.strip()[:80])
     try:
-        request = json.loads(text)
+        request = json.loads(text, parse_constant=_refuse_constant)
     except RecursionError:
         raise BadInputError(f"request line {number} is nested too deeply to read") from None
     except json.JSONDecodeError as error:
         raise BadInputError(f"request line {number} is not JSON ({error.msg}): {shown}") from None
-    except ValueError as error:  # an int of over 4,300 digits
+    except ValueError as error:  # an int of over 4,300 digits, NaN or Infinity
         raise BadInputError(f"request line {number} cannot be read ({error})") from None
     if not isinstance(request, dict):
         raise BadInputError(
