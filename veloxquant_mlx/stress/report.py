@@ -42,7 +42,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from veloxquant_mlx.commandline.verdicts import Gap, Verdict, percent_text, verdict_of
-from veloxquant_mlx.memory.block_pool import PoolConfig
+from veloxquant_mlx.stress.config import StressConfig
 
 __all__ = [
     "PARTIAL_TRACE_NAME",
@@ -130,14 +130,7 @@ def python_description() -> dict[str, object]:
 class StressReport:
     """Everything a finished run reports (see the module docstring for the JSON keys)."""
 
-    profile: str
-    seed: int
-    threads: int
-    pool: PoolConfig
-    history_len: int
-    mix: str
-    window_ops: int
-    switch_interval: float | None
+    config: StressConfig  # what the run was asked to do
     wall_seconds: float
     calls_by_kind: Mapping[str, int]
     worker_calls: int  # of them, by the workers (what --ops bounds)
@@ -148,7 +141,6 @@ class StressReport:
     conservation_problems: tuple[str, ...]
     findings: tuple[Finding, ...]
     gaps: tuple[Gap, ...] = ()
-    checks_off: tuple[str, ...] = ()  # left out as asked: not gaps, but named beside OK
     interrupted: bool = False
     timing: Timing | None = None
     python: Mapping[str, object] = field(default_factory=python_description)
@@ -159,6 +151,11 @@ class StressReport:
         return verdict_of(
             violations=len(self.findings), gaps=self.gaps, interrupted=self.interrupted
         )
+
+    @property
+    def checks_off(self) -> tuple[str, ...]:
+        """The checks left out as asked: not gaps, but named beside OK."""
+        return self.config.checks_off()
 
     @property
     def ok(self) -> bool:
@@ -207,15 +204,15 @@ class StressReport:
             "verdict": self.verdict.value,
             "ok": self.ok,
             "partial": self.interrupted,
-            "profile": self.profile,
-            "seed": self.seed,
-            "threads": self.threads,
+            "profile": self.config.profile,
+            "seed": self.config.seed,
+            "threads": self.config.threads,
             "python": dict(self.python),
-            "pool": dataclasses.asdict(self.pool),
-            "history_len": self.history_len,
-            "mix": self.mix,
-            "window_ops": self.window_ops,
-            "switch_interval": self.switch_interval,
+            "pool": dataclasses.asdict(self.config.pool),
+            "history_len": self.config.history_len,
+            "mix": self.config.mix.text(),
+            "window_ops": self.config.window_ops,
+            "switch_interval": self.config.switch_interval,
             "wall_seconds": round(self.wall_seconds, 3),
             "timing": None if self.timing is None else self.timing.to_json(),
             "operations": self.operations,
@@ -245,15 +242,15 @@ class StressReport:
 
 def summary_text(report: StressReport) -> str:
     """A few lines for a person: what ran, what was checked, and any violation."""
-    python = report.python
+    python, config = report.python, report.config
     gil = "GIL" if python.get("gil_enabled") else "free-threaded"
     checked = report.histories_checked
     off = f" (left out, as asked: {'; '.join(report.checks_off)})" if report.checks_off else ""
     lines = [
-        f"stress {report.profile}: {report.verdict.label}{off}",
-        f"  Python {python.get('version')} ({gil}), {report.threads} threads, seed "
-        f"{report.seed}, calls for {report.wall_seconds:.1f} s",
-        f"  pool: {report.pool}",
+        f"stress {config.profile}: {report.verdict.label}{off}",
+        f"  Python {python.get('version')} ({gil}), {config.threads} threads, seed "
+        f"{config.seed}, calls for {report.wall_seconds:.1f} s",
+        f"  pool: {config.pool}",
         f"  calls: {report.operations:,} ({report.per_second(report.operations):,.0f}/s); "
         f"{report.worker_calls:,} by the workers, the rest observed at the barriers "
         "and by the audit",

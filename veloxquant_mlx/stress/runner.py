@@ -516,14 +516,7 @@ def _report(run: _Run, calls_seconds: float, total_seconds: float, finished: flo
     replay = None if checking is None else checking.replay
     ended = run.budget.calls_ended_at
     return StressReport(
-        profile=config.profile,
-        seed=config.seed,
-        threads=config.threads,
-        pool=config.pool,
-        history_len=config.history_len,
-        mix=config.mix.text(),
-        window_ops=config.window_ops,
-        switch_interval=config.switch_interval,
+        config=config,
         wall_seconds=calls_seconds,
         calls_by_kind=dict(run.calls_by_kind),
         worker_calls=run.worker_calls,
@@ -539,7 +532,6 @@ def _report(run: _Run, calls_seconds: float, total_seconds: float, finished: flo
         conservation_problems=run.conservation_problems,
         findings=run.findings,
         gaps=_gaps(run),
-        checks_off=config.checks_off(),
         interrupted=run.interrupt.is_set(),
         timing=Timing(
             total_seconds=total_seconds,
