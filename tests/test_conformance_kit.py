@@ -258,6 +258,23 @@ def test_the_deviant_port_passes_with_its_deviations_allowed() -> None:
     assert sorted(f.rule for f, _ in report.expected) == sorted(DEVIATIONS)
 
 
+def test_an_allow_list_entry_that_matched_nothing_is_said_without_verbose() -> None:
+    # Once said only under verbose=True: a typo in a rule id went unseen.
+    allow = {"C-CONFIG-TYPE": "a typo", "C-CONFIG-TYPES": "planted"}
+    report = conformance_report(
+        DeviantPort,
+        config_class=DeviantConfig,
+        errors=DEVIANT_ERRORS,
+        allow=allow,
+        scopes=(),
+        examples=0,
+    )
+    assert report.unmatched_allow == ["C-CONFIG-TYPE"]
+    text = report.render()
+    assert "Allow-list entries that matched no finding" in text
+    assert "'C-CONFIG-TYPE'" in text
+
+
 def test_a_finding_shows_a_shortest_sequence_as_python() -> None:
     port = Port(DeviantPort, config_class=DeviantConfig, errors=DEVIANT_ERRORS)
     lockstep = Lockstep(port, model.SpecConfig(2, 4))

@@ -85,6 +85,7 @@ class Report:
     expected: list[tuple[Finding, str]] = field(default_factory=list)  # with the reason
     checked: list[str] = field(default_factory=list)  # one line per part that ran
     gaps: list[str] = field(default_factory=list)  # what could not be checked, and why
+    unmatched_allow: list[str] = field(default_factory=list)  # allow-list entries, unused
     seconds: float = 0.0
     longest_shrink: float = 0.0  # seconds
 
@@ -132,6 +133,9 @@ class Report:
             ]
         if self.gaps:
             lines += ["", "Not checked:", *(f"  {gap}" for gap in self.gaps)]
+        if self.unmatched_allow:
+            heading = "Allow-list entries that matched no finding (a typo, or a deviation gone):"
+            lines += ["", heading, *(f"  {entry!r}" for entry in self.unmatched_allow)]
         lines += ["", f"Not in scope: {NOT_IN_SCOPE}"]
         if verbose:
             lines += ["", "Checked:", *(f"  {part}" for part in self.checked)]
@@ -398,7 +402,7 @@ def conformance_report(
             f"{finding.rule}/{finding.call}/{finding.field}",
         )
     }
-    report.checked += [f"allow-list entry {entry!r} matched nothing" for entry in sorted(unused)]
+    report.unmatched_allow = sorted(unused)
     report.seconds = time.monotonic() - start
     return report
 
