@@ -97,7 +97,7 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one 
     )
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from veloxquant_mlx.commandline.progress import ProgressThrottle
@@ -146,6 +146,8 @@ PROBE_LETTER = "(probe)"
 
 #: The spec's prediction for one call: the next state, and the result or ``Err``.
 Prediction = tuple[model.PoolState, object]
+#: One call of a run: the letter's name (``PROBE_LETTER`` for a probe call) and the operation.
+Step = tuple[str, object]
 
 
 @dataclass(frozen=True)
@@ -184,7 +186,7 @@ class _Letter:
     prediction: Prediction
 
     @property
-    def step(self) -> tuple[str, object]:
+    def step(self) -> Step:
         """The letter as one step of a run: its name and its operation."""
         return self.name, self.operation
 
@@ -259,7 +261,7 @@ class _Explorer:
         #: What ``expand`` runs after the path, for a driver failure's note: the no-op
         #: letters run so far on one replay (``trying_run``), then ``trying``.
         self.trying = ""
-        self.trying_run: list[tuple[str, object]] | None = None
+        self.trying_run: list[Step] | None = None
 
     def _out_of_budget(self, level: int, target: int, expanded: int, layer: int) -> bool:
         """Whether a budget ran out while checking length ``level``; if so, record the gap."""
@@ -372,10 +374,7 @@ class _Explorer:
             return self._told(found)
         child = self._add_child(index, letter.name, letter.operation, letter.prediction)
         if child is None and self.probe_failure is None:
-            self._probe(index, letter.name, letter.operation, lockstep)
-            if self.on_failure is not None and self.probe_failure is not None:
-                self.on_failure(self.probe_failure)
-                self.probe_failure = None
+            self._probe(index, letter.step, lockstep)
         return child
 
     def _told(self, found: Counterexample) -> Counterexample | None:
@@ -396,7 +395,7 @@ class _Explorer:
         pending = list(no_ops)
         while pending:
             lockstep: _ReplayLockstep | None = None
-            run: list[tuple[str, object]] = []
+            run: list[Step] = []
             self.trying, self.trying_run = "", run  # run grows letter by letter
             try:
                 lockstep = self.replay(index)
@@ -417,9 +416,6 @@ class _Explorer:
             if self.probe_failure is None:
                 self.trying = "the probes"
                 self._probe_no_ops(index, run, lockstep)
-                if self.on_failure is not None and self.probe_failure is not None:
-                    self.on_failure(self.probe_failure)
-                    self.probe_failure = None
             return None
         return None
 
@@ -443,12 +439,19 @@ class _Explorer:
         )
         return len(self.nodes) - 1
 
-    def _probe(self, index: int, letter: str, operation: object, lockstep: _ReplayLockstep) -> None:
+    def _probe(self, index: int, step: Step, lockstep: _ReplayLockstep) -> None:
         """Run :func:`probe` on a path that is merged away; keep its failure, if any."""
         self.merges_probed += 1
         failed = _first_probe_failure(lockstep)
         if failed is not None:
-            self.probe_failure = self._probe_counterexample(index, letter, operation, *failed)
+            self._keep_probe_failure(self._probe_counterexample(index, step, *failed))
+
+    def _keep_probe_failure(self, found: Counterexample) -> None:
+        """Keep the first probe failure; in the report's mode, tell it and go on without it."""
+        if self.on_failure is None:
+            self.probe_failure = found
+        else:
+            self.on_failure(found)
 
     def _probe_accepted_no_op(self, index: int, letter: _Letter) -> Counterexample | None:
         """Replay, run ``letter`` (its outcome compared) and :func:`probe` after it."""
@@ -463,14 +466,9 @@ class _Explorer:
         except ConformanceError as error:
             return self._told(self._counterexample(index, [letter.step], lockstep, error))
         self._probe_no_ops(index, [letter.step], lockstep)
-        if self.on_failure is not None and self.probe_failure is not None:
-            self.on_failure(self.probe_failure)
-            self.probe_failure = None
         return None
 
-    def _probe_no_ops(
-        self, index: int, run: list[tuple[str, object]], lockstep: _ReplayLockstep
-    ) -> None:
+    def _probe_no_ops(self, index: int, run: list[Step], lockstep: _ReplayLockstep) -> None:
         """Run :func:`probe` after the no-op letters ``run``; keep its failure, if any.
 
         The spec state is the node's, so the probe is the node's too. A failure is
@@ -480,84 +478,62 @@ class _Explorer:
         self.no_op_runs_probed += 1
         failed = _first_probe_failure(lockstep)
         if failed is not None:
-            self.probe_failure = self._no_op_culprit(index, run, *failed)
+            self._keep_probe_failure(self._no_op_culprit(index, run, *failed))
 
     def _no_op_culprit(
-        self,
-        index: int,
-        run: list[tuple[str, object]],
-        calls: list[object],
-        error: ConformanceError,
+        self, index: int, run: list[Step], calls: list[object], error: ConformanceError
     ) -> Counterexample:
         """The shortest of: a probe call alone, one no-op letter and a probe call, all."""
-        for prefix in ([], *([step] for step in run)):
-            for call in calls:
-                try:
-                    fresh = self.replay(index)
-                    for _, operation in prefix:
-                        fresh.apply(operation)
-                    fresh.apply(call)
-                except ConformanceError as alone:
-                    letters = [name for name, _ in prefix] + [PROBE_LETTER]
-                    operations = [operation for _, operation in prefix] + [call]
-                    return self._after_path(index, letters, operations, str(alone), alone)
-        letters = [name for name, _ in run] + [PROBE_LETTER] * len(calls)
-        operations = [operation for _, operation in run] + calls
-        return self._after_path(index, letters, operations, str(error), error)
+        probes = [(PROBE_LETTER, call) for call in calls]
+        tries = ([*prefix, probe] for prefix in ([], *([step] for step in run)) for probe in probes)
+        steps, error = self._first_alone(index, tries) or ([*run, *probes], error)
+        return self._after_path(index, steps, error)
 
     def _probe_counterexample(
-        self,
-        index: int,
-        letter: str,
-        operation: object,
-        calls: list[object],
-        error: ConformanceError,
+        self, index: int, step: Step, calls: list[object], error: ConformanceError
     ) -> Counterexample:
         """The merged path and the first probe call that fails alone, else all of them."""
-        for call in calls if len(calls) > 1 else ():
-            try:
-                fresh = self.replay(index)
-                fresh.apply(operation)
-                fresh.apply(call)
-            except ConformanceError as alone:
-                calls, error = [call], alone
-                break
-        letters = [letter, *(PROBE_LETTER for _ in calls)]
-        return self._after_path(index, letters, [operation, *calls], str(error), error)
+        probes = [(PROBE_LETTER, call) for call in calls]
+        tries = ([step, probe] for probe in probes) if len(probes) > 1 else ()
+        steps, error = self._first_alone(index, tries) or ([step, *probes], error)
+        return self._after_path(index, steps, error)
 
     def _counterexample(
-        self,
-        index: int,
-        run: list[tuple[str, object]],
-        lockstep: Lockstep | None,
-        error: ConformanceError,
+        self, index: int, run: list[Step], lockstep: Lockstep | None, error: ConformanceError
     ) -> Counterexample:
         """The path and the first letter of ``run`` that fails alone, else all of ``run``."""
         if lockstep is None:  # the replay itself went another way: nondeterminism
             message = f"replaying the checked path to this state diverged:\n{error}"
-            return self._after_path(index, [], [], message, error)
-        for letter, operation in run if len(run) > 1 else ():
+            return self._after_path(index, [], error, message)
+        tries = ([step] for step in run) if len(run) > 1 else ()
+        steps, error = self._first_alone(index, tries) or (run, error)
+        return self._after_path(index, steps, error)
+
+    def _first_alone(
+        self, index: int, tries: Iterable[list[Step]]
+    ) -> tuple[list[Step], ConformanceError] | None:
+        """The first of ``tries`` that fails on a fresh replay to node ``index``, and its error."""
+        for steps in tries:
             try:
-                self.replay(index).apply(operation)
+                fresh = self.replay(index)
+                for _, operation in steps:
+                    fresh.apply(operation)
             except ConformanceError as alone:
-                run, error = [(letter, operation)], alone
-                break
-        letters, operations = [name for name, _ in run], [op for _, op in run]
-        return self._after_path(index, letters, operations, str(error), error)
+                return steps, alone
+        return None
 
     def _after_path(
-        self,
-        index: int,
-        letters: list[str],
-        operations: list[object],
-        message: str,
-        error: ConformanceError | None = None,
+        self, index: int, steps: list[Step], error: ConformanceError, message: str | None = None
     ) -> Counterexample:
+        """The path to node ``index``, then ``steps``; ``message`` defaults to the error's."""
         path = self.path(index)
         return Counterexample(
-            (*(node.letter for node in path), *letters),
-            (*(node.operation for node in path if node.operation is not None), *operations),
-            message,
+            (*(node.letter for node in path), *(name for name, _ in steps)),
+            (
+                *(node.operation for node in path if node.operation is not None),
+                *(op for _, op in steps),
+            ),
+            str(error) if message is None else message,
             self.scope,
             error,
         )
