@@ -149,10 +149,6 @@ class OperationMix:
             raise ValueError(f"expected kind=weight items, got {text!r}")
         return weights
 
-    def without(self, *kinds: str) -> OperationMix:
-        """This mix with ``kinds`` turned off."""
-        return OperationMix({k: 0 if k in kinds else w for k, w in self.weights.items()})
-
     def text(self) -> str:
         """The mix in the form :meth:`parse` reads."""
         return ",".join(f"{kind}={weight}" for kind, weight in self.weights.items())

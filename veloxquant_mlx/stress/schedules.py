@@ -73,7 +73,7 @@ from typing import Literal
 
 from veloxquant_mlx.commandline.progress import ProgressThrottle
 from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 from veloxquant_mlx.stress.config import AllocatorFactory, default_allocator
 from veloxquant_mlx.stress.controlled_scheduler import (
     ControlledLock,
@@ -134,16 +134,10 @@ class _Schedule:
     """One fresh pool, its setup, and the scenario's threads under one ``ControlledRun``."""
 
     def __init__(self, scenario: Scenario, factory: AllocatorFactory) -> None:
-        created: list[BlockPoolAllocator] = []
-
-        def make(config: PoolConfig, history_len: int) -> BlockPoolAllocator:
-            created.append(factory(config, history_len))
-            return created[-1]
-
-        self.lockstep = Lockstep(make, scenario.config, scenario.history_len)
+        self.lockstep = Lockstep(factory, scenario.config, scenario.history_len)
         for setup_label, operation in enumerate(scenario.setup):
             self.lockstep.apply(operation, setup_label)
-        self.pool = created[0]
+        self.pool: BlockPoolAllocator = self.lockstep.pool
         self.scenario = scenario
         self.results: list[list[Outcome]] = [[] for _ in scenario.threads]
 

@@ -114,10 +114,14 @@ def named_events(events: Sequence[TraceLine], registry: Registry) -> list[TraceL
 
 
 def _name_of(block: object, registry: Registry) -> Handle:
+    entry = _registered(block, registry)
+    return Handle(UNKNOWN_CALL, id(block)) if entry is None else entry[0]
+
+
+def _registered(block: object, registry: Registry) -> Held | None:
+    """``block``'s entry in ``registry``, or ``None`` (its ``id`` may be another's by now)."""
     entry = registry.get(id(block))
-    if entry is not None and entry[1] is block:
-        return entry[0]
-    return Handle(UNKNOWN_CALL, id(block))
+    return entry if entry is not None and entry[1] is block else None
 
 
 def private_owners(thread: int) -> tuple[int, ...]:
@@ -311,14 +315,9 @@ class Worker:
         """A shared owner's handles, whoever was handed them, through a recorded blocks_for."""
         op = BlocksFor(self.rng.choice(SHARED_OWNERS))
         result = record_unnamed_call(self.recorder, self.shared.pool, op).result
-        registry = self.shared.registry
-        known = []
         blocks: list[Block] = [] if isinstance(result, Exception) else result  # type: ignore[assignment]
-        for block in blocks:
-            entry = registry.get(id(block))
-            if entry is not None and entry[1] is block:
-                known.append(entry)
-        return known
+        entries = [_registered(block, self.shared.registry) for block in blocks]
+        return [entry for entry in entries if entry is not None]
 
     def _bad_list(self) -> tuple[tuple[HandleRef, ...] | None, list[object]]:
         """A list that must be refused, or free nothing: stale, repeated, foreign, empty..."""
@@ -344,7 +343,7 @@ class Worker:
 
     def _known(self, block: object) -> bool:
         """Whether ``block`` was named already (make_writable may return its argument)."""
-        return self.shared.registry.get(id(block), (None, None))[1] is block
+        return _registered(block, self.shared.registry) is not None
 
     def _received(self, op_id: int, owner: object, blocks: list[Block]) -> None:
         """Name the handles a call handed out, for every thread; hold them if the owner is ours."""
