@@ -292,6 +292,22 @@ def test_prometheus_rejects_a_prefix_that_is_not_a_metric_name(prefix: str) -> N
         make_pool().stats.to_prometheus(prefix)
 
 
+class _LoudPrefix(str):
+    """A ``str`` whose formatting says something else than its characters."""
+
+    def __format__(self, spec: str) -> str:
+        return "other name"
+
+    def __str__(self) -> str:
+        return "other name"
+
+
+def test_prometheus_renders_a_str_subclass_prefix_by_its_characters() -> None:
+    # Once the prefix went through its own __format__: "other name_blocks_total" etc.
+    text = make_pool().stats.to_prometheus(_LoudPrefix("vq"))
+    assert set(parse_samples(text)) == {f"vq_{metric}" for metric in METRIC_TYPES}
+
+
 def test_prometheus_of_an_empty_pool_reports_zero_fragmentation() -> None:
     samples = parse_samples(make_pool(n_blocks=0).stats.to_prometheus())
     assert samples["veloxquant_block_pool_fragmentation_ratio"] == ("gauge", 0.0)

@@ -30,7 +30,8 @@ class Metric(NamedTuple):
 
 
 def require_metric_prefix(prefix: object) -> str:
-    """Return ``prefix`` if it is a valid Prometheus metric name.
+    """Return ``prefix`` as a plain ``str`` if it is a valid Prometheus metric name (a
+    ``str`` subclass's own ``__format__`` or ``__str__`` would otherwise decide the text).
 
     Raises:
         ValueError: ``prefix`` is not a ``str`` matching ``[a-zA-Z_:][a-zA-Z0-9_:]*``.
@@ -40,7 +41,7 @@ def require_metric_prefix(prefix: object) -> str:
             "prefix must be a valid Prometheus metric name "
             f"(matching [a-zA-Z_:][a-zA-Z0-9_:]*), got {prefix!r}"
         )
-    return prefix
+    return str.__str__(prefix)
 
 
 def _format_value(value: int | float) -> str:
