@@ -25,7 +25,7 @@ import pytest
 from veloxquant_mlx import cli
 from veloxquant_mlx.commandline import bad_input
 from veloxquant_mlx.memory.block_pool import PoolConfig
-from veloxquant_mlx.stress import finaliser_schedules, schedules
+from veloxquant_mlx.stress import finaliser_schedules, schedules_command
 from veloxquant_mlx.stress.cli import config_from, memory_estimate
 from veloxquant_mlx.stress.config import OPERATION_KINDS, PROFILES, STORE_KINDS, profile
 from veloxquant_mlx.testing import aliasing, driver_command, exhaustive, exhaustive_command
@@ -384,8 +384,8 @@ def test_stress_replay_refuses_the_run_options_it_would_ignore(
         (cli.main, ["stress", "--stall-timeout", "0.05"], "a number >= 1, got '0.05'"),
         # Once accepted, and CPython stored 0.0 while the report said 1e+300.
         (cli.main, ["stress", "--switch-interval", "1e300"], "<= 1, got '1e300'"),
-        (schedules.main, ["--max-preemptions", "-1"], "got '-1'"),
-        (schedules.main, ["--max-schedules", "0"], "got '0'"),
+        (schedules_command.main, ["--max-preemptions", "-1"], "got '-1'"),
+        (schedules_command.main, ["--max-schedules", "0"], "got '0'"),
     ],
 )
 def test_every_other_command_refuses_bad_input_in_one_line(
@@ -449,7 +449,7 @@ def test_stress_names_every_option_that_sizes_a_run_too_big(
         (cli.main, ["stress", "--ops", HUGE], "--ops"),
         (exhaustive.main, ["--max-states", HUGE], "--max-states"),
         (exhaustive.main, ["--depth", "9" * 5000], "--depth"),  # more digits than int() reads
-        (schedules.main, ["--max-schedules", HUGE], "--max-schedules/--max-runs"),
+        (schedules_command.main, ["--max-schedules", HUGE], "--max-schedules/--max-runs"),
         (finaliser_schedules.main, ["--max-runs", HUGE], "--max-schedules/--max-runs"),
     ],
 )

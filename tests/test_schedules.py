@@ -36,8 +36,8 @@ from veloxquant_mlx.stress.schedules import (
     explore,
     replay,
 )
-from veloxquant_mlx.stress.schedules import main as schedules_main
 from veloxquant_mlx.stress.schedules_command import FINALISER
+from veloxquant_mlx.stress.schedules_command import main as schedules_main
 
 
 class CheckThenActAllocator(BlockPoolAllocator):

@@ -4,8 +4,7 @@ Stress runs (``veloxquant-mlx stress``, or ``python -m stress`` from the repo):
 
 - :mod:`~veloxquant_mlx.stress.config`: run options, operation mix, profiles;
 - :mod:`~veloxquant_mlx.stress.workload`: what each thread does to the pool and store;
-- :mod:`~veloxquant_mlx.stress.history` and :mod:`~veloxquant_mlx.stress.history_json`:
-  the recorded concurrent history, and its JSON form;
+- :mod:`~veloxquant_mlx.stress.history`: the recorded concurrent history (a trace);
 - :mod:`~veloxquant_mlx.stress.recording`: how a call is made and recorded;
 - :mod:`~veloxquant_mlx.stress.specstep`, :mod:`~veloxquant_mlx.stress.linearizability`,
   :mod:`~veloxquant_mlx.stress.checker` and :mod:`~veloxquant_mlx.stress.minimal`:

@@ -355,10 +355,3 @@ def replay(
 ) -> ScheduleViolation | None:
     """Run the one schedule ``choices`` names (a violation's) and judge it again."""
     return _Checker(scenario, factory, granularity).run_once(choices)[1]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``veloxquant-mlx schedules`` (:mod:`~veloxquant_mlx.stress.schedules_command`)."""
-    from veloxquant_mlx.stress.schedules_command import main as command_main  # noqa: PLC0415
-
-    return command_main(argv)
