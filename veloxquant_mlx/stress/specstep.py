@@ -137,23 +137,19 @@ def _refused_for_its_shape(event: TraceLine, store_layers: int, block_size: int)
     write refused for sharing where its block is not shared, an order the
     storage replay then contradicts.
     """
-    op = event.op
-    return (
-        isinstance(op, Write | Gather)
-        and event.outcome == Raised("ValueError")
-        and not fits_the_store(op, store_layers, block_size)
-    )
+    return event.outcome == Raised("ValueError") and _misfit(event, store_layers, block_size)
 
 
 def _returned_though_misfit(event: TraceLine, store_layers: int, block_size: int) -> bool:
     """A store call recorded as returning whose layer, slots or token count the store
     refuses: no order makes it so, and no spec state excuses it."""
+    return isinstance(event.outcome, Returned) and _misfit(event, store_layers, block_size)
+
+
+def _misfit(event: TraceLine, store_layers: int, block_size: int) -> bool:
+    """A store call whose layer, slots or token count the store refuses, wherever it goes."""
     op = event.op
-    return (
-        isinstance(op, Write | Gather)
-        and isinstance(event.outcome, Returned)
-        and not fits_the_store(op, store_layers, block_size)
-    )
+    return isinstance(op, Write | Gather) and not fits_the_store(op, store_layers, block_size)
 
 
 def step(
