@@ -42,21 +42,15 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.testing.exhaustive_scope import default_factory
 from veloxquant_mlx.testing.lockstep import AllocatorFactory, Lockstep, Oracle
 from veloxquant_mlx.testing.port import ALL_CALLS, DEFAULT_HISTORY_LEN, Port, as_port
 from veloxquant_mlx.testing.profiles import profile_settings
 from veloxquant_mlx.testing.strategies import bad_call, call, spec_configs
 from veloxquant_mlx_spec import model
-from veloxquant_mlx_spec.operations import BlockPool
 from veloxquant_mlx_spec.table import Declaration, declarations
 
 __all__ = ["PoolConformanceMachine", "conformance_test_case", "default_factory"]
-
-
-def default_factory(config: PoolConfig, history_len: int) -> BlockPool[Any]:
-    """Our own allocator, the default system under test."""
-    return BlockPoolAllocator(config, history_len=history_len)
 
 
 class PoolConformanceMachine(RuleBasedStateMachine):
