@@ -162,7 +162,6 @@ class Lockstep:
         config: model.SpecConfig,
         history_len: int = 1024,
         *,
-        block_type: Callable[[int], object] | None = None,
         check: Check = Check.EVERYTHING,
         capabilities: Iterable[str] | None = None,
         oracles: Sequence[Oracle] = (),
@@ -175,7 +174,6 @@ class Lockstep:
                 error classes and its capabilities.
             config: A valid spec config; its ``PoolConfig`` twin is built here.
             history_len: Passed to both.
-            block_type: Builds a block by hand (``ForeignBlock(None)``; default: the port's).
             check: What is compared after each call.
             capabilities: The calls the allocator offers (default: the port's, or all).
             oracles: Third parties compared with the spec after every call.
@@ -191,7 +189,7 @@ class Lockstep:
         self.spec: Final = SpecSide(state)
         self.pool_side: Final = PoolSide[object](
             pool,
-            block_type=port.block_class if block_type is None else block_type,
+            block_type=port.block_class,
             foreign_pool=lambda: make(PoolConfig(block_size=4, n_blocks=64), history_len),
             error_names=port.error_names(pool) if port.errors is not None else None,
         )
