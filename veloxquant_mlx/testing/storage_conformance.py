@@ -145,6 +145,18 @@ class StorageConformance(Generic[ArrayT]):
                     err_msg=f"block {block.block_id}",
                 )
 
+    def disturb(
+        self, pool: BlockPoolAllocator, store: BlockStorage[ArrayT], blocks: Sequence[Block]
+    ) -> None:
+        """What an array gathered from ``blocks`` must outlast: writes to two of them, growth
+        (which re-lays out a head-major slab), frees, a shrink and a sync."""
+        self.write(store, 0, blocks[1], self.tokens(4, first=700))
+        self.fill(store, pool.allocate("kv", 16, owner=2))
+        pool.free_all(2)
+        pool.shrink("kv", 0)
+        store.sync()
+        self.write(store, 0, blocks[0], self.tokens(4, first=800))
+
     # -- the protocol's shape -----------------------------------------------------------
 
     def test_is_a_block_storage_of_its_pool(self) -> None:
@@ -212,13 +224,7 @@ class StorageConformance(Generic[ArrayT]):
         blocks = pool.allocate("kv", 8, owner=1)
         written = self.fill(store, blocks)
         lazy = store.gather(0, blocks, 8)  # not evaluated until the very end
-        self.write(store, 0, blocks[1], self.tokens(4, first=700))
-        grown = pool.allocate("kv", 16, owner=2)
-        self.fill(store, grown)
-        pool.free_all(2)
-        pool.shrink("kv", 0)
-        store.sync()
-        self.write(store, 0, blocks[0], self.tokens(4, first=800))
+        self.disturb(pool, store, blocks)
         expected = np.concatenate([written[block.block_id] for block in blocks])
         np.testing.assert_array_equal(self.backend.to_numpy(lazy), expected)
 
@@ -246,13 +252,7 @@ class StorageConformance(Generic[ArrayT]):
         blocks = pool.allocate("kv", 8, owner=1)
         written = self.fill(store, blocks)
         lazy = store.gather_heads(0, blocks, 7)  # not evaluated until the very end
-        self.write(store, 0, blocks[1], self.tokens(4, first=700))
-        grown = pool.allocate("kv", 16, owner=2)  # growth re-lays out a head-major slab
-        self.fill(store, grown)
-        pool.free_all(2)
-        pool.shrink("kv", 0)
-        store.sync()
-        self.write(store, 0, blocks[0], self.tokens(4, first=800))
+        self.disturb(pool, store, blocks)
         expected = np.concatenate([written[block.block_id] for block in blocks])[:7]
         np.testing.assert_array_equal(self.backend.to_numpy(lazy), expected.transpose(1, 0, 2))
 
