@@ -55,8 +55,12 @@ def test_a_finaliser_that_frees_under_the_pool_lock_deadlocks_its_own_thread() -
 
 
 def test_a_finaliser_that_forgets_leaves_blocks_in_use() -> None:
-    [violation] = explore_finaliser(ForgetsInTheFinaliser).violations
+    result = explore_finaliser(ForgetsInTheFinaliser)
+    [violation] = result.violations
     assert "4 blocks still in use" in violation
+    # Once its gap said "the max_runs budget ran out", which it had not.
+    assert result.gap is not None
+    assert result.gap.why == "it stopped at its first violation"
 
 
 def test_a_budget_cut_is_inconclusive_and_the_command_says_so(

@@ -117,6 +117,13 @@ def test_planted_check_then_act_race_is_found_on_every_run_by_the_same_schedule(
     assert replay(race, violation.choices, check_then_act) == violation
 
 
+def test_an_exploration_stopped_at_its_first_violation_says_so_not_a_budget() -> None:
+    # Once its gap said "the max_schedules budget ran out", which it had not.
+    result = explore(scenario("two_threads_take_the_last_block"), check_then_act)
+    assert result.gap is not None
+    assert result.gap.why == "it stopped at its first violation"
+
+
 def test_the_check_then_act_schedule_is_harmless_on_the_real_allocator() -> None:
     race = scenario("two_threads_take_the_last_block")
     choices = assert_found(explore(race, check_then_act))

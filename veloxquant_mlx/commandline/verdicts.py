@@ -32,7 +32,15 @@ from dataclasses import dataclass
 
 from veloxquant_mlx.commandline.sigint import INTERRUPTED_STATUS
 
-__all__ = ["ExitStatus", "Gap", "Verdict", "combined", "percent_text", "verdict_of"]
+__all__ = [
+    "ExitStatus",
+    "Gap",
+    "Verdict",
+    "combined",
+    "percent_text",
+    "verdict_of",
+    "why_cut_short",
+]
 
 
 class ExitStatus(enum.IntEnum):
@@ -89,6 +97,16 @@ class Gap:
     def to_json(self) -> dict[str, str]:
         """``{"what": ..., "why": ...}``."""
         return {"what": self.what, "why": self.why}
+
+
+def why_cut_short(*, interrupted: bool, stopped_at_first: bool, budget: str) -> str:
+    """A :class:`Gap`'s ``why`` for an exploration that left runs undone: a Ctrl-C, its
+    first violation (it was asked to stop there), or the ``budget`` option running out."""
+    if interrupted:
+        return "interrupted by Ctrl-C"
+    if stopped_at_first:
+        return "it stopped at its first violation"
+    return f"the {budget} budget ran out"
 
 
 def verdict_of(*, violations: int, gaps: Iterable[Gap] = (), interrupted: bool = False) -> Verdict:

@@ -55,7 +55,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, Final
 
 from veloxquant_mlx.commandline.progress import ProgressThrottle
-from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
+from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of, why_cut_short
 from veloxquant_mlx.memory import block_pool
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.deferred_release import reclaim_dropped_caches
@@ -105,6 +105,7 @@ class FinaliserExploration:
         violations: What broke, one line per failing run (the first only, by default).
         seconds: Wall-clock time.
         interrupted: Stopped between two runs on a Ctrl-C.
+        stopped_at_first: Stopped at the first violation (``stop_at_first``).
     """
 
     runs: int
@@ -114,13 +115,16 @@ class FinaliserExploration:
     violations: tuple[str, ...]
     seconds: float
     interrupted: bool = False
+    stopped_at_first: bool = False
 
     @property
     def gap(self) -> Gap | None:
         """The runs not made, and why; ``None`` when the exploration was exhaustive."""
         if self.exhaustive:
             return None
-        why = "interrupted by Ctrl-C" if self.interrupted else "the max_runs budget ran out"
+        why = why_cut_short(
+            interrupted=self.interrupted, stopped_at_first=self.stopped_at_first, budget="max_runs"
+        )
         return Gap(f"the schedules after the first {self.runs:,} runs", why)
 
     @property
@@ -286,6 +290,7 @@ def explore_finaliser(
         violations=tuple(violations),
         seconds=time.perf_counter() - started,
         interrupted=interrupted,
+        stopped_at_first=bool(violations) and stop_at_first and not exhaustive,
     )
 
 

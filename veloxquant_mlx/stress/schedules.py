@@ -72,7 +72,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from veloxquant_mlx.commandline.progress import ProgressThrottle
-from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of
+from veloxquant_mlx.commandline.verdicts import Gap, Verdict, verdict_of, why_cut_short
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
 from veloxquant_mlx.stress.config import AllocatorFactory, default_allocator
 from veloxquant_mlx.stress.controlled_scheduler import (
@@ -244,6 +244,7 @@ class Exploration:
         complete: True if no schedule within the bound was left (``max_schedules``
             was not reached, no interrupt): what the verdict OK requires.
         interrupted: The exploration stopped between two schedules on a Ctrl-C.
+        stopped_at_first: It stopped at its first violation (``stop_at_first``).
     """
 
     scenario: str
@@ -258,6 +259,7 @@ class Exploration:
     seconds: float
     complete: bool = True
     interrupted: bool = False
+    stopped_at_first: bool = False
 
     @property
     def gap(self) -> Gap | None:
@@ -266,7 +268,11 @@ class Exploration:
             return None
         return Gap(
             f"schedules of {self.scenario!r} after the first {self.schedules:,}",
-            "interrupted by Ctrl-C" if self.interrupted else "the max_schedules budget ran out",
+            why_cut_short(
+                interrupted=self.interrupted,
+                stopped_at_first=self.stopped_at_first,
+                budget="max_schedules",
+            ),
         )
 
     @property
@@ -311,7 +317,7 @@ def explore(
     checker = _Checker(scenario, factory, granularity)
     violations: list[ScheduleViolation] = []
     choices: list[int] | None = []
-    schedules, any_pruned, interrupted = 0, False, False
+    schedules, any_pruned, interrupted, stopped_at_first = 0, False, False, False
     while choices is not None and schedules < max_schedules:
         if interrupt is not None and interrupt.is_set():
             interrupted = True
@@ -327,6 +333,7 @@ def explore(
         if violation is not None:
             violations.append(violation)
             if stop_at_first:
+                stopped_at_first = True
                 break
         choices, pruned = next_choices(run.decisions, max_preemptions)
         any_pruned = any_pruned or pruned
@@ -343,6 +350,7 @@ def explore(
         seconds=time.perf_counter() - started,
         complete=choices is None,
         interrupted=interrupted,
+        stopped_at_first=stopped_at_first,
     )
 
 
