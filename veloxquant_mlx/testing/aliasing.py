@@ -110,6 +110,7 @@ _SENTINEL_MODULUS: Final = {
     "int8": 2**7,
     "uint8": 2**8,
     "int16": 2**15,
+    "uint16": 2**16,
 }
 _DEFAULT_MODULUS: Final = 2**24
 #: Compact the spec's state once it holds this many stale handles (they change nothing).
