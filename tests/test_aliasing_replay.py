@@ -40,6 +40,7 @@ from veloxquant_mlx.testing.aliasing import (
     replay,
     replay_file,
 )
+from veloxquant_mlx.testing.storage_backends import TOKEN_DTYPES
 from veloxquant_mlx.testing.storage_conformance import (
     CANNED_TRACES,
     drive_random_trace,
@@ -63,6 +64,7 @@ from veloxquant_mlx_spec.operations import (
     FreeAll,
     MakeWritable,
     MarkUsed,
+    Prometheus,
     Share,
     Shrink,
 )
@@ -87,6 +89,15 @@ def trace(*lines: TraceLine | object, pool: PoolConfig = SHARED) -> Trace:
         for index, line in enumerate(lines)
     ]
     return Trace(pool, SPEC, tuple(made))
+
+
+@pytest.mark.parametrize("dtype", [d for d in TOKEN_DTYPES if d != "bfloat16"])
+def test_every_token_dtype_holds_each_sentinel_past_its_range_exactly(dtype: str) -> None:
+    # 65,536 values in one allocate: uint16's sentinels once wrapped past 65,535 and
+    # the replay failed the store with "live handle ... holds [65473.0, ...]".
+    pool = PoolConfig(block_size=1024, n_blocks=2)
+    store = StoreSpec(n_layers=1, n_kv_heads=4, head_dim=16, dtype=dtype)
+    replay(Trace(pool, store, (TraceLine(Allocate("k", 1024, 0), 0),)), numpy_backend())
 
 
 def numpy_variant(store_class: type[NumpyBlockStorage]) -> StorageBackend[NumpyArray]:
@@ -179,6 +190,13 @@ def test_a_bad_op_line_is_rejected_with_its_line_number(line: str, complaint: st
     with pytest.raises(TraceFormatError, match="line 2") as raised:
         loads(text)
     assert complaint in str(raised.value)
+
+
+def test_a_recorded_nan_is_refused_when_written_not_when_the_file_is_read() -> None:
+    # A NaN in a returned value was written as NaN, which the loader refuses.
+    metrics = Returned((("veloxquant_block_pool_fragmentation_ratio", float("nan")),))
+    with pytest.raises(TraceFormatError, match="must be finite to be written, got nan"):
+        dumps(trace(TraceLine(Prometheus(), 0, metrics)))
 
 
 def test_a_call_label_used_twice_is_rejected_naming_both_lines() -> None:

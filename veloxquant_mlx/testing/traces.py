@@ -264,7 +264,7 @@ def _returned_to_json(value: object) -> object:
         return [value.call, value.position]
     if isinstance(value, tuple):
         return [_returned_to_json(item) for item in value]
-    return value
+    return _value_to_json(value)  # as a value: bytes as hex, a NaN refused (unloadable)
 
 
 def _returned_from_json(declaration: Declaration, value: object) -> object:
