@@ -11,11 +11,12 @@ Complexity: O(calls) per finding. Thread safety: immutable values and pure funct
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
 from veloxquant_mlx.testing.lockstep import ConformanceError, Discrepancy
+from veloxquant_mlx.testing.masking import Masking
 from veloxquant_mlx.testing.sides import NoAttribute
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.operations import (
@@ -33,7 +34,15 @@ from veloxquant_mlx_spec.operations import (
 )
 from veloxquant_mlx_spec.table import ArgKind, AsTuple, Handle, Raised, Returned, declaration_of
 
-__all__ = ["CONTRACT", "Finding", "finding_from_error", "relabelled", "rule_link", "rule_of"]
+__all__ = [
+    "CONTRACT",
+    "Finding",
+    "finding_from_error",
+    "masking_for",
+    "relabelled",
+    "rule_link",
+    "rule_of",
+]
 
 #: Where the rules are, relative to the repository root.
 CONTRACT = "docs/CONTRACT.md"
@@ -50,6 +59,19 @@ STATS_RULES = {
     "peak_blocks_in_use": "C-COUNTERS-ALLOC",
     "blocks_in_use": "C-STATS-IN-USE",
     "fragmentation": "C-STATS-FRAGMENTATION",
+}
+#: The Prometheus sample (its name after the prefix) that shows each stats field.
+STATS_SAMPLES = {
+    "n_blocks": "blocks",
+    "n_allocations": "allocations_total",
+    "n_reused": "reused_total",
+    "n_exhausted": "exhausted_total",
+    "n_grown": "grown_total",
+    "n_frees": "frees_total",
+    "n_retired": "retired_total",
+    "peak_blocks_in_use": "peak_blocks_in_use",
+    "blocks_in_use": "blocks_in_use",
+    "fragmentation": "fragmentation_ratio",
 }
 #: The rule a bad value of each parameter breaks, per call ("*": any call).
 ARGUMENT_RULES = {
@@ -69,6 +91,21 @@ HANDLE_RULES = {
     "owner": "C-FREED-BLOCK",
     "ever_allocated": "C-COUNTERS-ALLOC",
 }
+
+
+def masking_for(
+    rules: Iterable[str], seen: Callable[[Sequence[ConformanceError]], None]
+) -> Masking | None:
+    """The masking that lets the observations of the allowed ``rules`` pass (whole rules:
+    an entry naming a call or field is matched, never masked); ``None`` if none shows in
+    an observation."""
+    rules = set(rules)
+    fields = frozenset(name for name, rule in STATS_RULES.items() if rule in rules)
+    history, prometheus = "C-HISTORY" in rules, "C-PROMETHEUS" in rules
+    if not (fields or history or prometheus):
+        return None
+    samples = frozenset(STATS_SAMPLES[name] for name in fields)
+    return Masking(fields, samples, history, prometheus, seen)
 
 
 def rule_link(rule: str) -> str:

@@ -9,7 +9,9 @@ every handle's fields, and every query the table observes
 ``n_free`` of every stream, ``blocks_for`` of every owner named so far,
 ``is_live`` of every handle, ``id_bound``, ``check_invariants``). The first
 difference raises :class:`ConformanceError`, whose message lists the calls
-so far as Python a reader can paste, with handles named ``h(call, i)``.
+so far as Python a reader can paste, with handles named ``h(call, i)``;
+a masking in force (:mod:`~veloxquant_mlx.testing.masking`, a conformance
+report's allow-list) lets the differences of the observations it covers pass.
 
 Calls are labelled (by default 0, 1, 2... in order); the handles a call
 returns are named after its label. Nothing here knows one operation from
@@ -31,12 +33,13 @@ at ``OUTCOMES``. Thread safety: none; one thread drives one ``Lockstep``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum
 from typing import Any, Final, NoReturn, Protocol
 
 from veloxquant_mlx.memory.block_pool import PoolConfig
+from veloxquant_mlx.testing.masking import MASKING
 from veloxquant_mlx.testing.port import ALL_CALLS, REFERENCE_CALLS, Port
 from veloxquant_mlx.testing.sides import (
     HANDLE_FIELDS,
@@ -200,6 +203,8 @@ class Lockstep:
         self.oracles: list[Oracle] = list(oracles)
         self.trace: list[tuple[int, object]] = []
         self.owners_named: set[int] = set()
+        # The allow-list's observations to let pass (testing.masking), if a report set one.
+        self.masking: Final = MASKING.get()
 
     @property
     def state(self) -> PoolState:
@@ -365,24 +370,58 @@ class Lockstep:
         if actual != predicted:
             keys = observation_keys(queries, handles)
             where = [*handles, *(plan.op for plan in queries)]
-            message, discrepancy = _first_difference(
-                list(zip(keys, actual, strict=True)),
-                list(zip(keys, predicted, strict=True)),
-                where,
-            )
-            self._fail(message, discrepancy)
+            compared = (actual, predicted)
+            if self.masking is not None:
+                compared = self._mask(where, keys, actual, predicted)
+            if compared[0] != compared[1]:
+                message, discrepancy = next(_differences(keys, *compared, where))
+                self._fail(message, discrepancy)
         for oracle in self.oracles:
             ours = dict(zip(observation_keys(queries, handles), predicted, strict=True))
             for key, theirs in oracle.observe().items():
                 if theirs != ours.get(key):
                     self._fail(f"{oracle!r} shows {key} = {theirs!r}; the spec: {ours.get(key)!r}")
 
+    def _mask(
+        self,
+        where: Sequence[object],
+        keys: Sequence[str],
+        actual: list[object],
+        predicted: list[object],
+    ) -> tuple[list[object], list[object]]:
+        """Both observations with the masked parts left out; the differences those parts
+        alone show are told to the masking's ``seen`` (each a ``ConformanceError``)."""
+        masking = self.masking
+        assert masking is not None, "called with a masking only"
+        shown = [masking.shown(w, value) for w, value in zip(where, actual, strict=True)]
+        expected = [masking.shown(w, value) for w, value in zip(where, predicted, strict=True)]
+        passing = [
+            index
+            for index, (a, b) in enumerate(zip(actual, predicted, strict=True))
+            if a != b and shown[index] == expected[index]
+        ]
+        differences = list(
+            _differences(
+                [keys[i] for i in passing],
+                [actual[i] for i in passing],
+                [predicted[i] for i in passing],
+                [where[i] for i in passing],
+                every_field=True,
+            )
+        )
+        if differences:
+            masking.seen([self._error(message, found) for message, found in differences])
+        return shown, expected
+
     def _fail(self, message: str, discrepancy: Discrepancy | None = None) -> NoReturn:
+        raise self._error(message, discrepancy)
+
+    def _error(self, message: str, discrepancy: Discrepancy | None) -> ConformanceError:
         calls = "\n".join(
             f"  {op!r}" + ("" if label == index else f"  # call {label}")
             for index, (label, op) in enumerate(self.trace)
         )
-        raise ConformanceError(
+        return ConformanceError(
             f"{message}\nconfig: {self.state.config}, history_len={self.state.history_len}\n"
             f"calls so far (handle h(c, i) is the i-th block call c returned):\n{calls}",
             discrepancy,
@@ -392,13 +431,17 @@ class Lockstep:
         )
 
 
-def _first_difference(
-    actual: Sequence[tuple[str, object]],
-    predicted: Sequence[tuple[str, object]],
+def _differences(
+    keys: Sequence[str],
+    actual: Sequence[object],
+    predicted: Sequence[object],
     where: Sequence[object],
-) -> tuple[str, Discrepancy]:
-    """The first observation that differs, said as a reader would check it."""
-    for (key, got), (_, want), place in zip(actual, predicted, where, strict=True):
+    *,
+    every_field: bool = False,
+) -> Iterator[tuple[str, Discrepancy]]:
+    """Each observation that differs, said as a reader would check it: its first differing
+    field, or (``every_field``) each differing field of a stats snapshot."""
+    for key, got, want, place in zip(keys, actual, predicted, where, strict=True):
         if got == want:
             continue
         if key.startswith("h("):
@@ -407,32 +450,35 @@ def _first_difference(
                 (n, a, b) for n, a, b in zip(HANDLE_FIELDS, got, want, strict=True) if a != b
             )
             message = f"{key} shows {name}={a!r}; the spec predicts {name}={b!r}"
-            return message, Discrepancy("observation", place, name, a, b)
+            yield message, Discrepancy("observation", place, name, a, b)
+            continue
         assert isinstance(got, Outcome) and isinstance(want, Outcome), "query outcomes"
-        name, a, b = _field(key, got, want)
-        shown = {"Stats()": "stats.", "History()": "history"}.get(key, "") + name
-        shown = "len(history)" if shown == "historylen" else shown
-        said = f" ({shown} is {a!r}; the spec predicts {b!r})" if name else ""
-        message = f"{key} {describe(got)}; the spec predicts it {describe(want)}{said}"
-        return message, Discrepancy("observation", place, name, a, b)
-    raise AssertionError("called with two equal observations")
+        fields = _fields(key, got, want)
+        for name, a, b in fields if every_field else fields[:1]:
+            shown = {"Stats()": "stats.", "History()": "history"}.get(key, "") + name
+            shown = "len(history)" if shown == "historylen" else shown
+            said = f" ({shown} is {a!r}; the spec predicts {b!r})" if name else ""
+            message = f"{key} {describe(got)}; the spec predicts it {describe(want)}{said}"
+            yield message, Discrepancy("observation", place, name, a, b)
 
 
-def _field(key: str, got: Outcome, want: Outcome) -> tuple[str, object, object]:
-    """Which field of a stats snapshot (or a history's) differs, with both values.
-
-    ``("", got, want)`` when the values are not snapshots.
-    """
+def _fields(key: str, got: Outcome, want: Outcome) -> list[tuple[str, object, object]]:
+    """Which fields of a stats snapshot differ (or the first of a history's), with both
+    values, in order; ``[("", got, want)]`` when the values are not snapshots."""
     shown, predicted = getattr(got, "value", got), getattr(want, "value", want)
     if key == "History()" and isinstance(shown, tuple) and isinstance(predicted, tuple):
         if len(shown) != len(predicted):
-            return "len", len(shown), len(predicted)
+            return [("len", len(shown), len(predicted))]
         for i, (a, b) in enumerate(zip(shown, predicted, strict=True)):
             if a != b:
-                name, x, y = _field("Stats()", Returned(a), Returned(b))
-                return f"[{i}].{name}" if name else f"[{i}]", x, y
+                name, x, y = _fields("Stats()", Returned(a), Returned(b))[0]
+                return [(f"[{i}].{name}" if name else f"[{i}]", x, y)]
     if key == "Stats()" and isinstance(shown, tuple) and isinstance(predicted, tuple):
-        for name, a, b in zip(model.STATS_FIELDS, shown, predicted, strict=False):
-            if a != b:
-                return name, a, b
-    return "", shown, predicted
+        differing = [
+            (name, a, b)
+            for name, a, b in zip(model.STATS_FIELDS, shown, predicted, strict=False)
+            if a != b
+        ]
+        if differing:
+            return differing
+    return [("", shown, predicted)]

@@ -16,7 +16,11 @@
 Findings with the same key (rule, call, field) are one deviation; the
 shortest sequence is kept. An allow-list marks deliberate deviations as
 expected: ``{"C-HISTORY": "we keep no history"}`` (a rule), or a
-``"RULE/call"`` or ``"RULE/call/field"`` prefix of a key.
+``"RULE/call"`` or ``"RULE/call/field"`` prefix of a key. Parts 2 and 3 run
+with the observations of the allowed whole rules masked
+(:mod:`~veloxquant_mlx.testing.masking`), so that sequences go on past those
+differences; any other allowed deviation ends its sequence, and the report
+says so (:attr:`Report.unfollowed`).
 
 :meth:`Report.render` prints at most about 20 lines per finding: the rule
 and its link into docs/CONTRACT.md, what differs with both values, and the
@@ -43,8 +47,9 @@ from hypothesis.stateful import run_state_machine_as_test
 from veloxquant_mlx.testing import surface
 from veloxquant_mlx.testing.conformance import PoolConformanceMachine
 from veloxquant_mlx.testing.exhaustive import SCOPES, Counterexample, Scope, explore, port_scope
-from veloxquant_mlx.testing.findings import Finding, finding_from_error, rule_link
+from veloxquant_mlx.testing.findings import Finding, finding_from_error, masking_for, rule_link
 from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
+from veloxquant_mlx.testing.masking import in_force
 from veloxquant_mlx.testing.port import Port, as_port
 from veloxquant_mlx.testing.python_text import as_python, said
 from veloxquant_mlx_spec import model
@@ -86,6 +91,9 @@ class Report:
     checked: list[str] = field(default_factory=list)  # one line per part that ran
     gaps: list[str] = field(default_factory=list)  # what could not be checked, and why
     unmatched_allow: list[str] = field(default_factory=list)  # allow-list entries, unused
+    # The allowed rules that ended a sequence of calls: what the port does after one is not
+    # checked (a masked one, testing.masking, ends none).
+    unfollowed: list[str] = field(default_factory=list)
     seconds: float = 0.0
     longest_shrink: float = 0.0  # seconds
 
@@ -93,12 +101,6 @@ class Report:
     def conforms(self) -> bool:
         """No deviation outside the allow-list, and nothing left unchecked."""
         return not self.findings and not self.gaps
-
-    @property
-    def unfollowed(self) -> list[str]:
-        """The allowed rules found in a sequence of calls: a sequence is not followed past
-        a deviation, allowed or not, so what the port does after one is not checked."""
-        return sorted({finding.rule for finding, _ in self.expected if finding.calls})
 
     @property
     def verdict(self) -> str:
@@ -172,16 +174,44 @@ class _Collector:
         self.allow = allow
         self.deadline = deadline
         self.by_key: dict[tuple[str, str, str], Finding] = {}
+        self.ended_sequences: set[tuple[str, str, str]] = set()  # keys of findings that did
+        self.masked: dict[tuple[str, str], tuple[str, str, str]] = {}  # (rule, field) -> key
 
     def knows(self, finding: Finding) -> bool:
         return finding.key in self.by_key
 
     def add(self, finding: Finding) -> bool:
-        """Keep ``finding`` if it is new or shorter; whether it was new."""
+        """Keep ``finding`` if it is new or shorter; whether it was new. One with calls
+        ended a sequence of them."""
+        if finding.calls:
+            self.ended_sequences.add(finding.key)
+        return self._keep(finding)
+
+    def _keep(self, finding: Finding) -> bool:
         known = self.by_key.get(finding.key)
         if known is None or len(finding.calls) < len(known.calls):
             self.by_key[finding.key] = finding
         return known is None
+
+    def add_allowed(self, errors: Sequence[ConformanceError]) -> None:
+        """Keep each of ``errors`` that the allow-list expects: the differences a masking
+        let pass. One lasts past the call it showed after, so one finding per rule and
+        field is kept, the shortest, and none where another part found that rule and field
+        (an echo of one in a part no allowed rule covers, a history snapshot, is dropped)."""
+        for error in errors:
+            finding = finding_from_error(error, "a masked sequence")
+            if self.reason(finding) is None:
+                continue
+            masked = (finding.rule, finding.field)
+            kept = self.masked.get(masked)
+            if kept is None and any((f.rule, f.field) == masked for f in self.by_key.values()):
+                continue  # found unmasked (a check outside sequences)
+            if kept is not None and len(self.by_key[kept].calls) <= len(finding.calls):
+                continue
+            if kept is not None:
+                del self.by_key[kept]
+            self.masked[masked] = finding.key
+            self._keep(finding)
 
     def reason(self, finding: Finding) -> str | None:
         """Why ``finding`` is expected, if the allow-list says it is."""
@@ -359,33 +389,13 @@ def conformance_report(
     _run_check(report, collector, "bad arguments", lambda: list(surface.bad_argument_calls(port)))
     say(f"checks outside sequences: {len(collector.by_key)} findings")
 
-    for scope in scopes:
-        _explore(port, scope, depth, collector, report)
-        say(f"exhaustive {scope.name}: {len(collector.by_key)} findings so far")
-
-    if examples and collector.out_of_time():
-        report.gaps.append(f"random: none of {examples} sequences run: the time budget ran out")
-    elif examples:
-        began = time.monotonic()
-        ended: list[str] = []
-        errors, done = _random_errors(port, examples, collector, ended)
-        searched = time.monotonic() - began
-        shrinking_left = SHRINK_BUDGET
-        for error in errors:
-            finding, took = shrink(port, error, min(shrink_seconds, shrinking_left))
-            shrinking_left = max(0.0, shrinking_left - took)
-            report.longest_shrink = max(report.longest_shrink, took)
-            collector.add(finding)
-        report.checked.append(
-            f"random: {done} of {examples} sequences of up to {RANDOM_STEPS} calls, "
-            f"{searched:.1f}s; {len(errors)} new findings shrunk"
-        )
-        if done < examples:
-            report.gaps.append(
-                f"random: {done} of {examples} sequences run: the time budget ran out"
-            )
-        report.gaps += [f"random: a run of sequences ended early: {why}" for why in ended]
-        say(f"random: {len(collector.by_key)} findings")
+    with in_force(masking_for((e for e in reasons if "/" not in e), collector.add_allowed)):
+        for scope in scopes:
+            _explore(port, scope, depth, collector, report)
+            say(f"exhaustive {scope.name}: {len(collector.by_key)} findings so far")
+        if examples:
+            _random_part(port, examples, shrink_seconds, collector, report)
+            say(f"random: {len(collector.by_key)} findings")
 
     for finding in sorted(collector.by_key.values(), key=lambda f: (f.rule, len(f.calls))):
         why = collector.reason(finding)
@@ -403,8 +413,36 @@ def conformance_report(
         )
     }
     report.unmatched_allow = sorted(unused)
+    ended = collector.ended_sequences
+    report.unfollowed = sorted({f.rule for f, _ in report.expected if f.key in ended})
     report.seconds = time.monotonic() - start
     return report
+
+
+def _random_part(
+    port: Port, examples: int, shrink_seconds: float, collector: _Collector, report: Report
+) -> None:
+    """Random sequences, each failure shrunk: into ``collector``, and said in ``report``."""
+    if collector.out_of_time():
+        report.gaps.append(f"random: none of {examples} sequences run: the time budget ran out")
+        return
+    began = time.monotonic()
+    ended: list[str] = []
+    errors, done = _random_errors(port, examples, collector, ended)
+    searched = time.monotonic() - began
+    shrinking_left = SHRINK_BUDGET
+    for error in errors:
+        finding, took = shrink(port, error, min(shrink_seconds, shrinking_left))
+        shrinking_left = max(0.0, shrinking_left - took)
+        report.longest_shrink = max(report.longest_shrink, took)
+        collector.add(finding)
+    report.checked.append(
+        f"random: {done} of {examples} sequences of up to {RANDOM_STEPS} calls, "
+        f"{searched:.1f}s; {len(errors)} new findings shrunk"
+    )
+    if done < examples:
+        report.gaps.append(f"random: {done} of {examples} sequences run: the time budget ran out")
+    report.gaps += [f"random: a run of sequences ended early: {why}" for why in ended]
 
 
 def _run_check(

@@ -1,0 +1,109 @@
+"""Masking: what an allowed deviation shows, let pass so that a sequence goes on past it.
+
+A conformance report's allow-list marks deliberate deviations (a port that
+counts ``n_frees`` its own way, one without ``history``). Without masking,
+the :class:`~veloxquant_mlx.testing.lockstep.Lockstep` stops a sequence at
+its first difference, allowed or not, so nothing a port does after an
+allowed difference is checked; a port whose ``n_frees`` differs after every
+``free`` is then never checked past one. With a :class:`Masking` in force
+(:data:`MASKING`, set by the report around its sequences), a lockstep leaves
+the masked parts of each observation out of its comparison, tells
+:attr:`Masking.seen` of each difference it let pass (the report keeps those
+of an allowed rule as expected findings), and goes on.
+
+Only observations are masked, never a call's outcome: after a different
+outcome the pool and the spec no longer hold the same state. And only what
+a whole rule covers: the stats fields its counters count (in ``stats``, in
+every ``history`` snapshot and in the Prometheus samples that show them),
+all of ``history`` (C-HISTORY), all of ``to_prometheus`` (C-PROMETHEUS).
+
+Complexity: O(size of the observation) per masked observation. Thread safety:
+:data:`MASKING` is a context variable, so a masking set in one thread (or
+task) is not seen by another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final
+
+from veloxquant_mlx_spec import model
+from veloxquant_mlx_spec.operations import History, Prometheus, Stats
+from veloxquant_mlx_spec.table import Returned
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.testing.lockstep import ConformanceError
+
+__all__ = ["MASKING", "Masking", "in_force"]
+
+
+@dataclass(frozen=True)
+class Masking:
+    """The observations a lockstep leaves out of its comparison, and whom it tells.
+
+    Invariant: every name in ``stats_fields`` is one of ``model.STATS_FIELDS``,
+    and ``samples`` are Prometheus sample names after the prefix (``frees_total``).
+
+    Attributes:
+        stats_fields: Stats fields masked in ``stats`` and in every ``history`` snapshot.
+        samples: Prometheus samples masked in ``to_prometheus`` (the same counters).
+        history: Mask all of ``history``.
+        prometheus: Mask all of ``to_prometheus``.
+        seen: Told the differences let pass after a call, one error each (not raised).
+    """
+
+    stats_fields: frozenset[str]
+    samples: frozenset[str]
+    history: bool
+    prometheus: bool
+    seen: Callable[[Sequence[ConformanceError]], None]
+
+    def shown(self, where: object, outcome: object) -> object:
+        """What of ``outcome``, the value observed by the query ``where``, is compared."""
+        if not isinstance(outcome, Returned):
+            return outcome  # a refused query is compared whole
+        if isinstance(where, Stats):
+            return Returned(self._snapshot(outcome.value))
+        if isinstance(where, History) and isinstance(outcome.value, tuple):
+            if self.history:
+                return None
+            return Returned(tuple(map(self._snapshot, outcome.value)))
+        if isinstance(where, Prometheus) and isinstance(outcome.value, tuple):
+            if self.prometheus:
+                return None
+            return Returned(self._samples(str(where.prefix), outcome.value))
+        return outcome
+
+    def _snapshot(self, values: object) -> object:
+        if not isinstance(values, tuple):
+            return values
+        return tuple(
+            None if index < len(_FIELDS) and _FIELDS[index] in self.stats_fields else value
+            for index, value in enumerate(values)
+        )
+
+    def _samples(self, prefix: str, samples: tuple[object, ...]) -> tuple[object, ...]:
+        def masked(sample: object) -> bool:
+            name = sample[0] if isinstance(sample, tuple) and sample else None
+            return isinstance(name, str) and name.removeprefix(f"{prefix}_") in self.samples
+
+        return tuple(sample for sample in samples if not masked(sample))
+
+
+_FIELDS: Final = model.STATS_FIELDS
+
+#: The masking a lockstep built now takes (``None``: none), read once when it is built.
+MASKING: Final[ContextVar[Masking | None]] = ContextVar("MASKING", default=None)
+
+
+@contextmanager
+def in_force(masking: Masking | None) -> Iterator[None]:
+    """Every lockstep built inside the block takes ``masking`` (``None``: none)."""
+    token = MASKING.set(masking)
+    try:
+        yield
+    finally:
+        MASKING.reset(token)
