@@ -61,6 +61,9 @@ CASES = {
     "fork, the trim copies the new last block, then growth": SetCase(
         held=10, new=17, need=5, fork=True, others_trimmed=3
     ),
+    "fork, the other layers end on a block boundary: no copy by the trim": SetCase(
+        held=10, new=3, need=1, fork=True, others_trimmed=2
+    ),
     "reserved, growth past the reservation": SetCase(held=6, new=22, need=4, reserve=8),
     "reserved, growth into the reserve": SetCase(held=6, new=22, need=2, reserve=16),
     "reserved, the trim rebuilds the reserve": SetCase(
@@ -135,3 +138,15 @@ def test_a_state_set_the_pool_cannot_supply_is_refused_and_changes_nothing(
     assert offset == case.held
     assert mx.array_equal(keys, old_keys) and mx.array_equal(values, old_values)
     book.check_invariants()
+
+
+def test_a_fork_whose_twin_was_dropped_unreleased_needs_no_copy_for_a_state_set() -> None:
+    # The look once counted the dropped twin's blocks as shared (it ran before the drain
+    # that gives them back), asked for copies, and refused a set that needed no block.
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
+    case = SetCase(held=8, new=1, need=0)
+    twin = _request(pool, case).fork()  # the original, dropped here without release()
+    _leave_free(pool, 0)
+    twin[0].state = (_tokens(1, 3), _tokens(1, 4))
+    assert twin[0].offset == 1
+    assert pool.stats.shared_blocks() == 0

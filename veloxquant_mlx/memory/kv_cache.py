@@ -336,8 +336,10 @@ class PoolBackedKVCache(KVCacheConventions):
                 than the storage's, or blocks changed behind the book's back (freed,
                 moved or shared: ``PooledKVCache.require_rewritable``); nothing changes.
             BlockPoolExhaustedError: Too few free blocks, looked for before the trim;
-                nothing changes. Only if another thread takes blocks between that look
-                and the append is the layer left empty.
+                nothing changes but what ``update_and_fetch`` also does first: the
+                blocks of caches dropped without ``release()`` go back. Only if another
+                thread takes blocks between that look and the append is the layer left
+                empty.
             RuntimeError: A ``lazy_writes`` store called from another thread; nothing
                 changes.
         """

@@ -451,12 +451,14 @@ class PooledKVCache:
             self._require_reserved_intact(len(self._reserved_keys))
         if min(end, kept) > 0:
             self._require_rewritten_private(0, min(end, kept))
+        self._releases.check_out_reclaiming(lambda: self._require_replacement_supply(end, kept))
+
+    def _require_replacement_supply(self, end: int, kept: int) -> None:
+        """Refuse if the pool cannot supply ``_replacement_demand`` (worked out here, after
+        ``check_out_reclaiming`` drained the dropped caches: a dropped fork shares no more)."""
         demand = self._replacement_demand(end, kept)
         if demand["k"] or demand["v"]:
-            pool, owner, format_ = self._pool, self._owner, self._format
-            self._releases.check_out_reclaiming(
-                lambda: require_supply(pool, demand, owner, format_, self._free)
-            )
+            require_supply(self._pool, demand, self._owner, self._format, self._free)
 
     def _replacement_demand(self, end: int, kept: int) -> dict[str, int]:
         """Blocks per stream that trimming a layer to nothing, with ``kept`` positions
@@ -469,7 +471,7 @@ class PooledKVCache:
         all of it less what the trim gave back."""
         n_kept = -(-kept // self._block_size)
         shrinks = kept < self._n_tokens
-        trim_copies = {n_kept - 1} if shrinks and n_kept and self._shares else set()
+        trim_copies = {n_kept - 1} if shrinks and self._trim_marks_last(kept) else set()
         first_unwritten = min(-(-min(end, kept) // self._block_size), self._maybe_shared)
         rewrite_copies = set(range(first_unwritten)) - trim_copies
         tail = (*self._key_blocks[n_kept:], *self._value_blocks[n_kept:])
@@ -968,12 +970,17 @@ class PooledKVCache:
     def _own_blocks_kept_by(self, n_tokens: int) -> None:
         """Before a shrink to ``n_tokens`` changes anything: copy-on-write the blocks
         that become the last ones, if their fill changes and they may be shared."""
+        if self._trim_marks_last(n_tokens):
+            self._own_blocks_reclaiming(-(-n_tokens // self._block_size) - 1)
+
+    def _trim_marks_last(self, n_tokens: int) -> bool:
+        """Whether a shrink to ``n_tokens`` positions changes the fill of blocks that
+        become the last ones and that may be shared (after a fork): then it moves them."""
         n_kept = -(-n_tokens // self._block_size)
         if not (n_kept and self._shares):
-            return
+            return False
         last_fill = n_tokens - (n_kept - 1) * self._block_size
-        if self._key_blocks[n_kept - 1].n_used != last_fill:
-            self._own_blocks_reclaiming(n_kept - 1)
+        return self._key_blocks[n_kept - 1].n_used != last_fill
 
     def _own_blocks_reclaiming(self, index: int, growth: int = 0) -> None:
         """``_own_blocks``, with a dropped cache's blocks first, as a checkout has.
