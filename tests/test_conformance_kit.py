@@ -17,7 +17,7 @@ import textwrap
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import pytest
 import reference_port
@@ -26,6 +26,7 @@ from reference_port import MyPool
 
 from veloxquant_mlx.memory import block_pool
 from veloxquant_mlx.memory.block_pool import (
+    AllocationStats,
     Block,
     BlockPoolAllocator,
     BlockPoolExhaustedError,
@@ -308,6 +309,47 @@ def test_sequences_go_on_past_an_allowed_difference_of_observations() -> None:
     ]
     assert [f.rule for f, _ in masked.expected] == ["C-COUNTERS-NFREES"]
     assert masked.unfollowed == []
+
+
+class _KeepsNoHistory(BlockPoolAllocator):
+    """``history`` raises (C-HISTORY); nothing else deviates."""
+
+    @property
+    def history(self) -> NoReturn:
+        raise NotImplementedError("this port keeps no history")
+
+
+class _CountsOneBlockMore(BlockPoolAllocator):
+    """``stats.n_blocks`` one more (C-STATS-NBLOCKS); its fragmentation, fragmented blocks
+    over its own ``n_blocks``, is consistent with that."""
+
+    @property
+    def stats(self) -> AllocationStats:
+        stats = super().stats
+        stats.n_blocks += 1
+        return stats
+
+
+@pytest.mark.parametrize(
+    ("port", "rule"),
+    [(_KeepsNoHistory, "C-HISTORY"), (_CountsOneBlockMore, "C-STATS-NBLOCKS")],
+    ids=["history-raises", "n-blocks-and-its-fragmentation"],
+)
+def test_a_masked_rule_brings_no_false_finding_and_ends_no_sequence(
+    port: type[BlockPoolAllocator], rule: str
+) -> None:
+    # Found by review: a raising history crashed the masked comparison (the exhaustive
+    # part became a gap); the fragmentation computed from a masked n_blocks became a
+    # C-STATS-FRAGMENTATION finding; and a finding of the bad-arguments check, outside
+    # sequences, was counted as ending them ("not followed past").
+    report = conformance_report(
+        port, allow={rule: "ours"}, depth=2, scopes=[SEPARATE_4], examples=20, errors=block_pool
+    )
+    assert report.findings == [], report.render()
+    assert {f.rule for f, _ in report.expected} == {rule}
+    assert report.unfollowed == []
+    # (The checks outside sequences read history unmasked: there a raising one is a gap.)
+    assert not [gap for gap in report.gaps if not gap.startswith("check_")], report.gaps
 
 
 def test_an_allow_list_entry_that_matched_nothing_is_said_without_verbose() -> None:

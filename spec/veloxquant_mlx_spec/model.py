@@ -194,6 +194,20 @@ STATS_FIELDS: tuple[str, ...] = (
     "blocks_in_use",
     "fragmentation",
 )
+#: The Prometheus sample (its name after the prefix) that shows each of those fields
+#: (C-PROMETHEUS); a counter's ends in ``_total``.
+STATS_SAMPLES: dict[str, str] = {
+    "n_blocks": "blocks",
+    "n_allocations": "allocations_total",
+    "n_frees": "frees_total",
+    "n_reused": "reused_total",
+    "n_exhausted": "exhausted_total",
+    "n_grown": "grown_total",
+    "n_retired": "retired_total",
+    "peak_blocks_in_use": "peak_blocks_in_use",
+    "blocks_in_use": "blocks_in_use",
+    "fragmentation": "fragmentation_ratio",
+}
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,7 @@ from veloxquant_mlx_spec.table import (
     Returns,
     operation,
     query,
+    stats_values,
 )
 
 __all__ = [
@@ -484,19 +485,8 @@ def prometheus_samples(
     if not isinstance(prefix, str) or _METRIC_NAME.fullmatch(prefix) is None:
         message = f"prefix must be a valid Prometheus metric name, got {prefix!r}"
         return Err(ErrorKind.VALUE, message)
-    view = model.stats(state)
-    values: dict[str, float] = {
-        "blocks": view.n_blocks,
-        "blocks_in_use": view.blocks_in_use,
-        "peak_blocks_in_use": view.peak_blocks_in_use,
-        "fragmentation_ratio": view.fragmentation(),
-        "allocations_total": view.n_allocations,
-        "frees_total": view.n_frees,
-        "reused_total": view.n_reused,
-        "exhausted_total": view.n_exhausted,
-        "grown_total": view.n_grown,
-        "retired_total": view.n_retired,
-    }
+    samples = (model.STATS_SAMPLES[name] for name in model.STATS_FIELDS)
+    values: dict[str, float] = dict(zip(samples, stats_values(model.stats(state)), strict=True))
     shared_blocks, n_shares, n_copy_on_write = model.sharing_stats(state)
     if n_shares:  # C-NEVER-SHARED: a pool that never shared shows the ten metrics only
         values |= {

@@ -60,19 +60,10 @@ STATS_RULES = {
     "blocks_in_use": "C-STATS-IN-USE",
     "fragmentation": "C-STATS-FRAGMENTATION",
 }
-#: The Prometheus sample (its name after the prefix) that shows each stats field.
-STATS_SAMPLES = {
-    "n_blocks": "blocks",
-    "n_allocations": "allocations_total",
-    "n_reused": "reused_total",
-    "n_exhausted": "exhausted_total",
-    "n_grown": "grown_total",
-    "n_frees": "frees_total",
-    "n_retired": "retired_total",
-    "peak_blocks_in_use": "peak_blocks_in_use",
-    "blocks_in_use": "blocks_in_use",
-    "fragmentation": "fragmentation_ratio",
-}
+#: The stats fields computed from another: masking a field masks these too, or the port's
+#: own consistent figures would differ from the spec's (fragmentation is fragmented blocks
+#: over ``n_blocks``; the peak follows ``blocks_in_use``).
+DERIVED_FIELDS = {"n_blocks": ("fragmentation",), "blocks_in_use": ("peak_blocks_in_use",)}
 #: The rule a bad value of each parameter breaks, per call ("*": any call).
 ARGUMENT_RULES = {
     ("*", "stream"): "C-STREAM-NAMES",
@@ -97,14 +88,15 @@ def masking_for(
     rules: Iterable[str], seen: Callable[[Sequence[ConformanceError]], None]
 ) -> Masking | None:
     """The masking that lets the observations of the allowed ``rules`` pass (whole rules:
-    an entry naming a call or field is matched, never masked); ``None`` if none shows in
-    an observation."""
+    an entry naming a call or field is matched, never masked), and the stats fields
+    computed from them; ``None`` if none shows in an observation."""
     rules = set(rules)
-    fields = frozenset(name for name, rule in STATS_RULES.items() if rule in rules)
+    allowed = {name for name, rule in STATS_RULES.items() if rule in rules}
+    fields = frozenset(allowed.union(*(DERIVED_FIELDS.get(name, ()) for name in allowed)))
     history, prometheus = "C-HISTORY" in rules, "C-PROMETHEUS" in rules
     if not (fields or history or prometheus):
         return None
-    samples = frozenset(STATS_SAMPLES[name] for name in fields)
+    samples = frozenset(model.STATS_SAMPLES[name] for name in fields)
     return Masking(fields, samples, history, prometheus, seen)
 
 

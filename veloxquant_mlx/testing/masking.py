@@ -15,7 +15,8 @@ Only observations are masked, never a call's outcome: after a different
 outcome the pool and the spec no longer hold the same state. And only what
 a whole rule covers: the stats fields its counters count (in ``stats``, in
 every ``history`` snapshot and in the Prometheus samples that show them),
-all of ``history`` (C-HISTORY), all of ``to_prometheus`` (C-PROMETHEUS).
+all of ``history`` (C-HISTORY), all of ``to_prometheus`` (C-PROMETHEUS),
+and the fields computed from a masked one (``findings.DERIVED_FIELDS``).
 
 Complexity: O(size of the observation) per masked observation. Thread safety:
 :data:`MASKING` is a context variable, so a masking set in one thread (or
@@ -63,17 +64,17 @@ class Masking:
 
     def shown(self, where: object, outcome: object) -> object:
         """What of ``outcome``, the value observed by the query ``where``, is compared."""
+        if (self.history and isinstance(where, History)) or (
+            self.prometheus and isinstance(where, Prometheus)
+        ):
+            return None  # whatever it is: a port without history may raise there
         if not isinstance(outcome, Returned):
             return outcome  # a refused query is compared whole
         if isinstance(where, Stats):
             return Returned(self._snapshot(outcome.value))
         if isinstance(where, History) and isinstance(outcome.value, tuple):
-            if self.history:
-                return None
             return Returned(tuple(map(self._snapshot, outcome.value)))
         if isinstance(where, Prometheus) and isinstance(outcome.value, tuple):
-            if self.prometheus:
-                return None
             return Returned(self._samples(str(where.prefix), outcome.value))
         return outcome
 

@@ -175,15 +175,15 @@ class _Collector:
         self.deadline = deadline
         self.by_key: dict[tuple[str, str, str], Finding] = {}
         self.ended_sequences: set[tuple[str, str, str]] = set()  # keys of findings that did
-        self.masked: dict[tuple[str, str], tuple[str, str, str]] = {}  # (rule, field) -> key
+        self.masked: dict[str, tuple[str, str, str]] = {}  # a masked rule -> its finding's key
 
     def knows(self, finding: Finding) -> bool:
         return finding.key in self.by_key
 
-    def add(self, finding: Finding) -> bool:
-        """Keep ``finding`` if it is new or shorter; whether it was new. One with calls
-        ended a sequence of them."""
-        if finding.calls:
+    def add(self, finding: Finding, *, ended_a_sequence: bool = False) -> bool:
+        """Keep ``finding`` if it is new or shorter; whether it was new. One found by the
+        exhaustive or random part (``ended_a_sequence``) ended a sequence of calls."""
+        if ended_a_sequence:
             self.ended_sequences.add(finding.key)
         return self._keep(finding)
 
@@ -195,22 +195,22 @@ class _Collector:
 
     def add_allowed(self, errors: Sequence[ConformanceError]) -> None:
         """Keep each of ``errors`` that the allow-list expects: the differences a masking
-        let pass. One lasts past the call it showed after, so one finding per rule and
-        field is kept, the shortest, and none where another part found that rule and field
-        (an echo of one in a part no allowed rule covers, a history snapshot, is dropped)."""
+        let pass. One lasts past the call it showed after, and a masked rule is let pass
+        whole, so one finding per rule is kept, the shortest, and none where another part
+        found that rule (an echo of one in a part no allowed rule covers, a history
+        snapshot, is dropped)."""
         for error in errors:
             finding = finding_from_error(error, "a masked sequence")
             if self.reason(finding) is None:
                 continue
-            masked = (finding.rule, finding.field)
-            kept = self.masked.get(masked)
-            if kept is None and any((f.rule, f.field) == masked for f in self.by_key.values()):
+            kept = self.masked.get(finding.rule)
+            if kept is None and any(f.rule == finding.rule for f in self.by_key.values()):
                 continue  # found unmasked (a check outside sequences)
             if kept is not None and len(self.by_key[kept].calls) <= len(finding.calls):
                 continue
             if kept is not None:
                 del self.by_key[kept]
-            self.masked[masked] = finding.key
+            self.masked[finding.rule] = finding.key
             self._keep(finding)
 
     def reason(self, finding: Finding) -> str | None:
@@ -279,6 +279,7 @@ def _random_errors(
 
     def collect(error: ConformanceError) -> None:
         finding = finding_from_error(error, "random")
+        collector.ended_sequences.add(finding.key)  # known or not, it ended this one
         if not collector.knows(finding) and finding.key not in new:
             new[finding.key] = error
 
@@ -460,7 +461,8 @@ def _run_check(
 def _explore(port: Port, scope: Scope, depth: int, collector: _Collector, report: Report) -> None:
     def found(counterexample: Counterexample) -> None:
         if counterexample.error is not None:
-            collector.add(finding_from_error(counterexample.error, f"exhaustive {scope.name}"))
+            finding = finding_from_error(counterexample.error, f"exhaustive {scope.name}")
+            collector.add(finding, ended_a_sequence=True)
 
     scope = port_scope(port, scope)
     try:
