@@ -112,7 +112,9 @@ def check_names(port: Port) -> list[Finding]:
             continue
         target: object = pool
         for attribute in declaration.path:
-            if not hasattr(target, attribute):
+            try:
+                target = getattr(target, attribute)
+            except AttributeError:
                 text = ".".join(("pool", *declaration.path))
                 found.append(
                     _finding(
@@ -124,7 +126,8 @@ def check_names(port: Port) -> list[Finding]:
                     )
                 )
                 break
-            target = getattr(target, attribute)
+            except Exception:  # the name is there; what reading it raises, sequences report
+                break
     stats = getattr(pool, "stats", None)
     for name in model.STATS_FIELDS:
         if stats is not None and not hasattr(stats, name):
@@ -169,7 +172,7 @@ def check_stats_snapshot(port: Port) -> list[Finding]:
         after = stats_values(stats)
         pool.allocate("k", 1, 0)
         entry_after = stats_values(entry)
-    except (AttributeError, IndexError):  # missing names are check_names' findings
+    except Exception:  # missing names are check_names' findings; the rest, the sequences'
         return []
     if after != seen:
         field, a, b = _differing(after, seen)
