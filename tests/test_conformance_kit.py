@@ -330,10 +330,33 @@ class _CountsOneBlockMore(BlockPoolAllocator):
         return stats
 
 
+class _CountsSharesTwice(BlockPoolAllocator):
+    """``stats.n_shares`` counts each shared handle twice (C-COUNTERS-SHARE)."""
+
+    def share(self, blocks: list[Block], owner: int) -> list[Block]:
+        shared = super().share(blocks, owner)
+        with self._lock:
+            self._stats._n_shares += len(shared)
+        return shared
+
+
+def test_a_sharing_counter_that_differs_is_filed_under_the_rule_that_counts_it() -> None:
+    # Once filed under the last call's rule (C-SHARE), so allowing C-COUNTERS-SHARE
+    # matched nothing.
+    report = conformance_report(
+        _CountsSharesTwice, depth=2, scopes=[SEPARATE_4], examples=0, errors=block_pool
+    )
+    assert [(f.rule, f.field) for f in report.findings] == [("C-COUNTERS-SHARE", "n_shares")]
+
+
 @pytest.mark.parametrize(
     ("port", "rule"),
-    [(_KeepsNoHistory, "C-HISTORY"), (_CountsOneBlockMore, "C-STATS-NBLOCKS")],
-    ids=["history-raises", "n-blocks-and-its-fragmentation"],
+    [
+        (_KeepsNoHistory, "C-HISTORY"),
+        (_CountsOneBlockMore, "C-STATS-NBLOCKS"),
+        (_CountsSharesTwice, "C-COUNTERS-SHARE"),
+    ],
+    ids=["history-raises", "n-blocks-and-its-fragmentation", "sharing-counter-and-its-sample"],
 )
 def test_a_masked_rule_brings_no_false_finding_and_ends_no_sequence(
     port: type[BlockPoolAllocator], rule: str

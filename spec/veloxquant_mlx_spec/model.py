@@ -208,6 +208,9 @@ STATS_SAMPLES: dict[str, str] = {
     "blocks_in_use": "blocks_in_use",
     "fragmentation": "fragmentation_ratio",
 }
+#: The samples of the sharing counters, in ``sharing_stats``' order (shown once a pool has
+#: shared: C-NEVER-SHARED).
+SHARING_SAMPLES: tuple[str, ...] = ("shared_blocks", "shares_total", "copy_on_write_total")
 
 
 @dataclass(frozen=True)

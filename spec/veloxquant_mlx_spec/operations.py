@@ -489,11 +489,8 @@ def prometheus_samples(
     values: dict[str, float] = dict(zip(samples, stats_values(model.stats(state)), strict=True))
     shared_blocks, n_shares, n_copy_on_write = model.sharing_stats(state)
     if n_shares:  # C-NEVER-SHARED: a pool that never shared shows the ten metrics only
-        values |= {
-            "shared_blocks": shared_blocks,
-            "shares_total": n_shares,
-            "copy_on_write_total": n_copy_on_write,
-        }
+        sharing = (shared_blocks, n_shares, n_copy_on_write)
+        values |= dict(zip(model.SHARING_SAMPLES, sharing, strict=True))
     return tuple(sorted((f"{prefix}_{name}", float(value)) for name, value in values.items()))
 
 

@@ -26,9 +26,12 @@ from veloxquant_mlx_spec.operations import (
     FreeAll,
     History,
     MarkUsed,
+    NCopyOnWrite,
+    NShares,
     Prometheus,
     RegisterOwner,
     ReleaseOwner,
+    SharedBlocks,
     Shrink,
     Stats,
 )
@@ -64,6 +67,9 @@ STATS_RULES = {
 #: own consistent figures would differ from the spec's (fragmentation is fragmented blocks
 #: over ``n_blocks``; the peak follows ``blocks_in_use``).
 DERIVED_FIELDS = {"n_blocks": ("fragmentation",), "blocks_in_use": ("peak_blocks_in_use",)}
+#: The sharing counters, each a query of its own, and the rule that counts them all.
+SHARING_COUNTERS = (SharedBlocks, NShares, NCopyOnWrite)
+SHARING_RULE = "C-COUNTERS-SHARE"
 #: The rule a bad value of each parameter breaks, per call ("*": any call).
 ARGUMENT_RULES = {
     ("*", "stream"): "C-STREAM-NAMES",
@@ -94,10 +100,13 @@ def masking_for(
     allowed = {name for name, rule in STATS_RULES.items() if rule in rules}
     fields = frozenset(allowed.union(*(DERIVED_FIELDS.get(name, ()) for name in allowed)))
     history, prometheus = "C-HISTORY" in rules, "C-PROMETHEUS" in rules
-    if not (fields or history or prometheus):
+    sharing = SHARING_RULE in rules
+    if not (fields or history or prometheus or sharing):
         return None
-    samples = frozenset(model.STATS_SAMPLES[name] for name in fields)
-    return Masking(fields, samples, history, prometheus, seen)
+    samples = {model.STATS_SAMPLES[name] for name in fields}
+    samples |= set(model.SHARING_SAMPLES if sharing else ())
+    queries = frozenset(SHARING_COUNTERS if sharing else ())
+    return Masking(fields, frozenset(samples), history, prometheus, seen, queries)
 
 
 def rule_link(rule: str) -> str:
@@ -229,6 +238,8 @@ def _observation_rule(discrepancy: Discrepancy, last: object, call: str) -> tupl
     if isinstance(where, BlocksFor):
         return (_owner_rule(last), call, "blocks_for")
     query = _name(where)
+    if isinstance(where, SHARING_COUNTERS):
+        return (SHARING_RULE, call, query)
     if isinstance(last, Allocate | Free | Shrink | FreeAll):
         return (_state_rule(last, discrepancy), call, query)
     return (declaration_of(last).rules[0] if last is not None else "C-ID-SPLIT", call, query)

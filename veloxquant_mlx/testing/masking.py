@@ -16,7 +16,8 @@ outcome the pool and the spec no longer hold the same state. And only what
 a whole rule covers: the stats fields its counters count (in ``stats``, in
 every ``history`` snapshot and in the Prometheus samples that show them),
 all of ``history`` (C-HISTORY), all of ``to_prometheus`` (C-PROMETHEUS),
-and the fields computed from a masked one (``findings.DERIVED_FIELDS``).
+the sharing counters and their samples (C-COUNTERS-SHARE), and the fields
+computed from a masked one (``findings.DERIVED_FIELDS``).
 
 Complexity: O(size of the observation) per masked observation. Thread safety:
 :data:`MASKING` is a context variable, so a masking set in one thread (or
@@ -54,6 +55,7 @@ class Masking:
         history: Mask all of ``history``.
         prometheus: Mask all of ``to_prometheus``.
         seen: Told the differences let pass after a call, one error each (not raised).
+        queries: Query classes masked whole (the sharing counters, C-COUNTERS-SHARE).
     """
 
     stats_fields: frozenset[str]
@@ -61,11 +63,14 @@ class Masking:
     history: bool
     prometheus: bool
     seen: Callable[[Sequence[ConformanceError]], None]
+    queries: frozenset[type] = frozenset()
 
     def shown(self, where: object, outcome: object) -> object:
         """What of ``outcome``, the value observed by the query ``where``, is compared."""
-        if (self.history and isinstance(where, History)) or (
-            self.prometheus and isinstance(where, Prometheus)
+        if (
+            (self.history and isinstance(where, History))
+            or (self.prometheus and isinstance(where, Prometheus))
+            or type(where) in self.queries
         ):
             return None  # whatever it is: a port without history may raise there
         if not isinstance(outcome, Returned):
