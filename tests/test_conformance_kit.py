@@ -330,6 +330,32 @@ class _CountsOneBlockMore(BlockPoolAllocator):
         return stats
 
 
+class _CountsOneBlockMoreAndNoFragmentation(_CountsOneBlockMore):
+    """As ``_CountsOneBlockMore``, and its fragmentation is always 0.0: a fault of its own
+    (C-STATS-FRAGMENTATION), not the echo of ``n_blocks``."""
+
+    @property
+    def stats(self) -> AllocationStats:
+        stats = super().stats
+        stats._fragmented_count = 0
+        return stats
+
+
+def test_a_masked_n_blocks_hides_no_fragmentation_fault_of_its_own() -> None:
+    # Once masking n_blocks masked fragmentation whole, and this port conformed.
+    report = conformance_report(
+        _CountsOneBlockMoreAndNoFragmentation,
+        allow={"C-STATS-NBLOCKS": "ours"},
+        depth=2,
+        scopes=[SEPARATE_4],
+        examples=0,
+        errors=block_pool,
+    )
+    assert {(f.rule, f.field) for f in report.findings} == {
+        ("C-STATS-FRAGMENTATION", "stats.fragmentation")
+    }
+
+
 class _CountsSharesTwice(BlockPoolAllocator):
     """``stats.n_shares`` counts each shared handle twice (C-COUNTERS-SHARE)."""
 

@@ -63,10 +63,6 @@ STATS_RULES = {
     "blocks_in_use": "C-STATS-IN-USE",
     "fragmentation": "C-STATS-FRAGMENTATION",
 }
-#: The stats fields computed from another: masking a field masks these too, or the port's
-#: own consistent figures would differ from the spec's (fragmentation is fragmented blocks
-#: over ``n_blocks``; the peak follows ``blocks_in_use``).
-DERIVED_FIELDS = {"n_blocks": ("fragmentation",), "blocks_in_use": ("peak_blocks_in_use",)}
 #: The sharing counters, each a query of its own, and the rule that counts them all.
 SHARING_COUNTERS = (SharedBlocks, NShares, NCopyOnWrite)
 SHARING_RULE = "C-COUNTERS-SHARE"
@@ -94,11 +90,10 @@ def masking_for(
     rules: Iterable[str], seen: Callable[[Sequence[ConformanceError]], None]
 ) -> Masking | None:
     """The masking that lets the observations of the allowed ``rules`` pass (whole rules:
-    an entry naming a call or field is matched, never masked), and the stats fields
-    computed from them; ``None`` if none shows in an observation."""
+    an entry naming a call or field is matched, never masked); ``None`` if none shows in
+    an observation."""
     rules = set(rules)
-    allowed = {name for name, rule in STATS_RULES.items() if rule in rules}
-    fields = frozenset(allowed.union(*(DERIVED_FIELDS.get(name, ()) for name in allowed)))
+    fields = frozenset(name for name, rule in STATS_RULES.items() if rule in rules)
     history, prometheus = "C-HISTORY" in rules, "C-PROMETHEUS" in rules
     sharing = SHARING_RULE in rules
     if not (fields or history or prometheus or sharing):

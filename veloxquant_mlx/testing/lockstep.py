@@ -393,15 +393,12 @@ class Lockstep:
         self, op: object, declaration: Declaration, actual: Outcome, predicted: Outcome
     ) -> bool:
         """Whether a masking covers the differing values of the query ``op`` (a call that
-        changes no state); if so, the masking's ``seen`` is told of the difference."""
+        changes no state)."""
         masking = self.masking
         if masking is None or declaration.changes_state:
             return False
-        if masking.shown(op, actual) != masking.shown(op, predicted):
-            return False
-        said = f"{op!r} {describe(actual)}; the spec predicts it {describe(predicted)}"
-        masking.seen([self._error(said, Discrepancy("outcome", op, "", actual, predicted))])
-        return True
+        shown, expected = masking.compared(op, actual, predicted)
+        return shown == expected  # seen: the observation after the call shows it too
 
     def _mask(
         self,
@@ -414,8 +411,8 @@ class Lockstep:
         alone show are told to the masking's ``seen`` (each a ``ConformanceError``)."""
         masking = self.masking
         assert masking is not None, "called with a masking only"
-        shown = [masking.shown(w, value) for w, value in zip(where, actual, strict=True)]
-        expected = [masking.shown(w, value) for w, value in zip(where, predicted, strict=True)]
+        pairs = [masking.compared(*triple) for triple in zip(where, actual, predicted, strict=True)]
+        shown, expected = [a for a, _ in pairs], [p for _, p in pairs]
         passing = [
             index
             for index, (a, b) in enumerate(zip(actual, predicted, strict=True))

@@ -16,8 +16,11 @@ outcome the pool and the spec no longer hold the same state. And only what
 a whole rule covers: the stats fields its counters count (in ``stats``, in
 every ``history`` snapshot and in the Prometheus samples that show them),
 all of ``history`` (C-HISTORY), all of ``to_prometheus`` (C-PROMETHEUS),
-the sharing counters and their samples (C-COUNTERS-SHARE), and the fields
-computed from a masked one (``findings.DERIVED_FIELDS``).
+the sharing counters and their samples (C-COUNTERS-SHARE). A fragmentation
+computed from a masked ``n_blocks`` is compared as the spec's fragmented
+blocks over the pool's own ``n_blocks``, so that its echo is no difference
+while a fault of its own still is. (The peak is not derived so: a port whose
+``blocks_in_use`` differs shows its peak under C-COUNTERS-ALLOC as well.)
 
 Complexity: O(size of the observation) per masked observation. Thread safety:
 :data:`MASKING` is a context variable, so a masking set in one thread (or
@@ -30,7 +33,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, TypeGuard
 
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.operations import History, Prometheus, Stats
@@ -64,6 +67,15 @@ class Masking:
     prometheus: bool
     seen: Callable[[Sequence[ConformanceError]], None]
     queries: frozenset[type] = frozenset()
+
+    def compared(self, where: object, actual: object, predicted: object) -> tuple[object, object]:
+        """The pool's and the spec's values of the query ``where`` as compared: the masked
+        parts left out; and, with ``n_blocks`` masked, the spec's fragmentation over the
+        pool's own ``n_blocks``, so that its echo is no difference, while a fragmentation
+        fault of its own still is."""
+        if "n_blocks" in self.stats_fields:
+            predicted = _over_blocks_of(where, actual, predicted)
+        return self.shown(where, actual), self.shown(where, predicted)
 
     def shown(self, where: object, outcome: object) -> object:
         """What of ``outcome``, the value observed by the query ``where``, is compared."""
@@ -100,6 +112,63 @@ class Masking:
 
 
 _FIELDS: Final = model.STATS_FIELDS
+_N_BLOCKS, _FRAGMENTATION = _FIELDS.index("n_blocks"), _FIELDS.index("fragmentation")
+
+
+def _over_blocks_of(where: object, actual: object, predicted: object) -> object:
+    """``predicted`` with every fragmentation it shows (a snapshot's, each history
+    snapshot's, the Prometheus ratio) recomputed over the ``n_blocks`` ``actual`` shows."""
+    if not (isinstance(actual, Returned) and isinstance(predicted, Returned)):
+        return predicted
+    ours, theirs = actual.value, predicted.value
+    if isinstance(where, Stats):
+        return Returned(_refragmented(ours, theirs))
+    if not (isinstance(ours, tuple) and isinstance(theirs, tuple)):
+        return predicted
+    if isinstance(where, History) and len(ours) == len(theirs):
+        return Returned(tuple(map(_refragmented, ours, theirs)))
+    if isinstance(where, Prometheus):
+        return Returned(_reratioed(str(where.prefix), ours, theirs))
+    return predicted
+
+
+def _refragmented(ours: object, theirs: object) -> object:
+    """The spec's snapshot ``theirs`` with its fragmentation over ``ours``' ``n_blocks``."""
+    if not (isinstance(ours, tuple) and isinstance(theirs, tuple)):
+        return theirs
+    if min(len(ours), len(theirs)) < len(_FIELDS):
+        return theirs
+    ratio = _ratio(theirs[_FRAGMENTATION], theirs[_N_BLOCKS], ours[_N_BLOCKS])
+    if ratio is None:
+        return theirs
+    return (*theirs[:_FRAGMENTATION], ratio, *theirs[_FRAGMENTATION + 1 :])
+
+
+def _reratioed(prefix: str, ours: tuple[object, ...], theirs: tuple[object, ...]) -> object:
+    """The spec's samples ``theirs`` with the fragmentation ratio over ``ours``' blocks."""
+    blocks, ratio = f"{prefix}_blocks", f"{prefix}_fragmentation_ratio"
+    mine = dict(sample for sample in ours if isinstance(sample, tuple) and len(sample) == 2)
+    spec = dict(sample for sample in theirs if isinstance(sample, tuple) and len(sample) == 2)
+    if blocks not in mine or blocks not in spec or ratio not in spec:
+        return theirs
+    value = _ratio(spec[ratio], spec[blocks], mine[blocks])
+    if value is None:
+        return theirs
+    return tuple((ratio, value) if sample == (ratio, spec[ratio]) else sample for sample in theirs)
+
+
+def _ratio(spec_ratio: object, spec_blocks: object, pool_blocks: object) -> float | None:
+    """The spec's fragmented blocks (``spec_ratio`` x ``spec_blocks``) over ``pool_blocks``;
+    ``None`` unless all three are numbers."""
+    if not (_is_number(spec_ratio) and _is_number(spec_blocks) and _is_number(pool_blocks)):
+        return None
+    fragmented = round(spec_ratio * spec_blocks)
+    return fragmented / pool_blocks if pool_blocks else 0.0
+
+
+def _is_number(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
 
 #: The masking a lockstep built now takes (``None``: none), read once when it is built.
 MASKING: Final[ContextVar[Masking | None]] = ContextVar("MASKING", default=None)

@@ -175,7 +175,7 @@ class _Collector:
         self.deadline = deadline
         self.by_key: dict[tuple[str, str, str], Finding] = {}
         self.ended_sequences: set[tuple[str, str, str]] = set()  # keys of findings that did
-        self.masked: dict[str, tuple[str, str, str]] = {}  # a masked rule -> its finding's key
+        self.masked: dict[tuple[str, str], tuple[str, str, str]] = {}  # (rule, field) -> key
 
     def knows(self, finding: Finding) -> bool:
         return finding.key in self.by_key
@@ -195,22 +195,23 @@ class _Collector:
 
     def add_allowed(self, errors: Sequence[ConformanceError]) -> None:
         """Keep each of ``errors`` that the allow-list expects: the differences a masking
-        let pass. One lasts past the call it showed after, and a masked rule is let pass
-        whole, so one finding per rule is kept, the shortest, and none where another part
-        found that rule (an echo of one in a part no allowed rule covers, a history
-        snapshot, is dropped)."""
+        let pass. One lasts past the call it showed after, so one finding per rule and
+        field is kept, the shortest, and none where another part found that rule and
+        field (an echo of one in a part no allowed rule covers, a history snapshot, is
+        dropped)."""
         for error in errors:
             finding = finding_from_error(error, "a masked sequence")
             if self.reason(finding) is None:
                 continue
-            kept = self.masked.get(finding.rule)
-            if kept is None and any(f.rule == finding.rule for f in self.by_key.values()):
+            masked = (finding.rule, finding.field)
+            kept = self.masked.get(masked)
+            if kept is None and any((f.rule, f.field) == masked for f in self.by_key.values()):
                 continue  # found unmasked (a check outside sequences)
             if kept is not None and len(self.by_key[kept].calls) <= len(finding.calls):
                 continue
             if kept is not None:
                 del self.by_key[kept]
-            self.masked[finding.rule] = finding.key
+            self.masked[masked] = finding.key
             self._keep(finding)
 
     def reason(self, finding: Finding) -> str | None:
