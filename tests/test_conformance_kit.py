@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import textwrap
+from collections import deque
 from collections.abc import Callable, Mapping
 from contextlib import suppress
 from pathlib import Path
@@ -319,6 +320,34 @@ class _KeepsNoHistory(BlockPoolAllocator):
         raise NotImplementedError("this port keeps no history")
 
 
+class _UnreadableHistory(deque[AllocationStats]):
+    """A history whose snapshots cannot be read: iterating it raises."""
+
+    def __iter__(self) -> NoReturn:
+        raise RuntimeError("the history is kept elsewhere")
+
+
+class _HistoryCannotBeRead(BlockPoolAllocator):
+    """``history`` returns a value the kit cannot read (C-HISTORY); nothing else deviates."""
+
+    @property
+    def history(self) -> deque[AllocationStats]:
+        return _UnreadableHistory()
+
+
+def test_a_value_the_kit_cannot_read_is_a_finding_not_a_gap() -> None:
+    # Once the kit's own reading of the value raised outside the call: the parts became
+    # gaps, and the verdict "inconclusive".
+    report = conformance_report(
+        _HistoryCannotBeRead, depth=2, scopes=[SEPARATE_4], examples=0, errors=block_pool
+    )
+    assert report.gaps == []
+    assert {f.rule for f in report.findings} == {"C-HISTORY"}
+    assert "returned a value the kit cannot read (RuntimeError: the history is kept" in (
+        report.render(verbose=True)
+    )
+
+
 class _CountsOneBlockMore(BlockPoolAllocator):
     """``stats.n_blocks`` one more (C-STATS-NBLOCKS); its fragmentation, fragmented blocks
     over its own ``n_blocks``, is consistent with that."""
@@ -379,10 +408,16 @@ def test_a_sharing_counter_that_differs_is_filed_under_the_rule_that_counts_it()
     ("port", "rule"),
     [
         (_KeepsNoHistory, "C-HISTORY"),
+        (_HistoryCannotBeRead, "C-HISTORY"),
         (_CountsOneBlockMore, "C-STATS-NBLOCKS"),
         (_CountsSharesTwice, "C-COUNTERS-SHARE"),
     ],
-    ids=["history-raises", "n-blocks-and-its-fragmentation", "sharing-counter-and-its-sample"],
+    ids=[
+        "history-raises",
+        "history-cannot-be-read",
+        "n-blocks-and-its-fragmentation",
+        "sharing-counter-and-its-sample",
+    ],
 )
 def test_a_masked_rule_brings_no_false_finding_and_ends_no_sequence(
     port: type[BlockPoolAllocator], rule: str

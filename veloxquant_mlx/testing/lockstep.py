@@ -255,7 +255,7 @@ class Lockstep:
         if error is not None:
             actual: Outcome = pool_side.error_outcome(error)
         else:
-            actual = pool_side.encoder(declaration.returns)(value)
+            actual = pool_side.encoded(declaration.returns, value)
         if actual != predicted or expect is not None:
             self._compare_outcome(op, declaration, actual, predicted, expect)
         if declaration.may_issue_handles and not isinstance(actual, Raised):

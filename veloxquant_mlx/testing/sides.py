@@ -127,6 +127,8 @@ def describe(outcome: Outcome) -> str:
     """An outcome as a reader says it: ``returned (0, 1)``, ``raised ValueError``."""
     if isinstance(outcome, Raised):
         text = outcome.text()
+        if outcome.kind == UNREADABLE:
+            return f"returned a value the kit cannot read ({text})"
         return f"raised {outcome.kind}" + (f" ({text})" if text else "")
     return f"returned {outcome.value!r}"
 
@@ -264,6 +266,10 @@ def parse_prometheus(text: str) -> tuple[tuple[str, float], ...]:
             for sample in family.samples
         )
     )
+
+
+#: The outcome of a call whose returned value the kit cannot read in the spec's form.
+UNREADABLE: Final = "<unreadable value>"
 
 
 def error_outcome(
@@ -421,7 +427,16 @@ class PoolSide(Generic[BlockT]):
                 value = getattr(self.pool, plan.last)(*plan.arguments)
         except Exception as error:  # every error is an outcome, compared with the spec's
             return self.error_outcome(error)
-        return Returned(value) if plan.plain else self.encoder(plan.declaration.returns)(value)
+        return Returned(value) if plan.plain else self.encoded(plan.declaration.returns, value)
+
+    def encoded(self, returns: Returns, value: object) -> Outcome:
+        """``value``, returned by a call that ``returns`` this, in the spec's form; a value
+        the kit cannot read that way (Prometheus text that does not parse, a history that
+        cannot be iterated) is an outcome too, :data:`UNREADABLE`, compared with the spec's."""
+        try:
+            return self.encoder(returns)(value)
+        except Exception as error:
+            return Raised(UNREADABLE, f"{type(error).__name__}: {error}")
 
     def encoder(self, returns: Returns) -> Callable[[object], Outcome]:
         """How this pool's return values of a call that ``returns`` this are compared."""
