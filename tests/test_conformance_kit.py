@@ -36,8 +36,9 @@ from veloxquant_mlx.memory.block_pool import (
 from veloxquant_mlx.testing import exhaustive
 from veloxquant_mlx.testing import report as report_module
 from veloxquant_mlx.testing.conformance import conformance_test_case
+from veloxquant_mlx.testing.differences import Discrepancy
 from veloxquant_mlx.testing.findings import Finding, rule_of
-from veloxquant_mlx.testing.lockstep import ConformanceError, Discrepancy, Lockstep
+from veloxquant_mlx.testing.lockstep import ConformanceError, Lockstep
 from veloxquant_mlx.testing.port import ALL_CALLS, REFERENCE_CALLS, Port, as_port
 from veloxquant_mlx.testing.profiles import PROFILE_VARIABLE
 from veloxquant_mlx.testing.python_text import as_python

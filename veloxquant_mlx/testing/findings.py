@@ -15,7 +15,8 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from dataclasses import field as dataclass_field
 
-from veloxquant_mlx.testing.lockstep import ConformanceError, Discrepancy
+from veloxquant_mlx.testing.differences import Discrepancy
+from veloxquant_mlx.testing.lockstep import ConformanceError
 from veloxquant_mlx.testing.masking import Masking
 from veloxquant_mlx.testing.sides import NoAttribute
 from veloxquant_mlx_spec import model

@@ -33,16 +33,16 @@ at ``OUTCOMES``. Thread safety: none; one thread drives one ``Lockstep``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import asdict
 from enum import Enum
 from typing import Any, Final, NoReturn, Protocol
 
 from veloxquant_mlx.memory.block_pool import PoolConfig
+from veloxquant_mlx.testing.differences import Discrepancy, differences
 from veloxquant_mlx.testing.masking import MASKING
 from veloxquant_mlx.testing.port import ALL_CALLS, REFERENCE_CALLS, Port
 from veloxquant_mlx.testing.sides import (
-    HANDLE_FIELDS,
     PoolSide,
     QueryPlan,
     SpecSide,
@@ -61,7 +61,6 @@ from veloxquant_mlx_spec.table import (
     Handle,
     Outcome,
     Raised,
-    Returned,
     Returns,
     declaration_of,
     matches,
@@ -96,23 +95,6 @@ class Check(Enum):
     OUTCOMES = "outcomes"  # the outcome only (long replays)
     STATE = "state"  # plus live handles, stats, history and every observed query
     EVERYTHING = "everything"  # plus every stale handle
-
-
-@dataclass(frozen=True)
-class Discrepancy:
-    """What differed, for a report: where, and both values.
-
-    ``where`` is the call (``Allocate(...)``) whose outcome differs, or the
-    observation (``Stats()``, ``h(0, 1)``) whose value differs after the last
-    call; ``field`` narrows it (``n_frees``, ``owner``); ``kind`` is
-    ``"outcome"``, ``"observation"`` or ``"other"`` (a message only).
-    """
-
-    kind: str
-    where: object
-    field: str
-    actual: object
-    predicted: object
 
 
 class ConformanceError(AssertionError):
@@ -381,7 +363,7 @@ class Lockstep:
             if self.masking is not None:
                 compared = self._mask(where, keys, actual, predicted)
             if compared[0] != compared[1]:
-                message, discrepancy = next(_differences(keys, *compared, where))
+                message, discrepancy = next(differences(keys, *compared, where))
                 self._fail(message, discrepancy)
         for oracle in self.oracles:
             ours = dict(zip(observation_keys(queries, handles), predicted, strict=True))
@@ -418,8 +400,8 @@ class Lockstep:
             for index, (a, b) in enumerate(zip(actual, predicted, strict=True))
             if a != b and shown[index] == expected[index]
         ]
-        differences = list(
-            _differences(
+        let_pass = list(
+            differences(
                 [keys[i] for i in passing],
                 [actual[i] for i in passing],
                 [predicted[i] for i in passing],
@@ -427,8 +409,8 @@ class Lockstep:
                 every_field=True,
             )
         )
-        if differences:
-            masking.seen([self._error(message, found) for message, found in differences])
+        if let_pass:
+            masking.seen([self._error(message, found) for message, found in let_pass])
         return shown, expected
 
     def _fail(self, message: str, discrepancy: Discrepancy | None = None) -> NoReturn:
@@ -447,56 +429,3 @@ class Lockstep:
             self.state.config,
             self.state.history_len,
         )
-
-
-def _differences(
-    keys: Sequence[str],
-    actual: Sequence[object],
-    predicted: Sequence[object],
-    where: Sequence[object],
-    *,
-    every_field: bool = False,
-) -> Iterator[tuple[str, Discrepancy]]:
-    """Each observation that differs, said as a reader would check it: its first differing
-    field, or (``every_field``) each differing field of a stats snapshot."""
-    for key, got, want, place in zip(keys, actual, predicted, where, strict=True):
-        if got == want:
-            continue
-        if key.startswith("h("):
-            assert isinstance(got, tuple) and isinstance(want, tuple), "handle fields"
-            name, a, b = next(
-                (n, a, b) for n, a, b in zip(HANDLE_FIELDS, got, want, strict=True) if a != b
-            )
-            message = f"{key} shows {name}={a!r}; the spec predicts {name}={b!r}"
-            yield message, Discrepancy("observation", place, name, a, b)
-            continue
-        assert isinstance(got, Outcome) and isinstance(want, Outcome), "query outcomes"
-        fields = _fields(key, got, want)
-        for name, a, b in fields if every_field else fields[:1]:
-            shown = {"Stats()": "stats.", "History()": "history"}.get(key, "") + name
-            shown = "len(history)" if shown == "historylen" else shown
-            said = f" ({shown} is {a!r}; the spec predicts {b!r})" if name else ""
-            message = f"{key} {describe(got)}; the spec predicts it {describe(want)}{said}"
-            yield message, Discrepancy("observation", place, name, a, b)
-
-
-def _fields(key: str, got: Outcome, want: Outcome) -> list[tuple[str, object, object]]:
-    """Which fields of a stats snapshot differ (or the first of a history's), with both
-    values, in order; ``[("", got, want)]`` when the values are not snapshots."""
-    shown, predicted = getattr(got, "value", got), getattr(want, "value", want)
-    if key == "History()" and isinstance(shown, tuple) and isinstance(predicted, tuple):
-        if len(shown) != len(predicted):
-            return [("len", len(shown), len(predicted))]
-        for i, (a, b) in enumerate(zip(shown, predicted, strict=True)):
-            if a != b:
-                name, x, y = _fields("Stats()", Returned(a), Returned(b))[0]
-                return [(f"[{i}].{name}" if name else f"[{i}]", x, y)]
-    if key == "Stats()" and isinstance(shown, tuple) and isinstance(predicted, tuple):
-        differing = [
-            (name, a, b)
-            for name, a, b in zip(model.STATS_FIELDS, shown, predicted, strict=False)
-            if a != b
-        ]
-        if differing:
-            return differing
-    return [("", shown, predicted)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import MISSING
 
-from veloxquant_mlx.testing.lockstep import Discrepancy
+from veloxquant_mlx.testing.differences import Discrepancy
 from veloxquant_mlx.testing.port import CONFIG_DEFAULTS, CONFIG_FIELDS, Port
 from veloxquant_mlx.testing.sides import SpecSide
 from veloxquant_mlx_spec import model
