@@ -317,7 +317,7 @@ def explore(
     checker = _Checker(scenario, factory, granularity)
     violations: list[ScheduleViolation] = []
     choices: list[int] | None = []
-    schedules, any_pruned, interrupted, stopped_at_first = 0, False, False, False
+    schedules, any_pruned, interrupted = 0, False, False
     while choices is not None and schedules < max_schedules:
         if interrupt is not None and interrupt.is_set():
             interrupted = True
@@ -333,7 +333,6 @@ def explore(
         if violation is not None:
             violations.append(violation)
             if stop_at_first:
-                stopped_at_first = True
                 break
         choices, pruned = next_choices(run.decisions, max_preemptions)
         any_pruned = any_pruned or pruned
@@ -350,7 +349,7 @@ def explore(
         seconds=time.perf_counter() - started,
         complete=choices is None,
         interrupted=interrupted,
-        stopped_at_first=stopped_at_first,
+        stopped_at_first=bool(violations) and stop_at_first and choices is not None,
     )
 
 

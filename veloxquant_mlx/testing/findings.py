@@ -95,14 +95,15 @@ def masking_for(
     an observation."""
     rules = set(rules)
     fields = frozenset(name for name, rule in STATS_RULES.items() if rule in rules)
-    history, prometheus = "C-HISTORY" in rules, "C-PROMETHEUS" in rules
     sharing = SHARING_RULE in rules
-    if not (fields or history or prometheus or sharing):
+    queries: set[type] = set(SHARING_COUNTERS if sharing else ())
+    queries |= {History} if "C-HISTORY" in rules else set()
+    queries |= {Prometheus} if "C-PROMETHEUS" in rules else set()
+    if not (fields or queries):
         return None
     samples = {model.STATS_SAMPLES[name] for name in fields}
     samples |= set(model.SHARING_SAMPLES if sharing else ())
-    queries = frozenset(SHARING_COUNTERS if sharing else ())
-    return Masking(fields, frozenset(samples), history, prometheus, seen, queries)
+    return Masking(fields, frozenset(samples), frozenset(queries), seen)
 
 
 def rule_link(rule: str) -> str:

@@ -393,7 +393,10 @@ class Lockstep:
         alone show are told to the masking's ``seen`` (each a ``ConformanceError``)."""
         masking = self.masking
         assert masking is not None, "called with a masking only"
-        pairs = [masking.compared(*triple) for triple in zip(where, actual, predicted, strict=True)]
+        pairs = [
+            (a, p) if a == p else masking.compared(w, a, p)
+            for w, a, p in zip(where, actual, predicted, strict=True)
+        ]
         shown, expected = [a for a, _ in pairs], [p for _, p in pairs]
         passing = [
             index

@@ -55,18 +55,16 @@ class Masking:
     Attributes:
         stats_fields: Stats fields masked in ``stats`` and in every ``history`` snapshot.
         samples: Prometheus samples masked in ``to_prometheus`` (the same counters).
-        history: Mask all of ``history``.
-        prometheus: Mask all of ``to_prometheus``.
+        queries: Query classes masked whole, whatever they return or raise: ``History``
+            (C-HISTORY), ``Prometheus`` (C-PROMETHEUS), the sharing counters
+            (C-COUNTERS-SHARE).
         seen: Told the differences let pass after a call, one error each (not raised).
-        queries: Query classes masked whole (the sharing counters, C-COUNTERS-SHARE).
     """
 
     stats_fields: frozenset[str]
     samples: frozenset[str]
-    history: bool
-    prometheus: bool
+    queries: frozenset[type]
     seen: Callable[[Sequence[ConformanceError]], None]
-    queries: frozenset[type] = frozenset()
 
     def compared(self, where: object, actual: object, predicted: object) -> tuple[object, object]:
         """The pool's and the spec's values of the query ``where`` as compared: the masked
@@ -75,15 +73,11 @@ class Masking:
         fault of its own still is."""
         if "n_blocks" in self.stats_fields:
             predicted = _over_blocks_of(where, actual, predicted)
-        return self.shown(where, actual), self.shown(where, predicted)
+        return self._shown(where, actual), self._shown(where, predicted)
 
-    def shown(self, where: object, outcome: object) -> object:
+    def _shown(self, where: object, outcome: object) -> object:
         """What of ``outcome``, the value observed by the query ``where``, is compared."""
-        if (
-            (self.history and isinstance(where, History))
-            or (self.prometheus and isinstance(where, Prometheus))
-            or type(where) in self.queries
-        ):
+        if type(where) in self.queries:
             return None  # whatever it is: a port without history may raise there
         if not isinstance(outcome, Returned):
             return outcome  # a refused query is compared whole

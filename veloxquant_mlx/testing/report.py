@@ -176,21 +176,17 @@ class _Collector:
         self.by_key: dict[tuple[str, str, str], Finding] = {}
         self.ended_sequences: set[tuple[str, str, str]] = set()  # keys of findings that did
         self.masked: dict[tuple[str, str], tuple[str, str, str]] = {}  # (rule, field) -> key
+        self.rule_fields: set[tuple[str, str]] = set()  # (rule, field) of every finding kept
 
     def knows(self, finding: Finding) -> bool:
         return finding.key in self.by_key
 
-    def add(self, finding: Finding, *, ended_a_sequence: bool = False) -> bool:
-        """Keep ``finding`` if it is new or shorter; whether it was new. One found by the
-        exhaustive or random part (``ended_a_sequence``) ended a sequence of calls."""
-        if ended_a_sequence:
-            self.ended_sequences.add(finding.key)
-        return self._keep(finding)
-
-    def _keep(self, finding: Finding) -> bool:
+    def add(self, finding: Finding) -> bool:
+        """Keep ``finding`` if it is new or shorter; whether it was new."""
         known = self.by_key.get(finding.key)
         if known is None or len(finding.calls) < len(known.calls):
             self.by_key[finding.key] = finding
+            self.rule_fields.add((finding.rule, finding.field))
         return known is None
 
     def add_allowed(self, errors: Sequence[ConformanceError]) -> None:
@@ -205,14 +201,14 @@ class _Collector:
                 continue
             masked = (finding.rule, finding.field)
             kept = self.masked.get(masked)
-            if kept is None and any((f.rule, f.field) == masked for f in self.by_key.values()):
+            if kept is None and masked in self.rule_fields:
                 continue  # found unmasked (a check outside sequences)
             if kept is not None and len(self.by_key[kept].calls) <= len(finding.calls):
                 continue
             if kept is not None:
                 del self.by_key[kept]
             self.masked[masked] = finding.key
-            self._keep(finding)
+            self.add(finding)
 
     def reason(self, finding: Finding) -> str | None:
         """Why ``finding`` is expected, if the allow-list says it is."""
@@ -463,7 +459,8 @@ def _explore(port: Port, scope: Scope, depth: int, collector: _Collector, report
     def found(counterexample: Counterexample) -> None:
         if counterexample.error is not None:
             finding = finding_from_error(counterexample.error, f"exhaustive {scope.name}")
-            collector.add(finding, ended_a_sequence=True)
+            collector.ended_sequences.add(finding.key)
+            collector.add(finding)
 
     scope = port_scope(port, scope)
     try:

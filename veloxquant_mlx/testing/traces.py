@@ -671,9 +671,10 @@ class TraceRecorder:
         Raises:
             ValueError: ``block`` was not handed out by a recorded call.
         """
-        if not self._named(block):
+        entry = self._names.get(id(block))
+        if entry is None or entry[1] is not block:
             raise ValueError(f"{block!r} was not handed out by a recorded call")
-        return self._names[id(block)][0]
+        return entry[0]
 
     def record(
         self, op: object, result: object = None, *, error: BaseException | None = None
