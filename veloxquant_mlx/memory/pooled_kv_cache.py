@@ -474,20 +474,15 @@ class PooledKVCache:
         trim_copies = {n_kept - 1} if shrinks and self._trim_marks_last(kept) else set()
         first_unwritten = min(-(-min(end, kept) // self._block_size), self._maybe_shared)
         rewrite_copies = set(range(first_unwritten)) - trim_copies
-        tail = (*self._key_blocks[n_kept:], *self._value_blocks[n_kept:])
-        rebuilds_reserve = (
-            shrinks
-            and self._trim_reaches_reserve(n_kept)
-            and not any(self._pool.is_shared(block.block_id) for block in tail)
-        )
+        rebuilt = self._reserve_after_trim(n_kept) if shrinks else None
         demand = {}
         for stream, blocks, reserved in (
             ("k", self._key_blocks, self._reserved_keys),
             ("v", self._value_blocks, self._reserved_values),
         ):
             n_reserved, given_back = len(reserved), 0
-            if rebuilds_reserve:
-                n_reserved = max(0, self._reserve_blocks - n_kept)
+            if rebuilt is not None:
+                n_reserved = rebuilt
                 given_back = len(blocks) - n_kept + len(reserved) - n_reserved
             elif shrinks:
                 given_back = sum(not self._pool.is_shared(b.block_id) for b in blocks[n_kept:])
@@ -862,18 +857,26 @@ class PooledKVCache:
         reservation, of those blocks and the reserved ones the first ``max(0, R - n_kept)``
         stay reserved, marked empty (RES-TRIM), unless they may be shared: then all go back."""
         tail_keys, tail_values = self._key_blocks[n_kept:], self._value_blocks[n_kept:]
-        tail = [*tail_keys, *tail_values]
-        n_reserved = max(0, self._reserve_blocks - n_kept)
-        pool = self._pool
-        if not self._trim_reaches_reserve(n_kept):
-            return tail
-        if any(pool.is_shared(block.block_id) for block in tail):  # shared behind its back
-            return tail
+        n_reserved = self._reserve_after_trim(n_kept)
+        if n_reserved is None:
+            return [*tail_keys, *tail_values]
         keys, values = (*tail_keys, *self._reserved_keys), (*tail_values, *self._reserved_values)
         for block in (*tail_keys[:n_reserved], *tail_values[:n_reserved]):
             self._mark_fill(block, 0)
         self._reserved_keys, self._reserved_values = keys[:n_reserved], values[:n_reserved]
         return [*keys[n_reserved:], *values[n_reserved:]]
+
+    def _reserve_after_trim(self, n_kept: int) -> int | None:
+        """The reserved blocks per stream a shrink to ``n_kept`` blocks keeps, of the tail
+        and the reserve (RES-TRIM: ``max(0, R - n_kept)``); ``None`` if it rebuilds no
+        reserve (``_trim_reaches_reserve``), or if a tail block may be shared (behind the
+        book's back): then the whole tail goes back."""
+        if not self._trim_reaches_reserve(n_kept):
+            return None
+        tail = (*self._key_blocks[n_kept:], *self._value_blocks[n_kept:])
+        if any(self._pool.is_shared(block.block_id) for block in tail):
+            return None
+        return max(0, self._reserve_blocks - n_kept)
 
     def _trim_reaches_reserve(self, n_kept: int) -> bool:
         """Whether a shrink to ``n_kept`` blocks rebuilds the reserve (RES-TRIM): it frees
@@ -887,11 +890,9 @@ class PooledKVCache:
         the free half-way, with the book already cut)."""
         n_kept = -(-n_tokens // self._block_size)
         self._require_held_live(range(n_kept, len(self._key_blocks)))
-        if not self._trim_reaches_reserve(n_kept):
-            return
-        for block in (*self._reserved_keys, *self._reserved_values):
-            if block.owner is None:
-                raise stale_block_error(f"reserved block {block!r}", self._owner, "book", "book")
+        if self._trim_reaches_reserve(n_kept):
+            reserved = (*self._reserved_keys, *self._reserved_values)
+            self._require_not_stale(reserved, "reserved block")
 
     def _require_rewrite_private(self, layer: int, start: int, end: int) -> None:
         """``_require_rewritten_private`` of the positions ``start .. end - 1`` that
@@ -1030,9 +1031,14 @@ class PooledKVCache:
         is. A copy-on-write checks every held block: the store's table check after it
         would refuse a stale one, too late to undo the moves."""
         for index in range(len(self._key_blocks)) if indices is None else indices:
-            for block in (self._key_blocks[index], self._value_blocks[index]):
-                if block.owner is None:
-                    raise stale_block_error(f"block {block!r}", self._owner, "book", "book")
+            self._require_not_stale((self._key_blocks[index], self._value_blocks[index]))
+
+    def _require_not_stale(self, blocks: Sequence[Block], label: str = "block") -> None:
+        """Refuse if a handle of ``blocks`` is stale (freed or moved behind the book's
+        back), naming it as ``label``."""
+        for block in blocks:
+            if block.owner is None:
+                raise stale_block_error(f"{label} {block!r}", self._owner, "book", "book")
 
     def _check_table(self) -> None:
         if self.before_change is not None:
