@@ -169,6 +169,14 @@ def make_pool(
     return BlockPoolAllocator(config, history_len=history_len)
 
 
+def leave_free(pool: BlockPoolAllocator, n_free: int, owner: int = 999) -> None:
+    """Check out blocks of each stream to ``owner`` until ``n_free`` are left in it."""
+    for stream in ("k", "v"):
+        n_taken = pool.n_free(stream) - n_free
+        if n_taken:
+            pool.allocate(stream, n_taken * pool.config.block_size, owner)
+
+
 def take_all_free(pool: BlockPoolAllocator, stream: str, owner: int) -> list[int]:
     """Check out every free block of ``stream`` and return their ids in hand-out order."""
     n_free = pool.n_free(stream)

@@ -11,6 +11,7 @@ import gc
 
 import mlx.core as mx
 import pytest
+from conftest import leave_free
 from mlx_lm.models.cache import KVCache
 from store_reads import recording_reads
 from tiny_models import tiny_model
@@ -247,12 +248,6 @@ def _book_and_pool_state(book: PooledKVCache, pool: BlockPoolAllocator) -> tuple
     )
 
 
-def _leave_free(pool: BlockPoolAllocator, n_free: int) -> None:
-    """Check out blocks to another owner until each stream has ``n_free`` left."""
-    for stream in ("k", "v"):
-        pool.allocate(stream, (pool.n_free(stream) - n_free) * BLOCK_SIZE, 999)
-
-
 def test_a_rewrite_after_a_fork_refused_for_the_reservations_top_up_moves_nothing() -> None:
     """RES-USE after a fork: the rewrite must move shared block 0 and grow past the
     reserved blocks, which checks out up to the reservation (3 blocks): 4 of the 2
@@ -264,7 +259,7 @@ def test_a_rewrite_after_a_fork_refused_for_the_reservations_top_up_moves_nothin
     twin = book.fork()
     book.trim(12)
     book.trim(4, layer=0)
-    _leave_free(pool, 2)
+    leave_free(pool, 2)
     before = _book_and_pool_state(book, pool)
     with pytest.raises(BlockPoolExhaustedError):
         book.append(8, layer=0)
@@ -283,7 +278,7 @@ def test_a_rewrite_after_a_fork_asks_no_block_for_growth_the_reservation_covers(
     book.append(8, layer=1)
     twin = book.fork()
     book.trim(4, layer=0)
-    _leave_free(pool, 1)
+    leave_free(pool, 1)
     book.append(8, layer=0)
     assert book.offset == 12 and pool.n_free("k") == 0
     book.check_invariants()
@@ -300,7 +295,7 @@ def test_growth_after_a_fork_refused_for_its_new_block_moves_nothing() -> None:
     book = PooledKVCache(pool)
     book.append(6)
     twin = book.fork()
-    _leave_free(pool, 1)
+    leave_free(pool, 1)
     before = _book_and_pool_state(book, pool)
     with pytest.raises(BlockPoolExhaustedError):
         book.append(4)

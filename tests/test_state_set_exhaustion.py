@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 import pytest
-from conftest import assert_only_exhaustion_recorded, observe
+from conftest import assert_only_exhaustion_recorded, leave_free, observe
 
 from veloxquant_mlx.memory.block_pool import (
     BlockPoolAllocator,
@@ -25,7 +25,6 @@ from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache, PooledKVCache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 
 BLOCK_SIZE, HEADS, HEAD_DIM, N_BLOCKS = 4, 2, 8, 64
-FILLER_OWNER = 999
 
 
 @dataclass(frozen=True)
@@ -94,21 +93,13 @@ def _cache_to_set(original: PoolBackedPromptCache, case: SetCase) -> PoolBackedP
     return cache
 
 
-def _leave_free(pool: BlockPoolAllocator, n_free: int) -> None:
-    """Take every free block of each stream but ``n_free`` for another owner."""
-    for stream in ("k", "v"):
-        n_taken = pool.n_free(stream) - n_free
-        if n_taken:
-            pool.allocate(stream, n_taken * BLOCK_SIZE, FILLER_OWNER, "fp16")
-
-
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())
 def test_a_state_set_with_exactly_the_blocks_it_needs_goes_through(case: SetCase) -> None:
     pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
     original = _request(pool, case)
     cache = _cache_to_set(original, case)
     keys, values = _tokens(case.new, 3), _tokens(case.new, 4)
-    _leave_free(pool, case.need)
+    leave_free(pool, case.need)
     cache[0].state = (keys, values)
     got_keys, got_values, offset = cache[0].state
     assert offset == case.new
@@ -126,7 +117,7 @@ def test_a_state_set_the_pool_cannot_supply_is_refused_and_changes_nothing(
     cache = _cache_to_set(original, case)
     old_keys, old_values, _ = cache[0].state
     mx.eval(old_keys, old_values)
-    _leave_free(pool, case.need - 1)
+    leave_free(pool, case.need - 1)
     book = cache.book
     handles = (*book.key_blocks, *book.value_blocks)
     before = observe(pool, [book.owner, original.book.owner], handles)
@@ -146,7 +137,7 @@ def test_a_fork_whose_twin_was_dropped_unreleased_needs_no_copy_for_a_state_set(
     pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
     case = SetCase(held=8, new=1, need=0)
     twin = _request(pool, case).fork()  # the original, dropped here without release()
-    _leave_free(pool, 0)
+    leave_free(pool, 0)
     twin[0].state = (_tokens(1, 3), _tokens(1, 4))
     assert twin[0].offset == 1
     assert pool.stats.shared_blocks() == 0
