@@ -12,6 +12,10 @@ queries *and* the cache is that function, so :func:`install_paged_attention`
 replaces the module-level name ``scaled_dot_product_attention`` in the
 modules that define the model's layers with a dispatcher:
 
+- if the cache has ``attend_rows(queries, scale, mask)`` (the
+  :class:`AttendsRows` protocol; a batch of pool-backed requests,
+  :mod:`~veloxquant_mlx.memory.batch_cache`) and there are no attention sinks,
+  the cache's answer is returned, unless it answers ``None``;
 - if the cache has ``attend_in_place(queries, scale)`` (the
   :class:`AttendsInPlace` protocol; ``PoolBackedKVCache`` in fused mode), the
   mask is ``None`` (one query position, mlx-lm's decode step) and there are
@@ -42,7 +46,12 @@ from typing import Any, Final, Protocol, runtime_checkable
 
 import mlx.core as mx
 
-__all__ = ["AttendsInPlace", "install_paged_attention", "uninstall_paged_attention"]
+__all__ = [
+    "AttendsInPlace",
+    "AttendsRows",
+    "install_paged_attention",
+    "uninstall_paged_attention",
+]
 
 #: The name mlx-lm's model modules call attention by.
 _NAME: Final = "scaled_dot_product_attention"
@@ -60,6 +69,17 @@ class AttendsInPlace(Protocol):
         """Attention of ``queries`` (``(1, n_q_heads, 1, head_dim)``) over every held
         position, or ``None`` if this cache cannot serve the call (the caller then
         uses the keys and values ``update_and_fetch`` returned)."""
+        ...
+
+
+@runtime_checkable
+class AttendsRows(Protocol):
+    """A batch of caches that computes attention row by row over each row's own positions."""
+
+    def attend_rows(self, queries: mx.array, scale: float, mask: object) -> mx.array | None:
+        """Attention of ``queries`` (``(B, n_q_heads, n, head_dim)``), or ``None`` if this
+        batch cannot serve the call with ``mask`` (the caller then uses the keys and
+        values ``update_and_fetch`` returned, with ``mask``)."""
         ...
 
 
@@ -109,6 +129,11 @@ def _dispatcher(original: _Attention) -> _Attention:
         mask: Any,
         sinks: mx.array | None = None,
     ) -> mx.array:
+        attend_rows = getattr(cache, "attend_rows", None)
+        if attend_rows is not None and sinks is None:
+            by_rows: mx.array | None = attend_rows(queries, scale, mask)
+            if by_rows is not None:
+                return by_rows
         attend = getattr(cache, "attend_in_place", None)
         if attend is not None and mask is None and sinks is None:
             attended: mx.array | None = attend(queries, scale)

@@ -78,7 +78,9 @@ context's per-step gathers: raise it (``mx.set_cache_limit``) or steps
 page-fault fresh memory.
 
 Limits: batch size 1 (one request per cache; run concurrent requests with
-one cache list each over the shared pool and storage); keys and values of
+one cache list each over the shared pool and storage, one after the other
+or in one forward pass through :func:`~veloxquant_mlx.memory.batch_cache.batch_caches`,
+docs/BATCHED_DECODE.md); keys and values of
 the same head dimension; full attention only (no sliding window).
 
 Nothing here converts to NumPy or calls ``.item()``: the module builds MLX
@@ -266,18 +268,8 @@ class PoolBackedKVCache(KVCacheConventions):
             n_tokens: int = shape[2]
         else:
             n_tokens = self._require_update(keys, values)
-        if self._thread_check is not None:  # _require_store_thread, inlined: the decode path
-            self._thread_check()
-        self._releases.drain()  # blocks of caches dropped without release() come back
-        if n_tokens != 1 or not self._kv_bits_checked:
-            # A prompt chunk, or this cache's first call: refuse kv_bits before any block
-            # is taken.
-            bits = kv_bits_of_generation()
-            if bits is not None:
-                raise kv_bits_refusal(bits, dtype_name(self._dtype))
-            self._kv_bits_checked = True
+        start = self._claim(n_tokens)
         book, layer = self._book, self._layer
-        start = book.append(n_tokens, layer=layer)
         try:
             update, table = self._update_through_table, self._table
             if update is not None and table is not None:
@@ -288,6 +280,28 @@ class PoolBackedKVCache(KVCacheConventions):
         except BaseException:
             book.trim(n_tokens, layer=layer)
             raise
+
+    def _claim(self, n_tokens: int) -> int:
+        """What an update does before it writes: refuse another thread than a
+        ``lazy_writes`` store's, give back dropped caches' blocks, refuse ``kv_bits``,
+        and append ``n_tokens`` positions to the book at this layer.
+
+        Returns the first new position. The caller writes them next, and trims them
+        again if the write fails. A batch of requests
+        (:mod:`~veloxquant_mlx.memory.batch_cache`) claims every row's positions before it
+        writes any.
+        """
+        if self._thread_check is not None:  # _require_store_thread, inlined: the decode path
+            self._thread_check()
+        self._releases.drain()  # blocks of caches dropped without release() come back
+        if n_tokens != 1 or not self._kv_bits_checked:
+            # A prompt chunk, or this cache's first call: refuse kv_bits before any block
+            # is taken.
+            bits = kv_bits_of_generation()
+            if bits is not None:
+                raise kv_bits_refusal(bits, dtype_name(self._dtype))
+            self._kv_bits_checked = True
+        return self._book.append(n_tokens, layer=self._layer)
 
     def attend_in_place(self, queries: mx.array, scale: float) -> mx.array | None:
         """Decode attention over every held position, read in place (fused mode).
@@ -387,6 +401,22 @@ class PoolBackedKVCache(KVCacheConventions):
     def book(self) -> PooledKVCache:
         """The request's block table, shared by all its layers."""
         return self._book
+
+    @property
+    def layer(self) -> int:
+        """Which layer of the book and of the store this cache serves."""
+        return self._layer
+
+    @property
+    def storage(self) -> MLXStorage:
+        """The store this layer's positions live in."""
+        return self._storage
+
+    @property
+    def table(self) -> DeviceBlockTable | None:
+        """The device block table the request's layers share; ``None`` where the store
+        has no block-table path (it is then read and written block by block)."""
+        return self._table
 
     # -- internals ---------------------------------------------------------------------
 

@@ -462,35 +462,37 @@ class MLXBlockStorage:
             # the slab then computes only the update.
             mx.eval(keys, values)
         with self._lock:
-            rows = self._slot_rows_locked(layer, table, this_step=True)
-            if type(start) is not int:
-                raise TypeError(f"start must be an int, got {start!r} ({type(start).__name__})")
-            if start < 0 or start + n_new > rows.n_slots:
-                raise ValueError(
-                    f"positions {start!r}..{start}+{n_new} fall outside the table's "
-                    f"{rows.n_slots} slots; expected 0 <= start and start + n <= {rows.n_slots}"
-                )
-            step = rows.for_step(start, n_new)
-            slab = self._slabs[layer]
-            for run in step.writes:  # one run of rows per block; one for a decode step
-                if run.length == n_new:
-                    key_rows, value_rows = keys, values
-                else:
-                    upto = run.first + run.length
-                    key_rows = keys[:, :, run.first : upto]
-                    value_rows = values[:, :, run.first : upto]
-                key_end, value_end = run.key_row + run.length, run.value_row + run.length
-                slab[:, :, run.key_row : key_end] = key_rows  # static: see RowRun
-                slab[:, :, run.value_row : value_end] = value_rows
+            step = self._step_locked(layer, table, start, n_new)
+            slab = _write_step(self._slabs[layer], step, keys, values)
             if n_new:
-                # The list lets go of the old slab: MLX donates its buffer to the update
-                # unless a pending gather or a live view still reads it.
-                self._slabs[layer] = slab
-                if not self._lazy_writes:
-                    publish(slab)
-            if step.run_rows is not None:
-                return block_gather.read_by_slices(slab, step.run_rows, step.n_read)
-            return self._copy_out(slab, step)
+                self._keep_locked(layer, slab)
+            return self._read_step(slab, step)
+
+    def _decode_rows_through_tables(
+        self, layer: int, rows: Sequence[tuple[DeviceBlockTable, int, mx.array, mx.array]]
+    ) -> list[tuple[mx.array, mx.array]]:
+        """:meth:`_decode_through_table` for several requests at once (a batched decode
+        step, :mod:`~veloxquant_mlx.memory.batch_cache`): every row's ``(table, start,
+        keys, values)`` is written before any row is read, so that no read holds a slab
+        that a later row's write would then have to copy whole. The same unchecked
+        entry: the caller has made the keys and values (``(1, n_kv_heads, n,
+        head_dim)`` each, the store's dtype).
+
+        Raises:
+            As :meth:`_decode_through_table`; a refused row leaves every slab as it was.
+        """
+        if not self._lazy_writes:
+            mx.eval(*(keys for _, _, keys, _ in rows), *(values for _, _, _, values in rows))
+        with self._lock:
+            capacity = self._capacity
+            steps = self._steps_locked(layer, rows)
+            if self._capacity != capacity:  # a row's table grew the slabs: every entry again
+                steps = self._steps_locked(layer, rows)
+            slab = self._slabs[layer]
+            for step, (_, _, keys, values) in zip(steps, rows, strict=True):
+                slab = _write_step(slab, step, keys, values)
+            self._keep_locked(layer, slab)
+            return [self._read_step(slab, step) for step in steps]
 
     def fetch_through_table(
         self, layer: int, table: DeviceBlockTable, n_tokens: int
@@ -644,6 +646,40 @@ class MLXBlockStorage:
             schedule_rows=not self._lazy_writes,
         )
 
+    def _step_locked(self, layer: int, table: DeviceBlockTable, start: int, n_new: int) -> StepRows:
+        """Under the lock: the checks of a decode write (layer, thread, table, the range
+        of positions) and its step's rows."""
+        rows = self._slot_rows_locked(layer, table, this_step=True)
+        if type(start) is not int:
+            raise TypeError(f"start must be an int, got {start!r} ({type(start).__name__})")
+        if start < 0 or start + n_new > rows.n_slots:
+            raise ValueError(
+                f"positions {start!r}..{start}+{n_new} fall outside the table's "
+                f"{rows.n_slots} slots; expected 0 <= start and start + n <= {rows.n_slots}"
+            )
+        return rows.for_step(start, n_new)
+
+    def _steps_locked(
+        self, layer: int, rows: Sequence[tuple[DeviceBlockTable, int, mx.array, mx.array]]
+    ) -> list[StepRows]:
+        return [
+            self._step_locked(layer, table, start, keys.shape[2]) for table, start, keys, _ in rows
+        ]
+
+    def _keep_locked(self, layer: int, slab: mx.array) -> None:
+        """Make ``slab`` the layer's (published unless the store has ``lazy_writes``)."""
+        # The list lets go of the old slab: MLX donates its buffer to the update unless
+        # a pending gather or a live view still reads it.
+        self._slabs[layer] = slab
+        if not self._lazy_writes:
+            publish(slab)
+
+    def _read_step(self, slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
+        """The step's read: two slices where each stream's ids run on, else a copy."""
+        if step.run_rows is not None:
+            return block_gather.read_by_slices(slab, step.run_rows, step.n_read)
+        return self._copy_out(slab, step)
+
     def _copy_out(self, slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
         """Keys and values of the step's positions, ``(1, heads, n_read, head_dim)`` each,
         copied out of the slab: one take of their blocks, cut to the positions held (at
@@ -735,6 +771,23 @@ class MLXBlockStorage:
     def _zeros(self, n_blocks: int) -> mx.array:
         rows = n_blocks * self._block_size
         return mx.zeros((1, self._heads, rows, self._head_dim), dtype=self._dtype)
+
+
+def _write_step(slab: mx.array, step: StepRows, keys: mx.array, values: mx.array) -> mx.array:
+    """``slab`` with the step's new keys and values in their rows: one run of rows per
+    block the positions touch (one for a decode step), each a static slice update (see
+    :class:`~veloxquant_mlx.memory.slot_rows.RowRun`)."""
+    n_new = keys.shape[2]
+    for run in step.writes:
+        if run.length == n_new:
+            key_rows, value_rows = keys, values
+        else:
+            upto = run.first + run.length
+            key_rows = keys[:, :, run.first : upto]
+            value_rows = values[:, :, run.first : upto]
+        slab[:, :, run.key_row : run.key_row + run.length] = key_rows
+        slab[:, :, run.value_row : run.value_row + run.length] = value_rows
+    return slab
 
 
 def _require_table(table: object) -> None:

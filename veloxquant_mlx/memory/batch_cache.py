@@ -1,0 +1,311 @@
+"""Batched decode over one pool: several requests' caches as one mlx-lm cache list.
+
+A paged pool holds every request's keys and values in one store, so several
+requests can go through one forward pass of the model: ``batch_caches(requests)``
+returns, per layer, a :class:`PooledBatchLayer` over the requests' own
+:class:`~veloxquant_mlx.memory.kv_cache.PoolBackedKVCache` of that layer, and
+``model(tokens, cache=batch)`` with ``tokens`` of shape ``(B, n)`` decodes all
+``B`` rows at once, as mlx-lm's batched models call a ``BatchKVCache``. The
+rules are docs/BATCHED_DECODE.md (``BATCH-...``).
+
+Each row stays its request's: its positions are appended to its own book and
+written to its own blocks, and the request can leave the batch and go on
+alone (or join another batch) at any step, with no copy: a batch holds no
+keys or values of its own. Rows may hold different numbers of positions; the
+batch then reads them left-padded to the longest row, with a mask that hides
+the padding (BATCH-MASK, BATCH-UPDATE). With the attention hook installed
+(:func:`~veloxquant_mlx.memory.attention_hook.install_paged_attention`), the
+batch computes attention itself, row by row over each row's own positions
+(BATCH-ATTEND): the padded arrays are then never computed, so a step copies no
+keys or values.
+
+Why one pass over a layer's slab: rows share it, and a read keeps the slab
+version it read from alive; a later row's write to that slab would then copy
+the whole slab (every request's rows). So the layer claims every row's
+positions first, writes every row's keys and values, and only then reads
+(``MLXBlockStorage._decode_rows_through_tables``).
+
+Complexity (``B`` rows, ``n`` new positions per row, ``T`` the longest row):
+``update_and_fetch`` O(B) host work plus O(B * n) device work to write and,
+only where the padded arrays are computed, O(B * T) to pad; ``offset`` and
+``make_mask`` O(B) host work (``make_mask`` O(B * n * T) device work for an
+array mask); ``attend_rows`` O(B) host work. Thread safety: a batch is used
+from one thread at a time, as its requests' caches are (with ``lazy_writes``,
+the store's own thread).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Final
+
+import mlx.core as mx
+
+from veloxquant_mlx.memory.block_table import DeviceBlockTable
+from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name
+from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
+
+__all__ = ["PooledBatchLayer", "batch_caches"]
+
+#: A mask value no step made yet (``None`` is a mask: no mask).
+_NO_MASK: Final = object()
+
+
+class _StepMask:
+    """The mask the batch's first layer made for the current step, shared by its layers:
+    attention per row answers only for that very mask (BATCH-ATTEND)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: object = _NO_MASK
+
+
+class PooledBatchLayer:
+    """One layer of a batch of pool-backed requests (mlx-lm's cache protocol, batched).
+
+    Invariants: ``rows`` are the requests' own caches of one layer index, in
+    batch order, distinct, all over one ``MLXBlockStorage`` with the block-table
+    path; the layer holds no keys or values, only the last step's per-row reads
+    (for :meth:`attend_rows`) and the rows' offsets as an array.
+    """
+
+    def __init__(self, rows: Sequence[PoolBackedKVCache], step_mask: _StepMask) -> None:
+        """Use :func:`batch_caches`, which checks the rows."""
+        self._rows: Final = tuple(rows)
+        self._store: Final = _mlx_store_of(self._rows[0])
+        self._layer: Final = self._rows[0].layer
+        self._tables: Final = tuple(_table_of(row) for row in self._rows)
+        self._heads, self._head_dim = self._store.slot_shape
+        self._dtype: Final = self._store.dtype
+        # The mask the batch made for this step (every layer of the batch shares it).
+        self._step_mask: Final = step_mask
+        # The rows' offsets as last asked, and as an array (RoPE asks twice per layer).
+        self._offsets: tuple[int, ...] = ()
+        self._offset_array = mx.array([], dtype=mx.int32)
+        # The last update's reads, one (keys, values) per row, for attend_rows.
+        self._reads: list[tuple[mx.array, mx.array]] = []
+
+    @property
+    def rows(self) -> tuple[PoolBackedKVCache, ...]:
+        """The requests' own caches of this layer, in batch order."""
+        return self._rows
+
+    @property
+    def offset(self) -> mx.array:
+        """Positions each row holds, ``(B,)`` int32: each row's rotary offset (BATCH-OFFSET)."""
+        offsets = tuple(row.offset for row in self._rows)
+        if offsets != self._offsets:
+            self._offsets = offsets
+            self._offset_array = mx.array(offsets, dtype=mx.int32)
+        return self._offset_array
+
+    def make_mask(
+        self, n_new: int, return_array: bool = False, window_size: int | None = None
+    ) -> mx.array | str | None:
+        """The attention mask of a step of ``n_new`` new positions per row (BATCH-MASK;
+        mlx-lm passes it positionally).
+
+        Raises:
+            ValueError: ``window_size`` is given (full attention only), or ``n_new`` is
+                not an int >= 1.
+        """
+        if window_size is not None:
+            raise ValueError(
+                f"window_size must be None: a pooled batch serves full attention only, "
+                f"got {window_size!r}"
+            )
+        if type(n_new) is not int or n_new < 1:
+            raise ValueError(f"n_new must be an int >= 1 (new positions per row), got {n_new!r}")
+        lengths = [row.offset for row in self._rows]
+        longest = max(lengths)
+        mask: mx.array | str | None
+        if min(lengths) == longest and not return_array:
+            mask = None if n_new == 1 else "causal"
+        else:
+            padding = mx.array([longest - length for length in lengths], dtype=mx.int32)
+            mask = _causal_mask(n_new, longest, padding)
+        self._step_mask.value = mask
+        return mask
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """Append each row's ``n`` keys and values to its request; return every row's
+        positions, left-padded to the longest (BATCH-UPDATE, BATCH-REFUSED).
+
+        Args:
+            keys, values: ``(B, n_kv_heads, n, head_dim)`` of the store's dtype; row
+                ``b`` belongs to ``rows[b]``.
+
+        Returns:
+            Keys and values, each ``(B, n_kv_heads, T, head_dim)`` with ``T`` the
+            longest row's positions after the append; row ``b``'s positions are its
+            last ``offset`` entries, zeros before them (lazy: computed only if read).
+
+        Raises:
+            TypeError, ValueError: Keys or values of another type, dtype or shape;
+                nothing changes.
+            BlockPoolExhaustedError, StaleBlockTableError, RuntimeError: As a row's
+                own ``update_and_fetch``; the rows appended before it are trimmed back.
+        """
+        n_new = self._require_batch(keys, values)
+        claimed: list[PoolBackedKVCache] = []
+        try:
+            starts = []
+            for row in self._rows:
+                starts.append(row._claim(n_new))
+                claimed.append(row)
+            rows = list(zip(self._tables, starts, _split(keys), _split(values), strict=True))
+            reads = self._store._decode_rows_through_tables(self._layer, rows)
+        except BaseException:
+            for row in reversed(claimed):
+                row.book.trim(n_new, layer=self._layer)
+            raise
+        self._reads = reads
+        return _left_padded([read[0] for read in reads]), _left_padded([r[1] for r in reads])
+
+    def attend_rows(self, queries: mx.array, scale: float, mask: object) -> mx.array | None:
+        """Attention of ``queries`` (``(B, n_q_heads, n, head_dim)``) computed row by row
+        over each row's own positions, with no padding (BATCH-ATTEND).
+
+        Returns ``None`` (the caller then reads the padded arrays with ``mask``) unless
+        ``mask`` is the one this batch made for the step, the last update wrote ``n``
+        positions per row, and the queries have the store's dtype.
+        """
+        reads = self._reads
+        if mask is not self._step_mask.value or len(reads) != queries.shape[0]:
+            return None
+        n_new = queries.shape[2]
+        if queries.dtype != self._dtype or reads[0][0].shape[2] < n_new:
+            return None
+        row_mask = None if n_new == 1 else "causal"
+        return mx.concatenate(
+            [
+                mx.fast.scaled_dot_product_attention(
+                    row_queries, keys, values, scale=scale, mask=row_mask
+                )
+                for row_queries, (keys, values) in zip(_split(queries), reads, strict=True)
+            ]
+        )
+
+    def _require_batch(self, keys: mx.array, values: mx.array) -> int:
+        """``n`` if keys and values are ``(B, n_kv_heads, n, head_dim)`` of the store's dtype."""
+        if type(keys) is not mx.array or type(values) is not mx.array:
+            raise TypeError(
+                f"keys and values must be mlx.core.array, got {type(keys).__name__} and "
+                f"{type(values).__name__}"
+            )
+        if keys.dtype != self._dtype or values.dtype != self._dtype:
+            raise TypeError(
+                f"keys and values must have the store's dtype {dtype_name(self._dtype)}, got "
+                f"{dtype_name(keys.dtype)} and {dtype_name(values.dtype)}; nothing is cast"
+            )
+        shape, batch = keys.shape, len(self._rows)
+        if (
+            len(shape) != 4
+            or shape != values.shape
+            or shape[0] != batch
+            or shape[1] != self._heads
+            or shape[3] != self._head_dim
+        ):
+            raise ValueError(
+                f"keys and values must both have shape ({batch}, {self._heads}, n, "
+                f"{self._head_dim}) (one row per request of the batch), got {tuple(shape)} "
+                f"and {tuple(values.shape)}"
+            )
+        return int(shape[2])
+
+
+def batch_caches(requests: Sequence[PoolBackedPromptCache]) -> list[PooledBatchLayer]:
+    """One :class:`PooledBatchLayer` per layer over ``requests``, in order (BATCH-ARG):
+    the cache list a batched forward pass takes (``model(tokens, cache=batch)``).
+
+    Raises:
+        TypeError: ``requests`` is not a sequence of ``PoolBackedPromptCache``.
+        ValueError: No request, one listed twice, a released one, requests over
+            different stores or with different numbers of layers, or a store other than
+            an ``MLXBlockStorage``. Nothing changes.
+    """
+    listed = _require_requests(requests)
+    first = listed[0]
+    store = _mlx_store_of(first[0])
+    for index, request in enumerate(listed):
+        if len(request) != len(first):
+            raise ValueError(
+                f"requests[{index}] has {len(request)} layers, requests[0] {len(first)}; "
+                "a batch's requests must come from one model"
+            )
+        if request.book.released:
+            raise ValueError(f"requests[{index}] was released; a batch needs live requests")
+        if request[0].storage is not store:
+            raise ValueError(
+                f"requests[{index}] lives in another store than requests[0]; a batch's "
+                "requests must share one store"
+            )
+    step_mask = _StepMask()
+    return [
+        PooledBatchLayer([request[layer] for request in listed], step_mask)
+        for layer in range(len(first))
+    ]
+
+
+def _require_requests(requests: object) -> list[PoolBackedPromptCache]:
+    if not isinstance(requests, Sequence) or isinstance(requests, str | bytes):
+        raise TypeError(
+            f"requests must be a sequence of PoolBackedPromptCache, got {type(requests).__name__}"
+        )
+    listed = list(requests)
+    if not listed:
+        raise ValueError("requests must hold at least one PoolBackedPromptCache, got none")
+    for index, request in enumerate(listed):
+        if not isinstance(request, PoolBackedPromptCache):
+            raise TypeError(
+                f"requests[{index}] must be a PoolBackedPromptCache, got {type(request).__name__}"
+            )
+        earlier = next((i for i in range(index) if listed[i] is request), None)
+        if earlier is not None:
+            raise ValueError(
+                f"requests[{index}] is requests[{earlier}] again; a request is one row"
+            )
+    return listed
+
+
+def _split(batch: mx.array) -> list[mx.array]:
+    """``batch`` (``(B, ...)``) as ``B`` arrays ``(1, ...)``, in one MLX call."""
+    return list(mx.split(batch, batch.shape[0])) if batch.shape[0] > 1 else [batch]
+
+
+def _table_of(cache: PoolBackedKVCache) -> DeviceBlockTable:
+    table = cache.table
+    if table is None:  # batch_caches checked the store: it serves block tables
+        raise ValueError("a pooled batch needs caches with the block-table path")
+    return table
+
+
+def _mlx_store_of(cache: PoolBackedKVCache) -> MLXBlockStorage:
+    store = cache.storage
+    if not isinstance(store, MLXBlockStorage) or cache.table is None:
+        raise ValueError(f"a pooled batch needs an MLXBlockStorage, got {type(store).__name__}")
+    return store
+
+
+def _causal_mask(n_new: int, longest_before: int, padding: mx.array) -> mx.array:
+    """``(B, 1, n_new, longest_before + n_new)``: query ``i`` of row ``b`` sees key ``j``
+    iff ``padding[b] <= j <= longest_before + i``."""
+    keys = mx.arange(longest_before + n_new)
+    queries = mx.arange(longest_before, longest_before + n_new)[:, None]
+    causal = queries >= keys[None]
+    return causal & (padding[:, None, None, None] <= keys)
+
+
+def _left_padded(arrays: list[mx.array]) -> mx.array:
+    """``arrays`` (each ``(1, heads, t, dim)``) as one ``(B, heads, T, dim)``, each padded
+    with zeros in front to the longest ``T``."""
+    longest = max(array.shape[2] for array in arrays)
+    padded = [
+        array
+        if array.shape[2] == longest
+        else mx.pad(array, [(0, 0), (0, 0), (longest - array.shape[2], 0), (0, 0)])
+        for array in arrays
+    ]
+    return padded[0] if len(padded) == 1 else mx.concatenate(padded)
