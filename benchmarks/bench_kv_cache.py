@@ -22,6 +22,14 @@ passes or fails):
   default); and, with ``--own-stores``, ``pool_backed_reserved`` with a pool
   and store per request (``pool_backed_reserved_own_stores``: no slab shared
   between requests; not a serving design, it measures what sharing costs).
+  With several requests, two variants decode them all in one forward pass
+  per step: ours as ``pool_backed_reserved`` joined by ``batch_caches`` with
+  the attention hook installed, so attention reads each row's own positions
+  (``pool_backed_batched``, docs/BATCHED_DECODE.md); the same without the
+  hook, so attention reads the rows left-padded into one array
+  (``pool_backed_batched_padded``: less host work, a copy per layer); and mlx-lm's own
+  ``BatchKVCache`` made by ``KVCache.merge`` (``mlx_lm_batch_kv_cache``), the
+  like-for-like reference for it.
   Rounds rotate the variants; a figure is a median over rounds, a ratio the
   median of same-round ratios. Targets: ours >= 0.9x ``KVCache`` on a GPU,
   >= 0.95x on a CPU; the concurrent aggregate >= 1x.
@@ -77,6 +85,7 @@ from veloxquant_mlx.memory.attention_hook import (
     install_paged_attention,
     uninstall_paged_attention,
 )
+from veloxquant_mlx.memory.batch_cache import batch_caches
 from veloxquant_mlx.memory.block_table import schedule
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
@@ -124,9 +133,14 @@ class Variant:
     fused: bool = False
     #: Stores made one per request (``--own-stores``), counted instead of ``storage``.
     own_stores: list[MLXBlockStorage] | None = None
+    #: How several requests' caches become one cache list decoded in one forward pass
+    #: per step; ``None``: one pass per request.
+    batch: Callable[[list[Caches]], Caches] | None = None
+    #: Whether the model's attention goes through the hook (fused, or a pooled batch).
+    hooked: bool = False
 
     def resident_bytes(self, caches: list[Caches]) -> int:
-        """Bytes the variant holds for ``caches``: its stores', else ``KVCache``'s."""
+        """Bytes the variant holds for ``caches``: its stores', else the caches' buffers."""
         if self.own_stores is not None:
             return sum(store.resident_bytes() for store in self.own_stores)
         if self.storage is not None:
@@ -164,8 +178,21 @@ def kv_cache_list() -> Caches:
 
 
 def kv_cache_bytes(caches: Sequence[Caches]) -> int:
-    """Bytes mlx-lm's caches hold: their whole buffers, as ``nbytes`` reports them."""
-    return sum(layer.nbytes for cache in caches for layer in cache)
+    """Bytes mlx-lm's caches hold: their whole buffers (``BatchKVCache`` has no ``nbytes``)."""
+    return sum(
+        layer.keys.nbytes + layer.values.nbytes
+        for cache in caches
+        for layer in cache
+        if layer.keys is not None
+    )
+
+
+def merged_kv_caches(requests: list[Caches]) -> Caches:
+    """mlx-lm's batch of ``requests``: one ``BatchKVCache`` per layer (``KVCache.merge``)."""
+    return [
+        KVCache.merge([request[layer] for request in requests])  # type: ignore[no-untyped-call]
+        for layer in range(N_LAYERS)
+    ]
 
 
 # -- decode speed -----------------------------------------------------------------------------
@@ -192,7 +219,7 @@ class CacheClock:
 
     def install(self, caches: Caches) -> None:
         for layer in caches:
-            for name in ("update_and_fetch", "attend_in_place"):
+            for name in ("update_and_fetch", "attend_in_place", "attend_rows"):
                 method = getattr(layer, name, None)
                 if method is not None:
                     setattr(layer, name, self._timed(method))
@@ -256,6 +283,29 @@ def decode_round(model: Module, requests: list[Caches], steps: int) -> RoundFigu
     return RoundFigures(n_tokens / elapsed, host / n_tokens * 1e6, scheduling / n_tokens * 1e6)
 
 
+def decode_round_batched(model: Module, batch: Caches, n_requests: int, steps: int) -> RoundFigures:
+    """:func:`decode_round` for requests joined into one batch: one forward pass per step
+    for all of them, scheduled, then the previous step's tokens waited for."""
+    tokens = mx.ones((n_requests,), dtype=mx.int32)
+    host = scheduling = 0.0
+    previous: list[mx.array] = []
+    start = time.perf_counter()
+    for _ in range(steps):
+        building = time.perf_counter()
+        logits = model(tokens[:, None], cache=batch)
+        tokens = mx.argmax(logits[:, -1], axis=-1)
+        built = time.perf_counter()
+        host += built - building
+        schedule(tokens)
+        scheduling += time.perf_counter() - built
+        mx.eval(previous)
+        previous = [tokens]
+    mx.eval(previous)
+    elapsed = time.perf_counter() - start
+    n_tokens = steps * n_requests
+    return RoundFigures(n_tokens / elapsed, host / n_tokens * 1e6, scheduling / n_tokens * 1e6)
+
+
 def make_variants(
     model: Module, n_requests: int, positions: int, *, fused: bool, own_stores: bool = False
 ) -> dict[str, Variant]:
@@ -289,12 +339,32 @@ def make_variants(
     }
     if own_stores:
         variants["pool_backed_reserved_own_stores"] = own_stores_variant(model, positions, paged)
+    if n_requests > 1:
+        batched = paged(lazy_writes=True)
+        variants["pool_backed_batched"] = Variant(
+            lambda: make_pool_backed_cache(
+                model, batched, attention="gather", reserve_tokens=positions
+            ),
+            batched,
+            batch=batch_caches,  # type: ignore[arg-type]  # a list of PoolBackedPromptCache
+            hooked=True,
+        )
+        padded = paged(lazy_writes=True)
+        variants["pool_backed_batched_padded"] = Variant(
+            lambda: make_pool_backed_cache(
+                model, padded, attention="gather", reserve_tokens=positions
+            ),
+            padded,
+            batch=batch_caches,  # type: ignore[arg-type]  # a list of PoolBackedPromptCache
+        )
+        variants["mlx_lm_batch_kv_cache"] = Variant(kv_cache_list, batch=merged_kv_caches)
     if fused and cuda_unavailable_reason() is None:
         fused_store = paged(lazy_writes=True)
         variants["pool_backed_fused"] = Variant(
             lambda: make_pool_backed_cache(model, fused_store, attention="fused"),
             fused_store,
             fused=True,
+            hooked=True,
         )
     return variants
 
@@ -317,6 +387,29 @@ def own_stores_variant(
     return Variant(make, own_stores=stores)
 
 
+def fill_and_join(
+    variants: dict[str, Variant],
+    requests: dict[str, list[Caches]],
+    clocks: dict[str, CacheClock],
+    context: int,
+) -> dict[str, Caches]:
+    """Prefill every request; join the requests of batched variants into their batch
+    (mlx-lm's merge copies the buffers: only its batch is kept); install the clocks on
+    what the model will call. Returns the batches by variant name."""
+    batches: dict[str, Caches] = {}
+    for name, caches in requests.items():
+        for cache in caches:
+            fill(cache, context)
+        join = variants[name].batch
+        if join is not None:
+            batches[name] = join(caches)
+        for cache in [batches[name]] if name in batches else caches:
+            clocks[name].install(cache)
+    if "mlx_lm_batch_kv_cache" in requests:
+        requests["mlx_lm_batch_kv_cache"] = [batches["mlx_lm_batch_kv_cache"]]
+    return batches
+
+
 def bench_decode_at(
     model: Module, context: int, n_requests: int, options: Options
 ) -> dict[str, object]:
@@ -329,10 +422,7 @@ def bench_decode_at(
         name: [variant.make() for _ in range(n_requests)] for name, variant in variants.items()
     }
     clocks = {name: CacheClock() for name in variants}
-    for name, caches in requests.items():
-        for cache in caches:
-            fill(cache, context)
-            clocks[name].install(cache)
+    batches = fill_and_join(variants, requests, clocks, context)
     uninstall_paged_attention(model)
     speeds: dict[str, list[float]] = {name: [] for name in variants}
     hosts: dict[str, list[float]] = {name: [] for name in variants}
@@ -342,10 +432,17 @@ def bench_decode_at(
     for round_index in range(options.rounds):
         shift = round_index % len(names)
         for name in names[shift:] + names[:shift]:
-            if variants[name].fused:
+            if variants[name].hooked:
                 install_paged_attention(model)
             clocks[name].seconds = 0.0
-            speed, host, scheduling = decode_round(model, requests[name], options.steps_per_round)
+            if name in batches:
+                speed, host, scheduling = decode_round_batched(
+                    model, batches[name], n_requests, options.steps_per_round
+                )
+            else:
+                speed, host, scheduling = decode_round(
+                    model, requests[name], options.steps_per_round
+                )
             uninstall_paged_attention(model)
             speeds[name].append(speed)
             hosts[name].append(host)
@@ -372,6 +469,11 @@ def bench_decode_at(
             ours / theirs for ours, theirs in zip(speeds[name], speeds["kv_cache"], strict=True)
         ]
         row[f"{name}_over_kv_cache"] = statistics.median(ratios)
+    if "pool_backed_batched" in speeds:
+        batched, theirs = speeds["pool_backed_batched"], speeds["mlx_lm_batch_kv_cache"]
+        row["pool_backed_batched_over_mlx_lm_batch_kv_cache"] = statistics.median(
+            ours / reference for ours, reference in zip(batched, theirs, strict=True)
+        )
     for caches in requests.values():
         for cache in caches:
             if hasattr(cache, "release"):
