@@ -1,6 +1,14 @@
 """Batched decode over one pool (docs/BATCHED_DECODE.md): rows of different lengths in
-one forward pass give each request's own logits, bit for bit ``KVCache``'s, with the
-attention hook and without; refused calls leave every request and the pool as they were."""
+one forward pass give each request's own logits, as ``KVCache`` decoding it alone does,
+with the attention hook and without; refused calls leave every request and the pool as
+they were.
+
+On the CPU the logits are equal bit for bit. On MLX's CUDA back-end the model's linear
+layers compute a batch of rows with other kernels than a single row, and float32
+results differ there: up to 2e-3 of the logits' largest magnitude on an H200, where
+the prefills, one row each, agree bit for bit. So on a GPU the logits must agree within
+1% of their largest magnitude and pick the same tokens; a cache that read another
+row's positions or a padded one misses that by far."""
 
 from __future__ import annotations
 
@@ -26,6 +34,8 @@ from veloxquant_mlx.memory.block_pool import (
 )
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+from veloxquant_mlx.memory.pooled_kv_cache import StaleBlockTableError
+from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
 
 N_LAYERS, N_KV_HEADS, HEAD_DIM, BLOCK_SIZE, VOCAB = 2, 2, 16, 4, 96
 #: Prompt lengths of the rows: unequal, across block boundaries.
@@ -41,6 +51,17 @@ def _store(n_blocks: int = 256, *, lazy_writes: bool = True) -> MLXBlockStorage:
     return MLXBlockStorage(
         pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, lazy_writes=lazy_writes
     )
+
+
+def assert_same_logits(batched: mx.array, alone: mx.array, what: str) -> None:
+    """Bit for bit on the CPU; on a GPU within 1% of the largest logit, the same argmax
+    (the module docstring says why)."""
+    if mx.default_device() == mx.cpu:
+        assert mx.array_equal(batched, alone), what
+        return
+    tolerance = 0.01 * mx.abs(alone).max()
+    assert (mx.abs(batched - alone).max() <= tolerance).item(), what
+    assert mx.array_equal(mx.argmax(batched, axis=-1), mx.argmax(alone, axis=-1)), what
 
 
 class Rows:
@@ -65,7 +86,7 @@ class Rows:
         batched = self.model(tokens, cache=batch)
         for position, row in enumerate(order):
             alone = self.model(tokens[position : position + 1], cache=self.theirs[row])
-            assert mx.array_equal(batched[position : position + 1], alone), f"row {row}"
+            assert_same_logits(batched[position : position + 1], alone, f"row {row}")
             self.next_tokens[row] = int(mx.argmax(alone[0, -1]))
 
     def release(self) -> None:
@@ -106,7 +127,8 @@ def test_a_chunk_of_positions_per_row_decodes_as_each_alone(model: Module) -> No
     chunk = mx.random.randint(0, VOCAB, (len(LENGTHS), 3), key=mx.random.key(5))
     batched = model(chunk, cache=batch)
     for row, theirs in enumerate(rows.theirs):
-        assert mx.array_equal(batched[row : row + 1], model(chunk[row : row + 1], cache=theirs))
+        alone = model(chunk[row : row + 1], cache=theirs)
+        assert_same_logits(batched[row : row + 1], alone, f"row {row}")
     rows.release()
 
 
@@ -172,9 +194,14 @@ def test_offset_and_masks_follow_the_rules() -> None:
     assert equal[0].make_mask(1) is None
     assert equal[0].make_mask(3) == "causal"
     assert isinstance(equal[0].make_mask(1, return_array=True), mx.array)
-    for bad in (0, -1, 1.0, True):
-        with pytest.raises(ValueError, match=r"n_new must be an int >= 1"):
-            layer.make_mask(bad)  # type: ignore[arg-type]
+    for bad in (0, -1):
+        with pytest.raises(ValueError, match=rf"n_new must be an int >= 1 .*, got {bad}"):
+            layer.make_mask(bad)
+    for wrong in (1.0, True, "1"):
+        with pytest.raises(TypeError, match=r"n_new must be an int and return_array a bool"):
+            layer.make_mask(wrong)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"got 1 \(int\) and 'no'"):
+        layer.make_mask(1, return_array="no")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="window_size must be None"):
         layer.make_mask(1, window_size=4)
     twin.release()
@@ -283,3 +310,114 @@ def test_batch_caches_refuses_what_cannot_be_one_batch() -> None:
 
 def _three_layer_store(like: MLXBlockStorage) -> MLXBlockStorage:
     return MLXBlockStorage(like.pool, 3, N_KV_HEADS, HEAD_DIM, mx.float32, lazy_writes=True)
+
+
+@pytest.mark.parametrize("case", ["fork shares the last block", "reservation", "a row forked"])
+def test_a_step_the_pool_cannot_supply_is_refused_before_any_row_changes(case: str) -> None:
+    # Every row's copies and growth are asked for at once, before any row appends: a row
+    # that would copy a shared block or take its reservation, then a row that is refused,
+    # must leave no copy or reservation behind (BATCH-REFUSED).
+    model, store = _model(), _store(n_blocks=16)
+    pool = store.pool
+    reserving = case == "reservation"
+    first = make_pool_backed_cache(model, store, reserve_tokens=16 if reserving else 0)
+    if not reserving:
+        model(prompt(1, 6, VOCAB)[None], cache=first)  # two blocks, the last half full
+    twin = first.fork() if case != "reservation" else None
+    full = make_pool_backed_cache(model, store)
+    model(prompt(2, 4, VOCAB)[None], cache=full)  # one full block: grows next step
+    rows = [first, twin, full] if case == "a row forked" else [first, full]
+    assert all(row is not None for row in rows)
+    _leave_free(pool, 1 if not reserving else 4)
+    layer = batch_caches(rows)[0]  # type: ignore[arg-type]
+    before = _pool_and_rows(pool, rows)  # type: ignore[arg-type]
+    token = mx.zeros((len(rows), N_KV_HEADS, 1, HEAD_DIM))
+    with pytest.raises(BlockPoolExhaustedError, match=r"a batched step of \d requests"):
+        layer.update_and_fetch(token, token)
+    assert _pool_and_rows(pool, rows) == before  # type: ignore[arg-type]
+    model(mx.array([[3]]), cache=full)  # the row that had room alone still has it
+    for cache in (first, twin, full):
+        if cache is not None:
+            cache.release()
+
+
+def _leave_free(pool: CheckedBlockPool[Block], per_stream: int) -> None:
+    for stream in ("k", "v"):
+        extra = pool.n_free(stream) - per_stream
+        if extra > 0:
+            pool.allocate(stream, extra * BLOCK_SIZE, owner=99)
+
+
+def _pool_and_rows(
+    pool: CheckedBlockPool[Block], rows: list[PoolBackedPromptCache]
+) -> tuple[object, ...]:
+    return (
+        [[layer.offset for layer in row] for row in rows],
+        [tuple(block.block_id for block in row.book.key_blocks) for row in rows],
+        [row.book.reserved_blocks for row in rows],
+        pool.stats.blocks_in_use(),
+        pool.n_free("k"),
+        pool.n_free("v"),
+    )
+
+
+@pytest.mark.parametrize("stale_row", [0, 2])
+def test_a_row_with_a_stale_block_is_refused_before_any_row_changes(stale_row: int) -> None:
+    store = _store()
+    rows = Rows(_model(), store, LENGTHS)
+    stale = rows.ours[stale_row].book.key_blocks[0]
+    store.pool.free([stale])  # behind the book's back
+    [layer, _] = batch_caches(rows.ours)
+    before = [cache[0].offset for cache in rows.ours]
+    token = mx.zeros((len(LENGTHS), N_KV_HEADS, 1, HEAD_DIM))
+    with pytest.raises(StaleBlockTableError, match=rf"block_id={stale.block_id}\b"):
+        layer.update_and_fetch(token, token)
+    assert [cache[0].offset for cache in rows.ours] == before
+    healthy = [row for row in range(len(LENGTHS)) if row != stale_row]
+    pair = batch_caches([rows.ours[row] for row in healthy])  # they go on, as if nothing happened
+    for _ in range(2):
+        rows.step_both(pair, healthy)
+
+
+def test_a_fork_with_a_stale_shared_block_leaves_the_other_rows_as_they_were() -> None:
+    # The fork's own append (into its private last block) would go through; only its
+    # table finds the stale handle. No row may keep a position that was never written.
+    store = _store()
+    rows = Rows(_model(), store, (5, 8))
+    fork = rows.ours[1].fork()
+    rows.model(mx.array([[1]]), cache=fork)  # a private third block, one position in it
+    store.pool.free([fork.book.key_blocks[1]])  # a shared handle, behind the book's back
+    batch = batch_caches([rows.ours[0], fork])
+    with pytest.raises(StaleBlockTableError):
+        rows.model(mx.array([[rows.next_tokens[0]], [1]]), cache=batch)
+    assert [layer.offset for layer in rows.ours[0]] == [5, 5]
+    rows.step_both(batch_caches([rows.ours[0]]), [0])  # bit for bit as before
+    fork.release()
+    rows.release()
+
+
+def test_layers_out_of_step_are_refused_before_any_row_changes(model: Module) -> None:
+    rows = Rows(model, _store(), LENGTHS)
+    rows.ours[1][1].trim(2)  # layer 1 of row 1 alone: the first layer's mask misfits it
+    batch = batch_caches(rows.ours)
+    tokens = mx.array([[rows.next_tokens[row]] for row in range(len(LENGTHS))])
+    with pytest.raises(ValueError, match=r"row 1 holds 7 positions at layer 1 and 10 at the"):
+        model(tokens, cache=batch)
+    # Layer 0 of every row had appended; layer 1 refused before any row changed there.
+    assert [cache[1].offset for cache in rows.ours] == [3, 7, 14]
+    rows.release()
+
+
+def test_attend_rows_answers_once_and_only_for_what_was_written() -> None:
+    rows = Rows(_model(), _store(), LENGTHS)
+    [layer, _] = batch_caches(rows.ours)
+    token = mx.zeros((len(LENGTHS), N_KV_HEADS, 1, HEAD_DIM))
+    queries = mx.zeros((len(LENGTHS), 2 * N_KV_HEADS, 1, HEAD_DIM))
+    mask = layer.make_mask(1)
+    layer.update_and_fetch(token, token)
+    two_positions = mx.zeros((len(LENGTHS), 2 * N_KV_HEADS, 2, HEAD_DIM))
+    assert layer.attend_rows(two_positions, 1.0, mask) is None  # one position was written
+    layer.update_and_fetch(token, token)
+    assert layer.attend_rows(queries, 1.0, mask) is not None
+    assert layer.attend_rows(queries, 1.0, mask) is None  # its reads are used once
+    rows.release()

@@ -23,28 +23,38 @@ Why one pass over a layer's slab: rows share it, and a read keeps the slab
 version it read from alive; a later row's write to that slab would then copy
 the whole slab (every request's rows). So the layer claims every row's
 positions first, writes every row's keys and values, and only then reads
-(``MLXBlockStorage._decode_rows_through_tables``).
+(``MLXBlockStorage._decode_rows_through_tables``); and it keeps the reads only
+until attention has used them. Before the first layer claims anything, every
+row's table is checked and the pool is asked once for every row's blocks
+(BATCH-REFUSED), so a step it cannot supply changes nothing; layers are kept
+in step (BATCH-LOCKSTEP), so the one mask mlx-lm makes fits every layer.
 
 Complexity (``B`` rows, ``n`` new positions per row, ``T`` the longest row):
 ``update_and_fetch`` O(B) host work plus O(B * n) device work to write and,
 only where the padded arrays are computed, O(B * T) to pad; ``offset`` and
 ``make_mask`` O(B) host work (``make_mask`` O(B * n * T) device work for an
-array mask); ``attend_rows`` O(B) host work. Thread safety: a batch is used
+array mask); ``attend_rows`` O(B) host work; the first layer's look before a
+step O(B) pool calls (O(blocks) after a free anywhere in the pool, as a
+request's own first layer). Thread safety: a batch is used
 from one thread at a time, as its requests' caches are (with ``lazy_writes``,
 the store's own thread).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Final
 
 import mlx.core as mx
 
+from veloxquant_mlx.memory.block_pool import BlockPoolExhaustedError
 from veloxquant_mlx.memory.block_table import DeviceBlockTable
+from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name
 from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
+from veloxquant_mlx.memory.stream_supply import require_supply
 
 __all__ = ["PooledBatchLayer", "batch_caches"]
 
@@ -54,7 +64,8 @@ _NO_MASK: Final = object()
 
 class _StepMask:
     """The mask the batch's first layer made for the current step, shared by its layers:
-    attention per row answers only for that very mask (BATCH-ATTEND)."""
+    attention per row answers for that array mask, or ``None`` or ``"causal"``, never
+    for another array (BATCH-ATTEND)."""
 
     __slots__ = ("value",)
 
@@ -67,8 +78,9 @@ class PooledBatchLayer:
 
     Invariants: ``rows`` are the requests' own caches of one layer index, in
     batch order, distinct, all over one ``MLXBlockStorage`` with the block-table
-    path; the layer holds no keys or values, only the last step's per-row reads
-    (for :meth:`attend_rows`) and the rows' offsets as an array.
+    path, the same requests as the batch's first layer's rows; the layer holds no
+    keys or values, only the last update's per-row reads until :meth:`attend_rows`
+    uses them, and the rows' offsets as an array.
     """
 
     def __init__(self, rows: Sequence[PoolBackedKVCache], step_mask: _StepMask) -> None:
@@ -84,8 +96,13 @@ class PooledBatchLayer:
         # The rows' offsets as last asked, and as an array (RoPE asks twice per layer).
         self._offsets: tuple[int, ...] = ()
         self._offset_array = mx.array([], dtype=mx.int32)
-        # The last update's reads, one (keys, values) per row, for attend_rows.
+        # The last update's reads, one (keys, values) per row, until attend_rows uses them
+        # (then dropped: a read kept past its step makes the next write copy the slab).
         self._reads: list[tuple[mx.array, mx.array]] = []
+        # The positions per row the last update wrote (attend_rows answers only for them).
+        self._n_written = 0
+        # The batch's first layer's rows: every other layer must hold what they hold.
+        self._first_rows: tuple[PoolBackedKVCache, ...] = self._rows
 
     @property
     def rows(self) -> tuple[PoolBackedKVCache, ...]:
@@ -105,19 +122,25 @@ class PooledBatchLayer:
         self, n_new: int, return_array: bool = False, window_size: int | None = None
     ) -> mx.array | str | None:
         """The attention mask of a step of ``n_new`` new positions per row (BATCH-MASK;
-        mlx-lm passes it positionally).
+        mlx-lm passes it positionally), from the rows' lengths now, before the step.
 
         Raises:
-            ValueError: ``window_size`` is given (full attention only), or ``n_new`` is
-                not an int >= 1.
+            TypeError: ``n_new`` is not an int, or ``return_array`` not a bool.
+            ValueError: ``n_new`` is below 1, or ``window_size`` is given (full
+                attention only).
         """
+        if type(n_new) is not int or type(return_array) is not bool:
+            raise TypeError(
+                f"n_new must be an int and return_array a bool, got {n_new!r} "
+                f"({type(n_new).__name__}) and {return_array!r}"
+            )
+        if n_new < 1:
+            raise ValueError(f"n_new must be an int >= 1 (new positions per row), got {n_new}")
         if window_size is not None:
             raise ValueError(
                 f"window_size must be None: a pooled batch serves full attention only, "
                 f"got {window_size!r}"
             )
-        if type(n_new) is not int or n_new < 1:
-            raise ValueError(f"n_new must be an int >= 1 (new positions per row), got {n_new!r}")
         lengths = [row.offset for row in self._rows]
         longest = max(lengths)
         mask: mx.array | str | None
@@ -143,42 +166,52 @@ class PooledBatchLayer:
             last ``offset`` entries, zeros before them (lazy: computed only if read).
 
         Raises:
-            TypeError, ValueError: Keys or values of another type, dtype or shape;
-                nothing changes.
-            BlockPoolExhaustedError, StaleBlockTableError, RuntimeError: As a row's
-                own ``update_and_fetch``; the rows appended before it are trimmed back.
+            TypeError, ValueError: Keys or values of another type, dtype or shape, or
+                rows that hold other positions at this layer than at the batch's first
+                (BATCH-LOCKSTEP); nothing changes.
+            BlockPoolExhaustedError: The pool cannot supply every row's blocks at once
+                (asked before any row changes); nothing changes.
+            StaleBlockTableError, RuntimeError: As a row's own ``update_and_fetch``;
+                the rows appended before it are trimmed back.
         """
         n_new = self._require_batch(keys, values)
-        claimed: list[PoolBackedKVCache] = []
+        self._reads = []  # the last step's reads must not outlive it (see __init__)
+        if self._first_rows is self._rows:
+            _require_step_supplied(self._rows, self._tables, n_new)
+        else:
+            self._require_lockstep(n_new)
+        starts = _claim_all(self._rows, n_new)
         try:
-            starts = []
-            for row in self._rows:
-                starts.append(row._claim(n_new))
-                claimed.append(row)
             rows = list(zip(self._tables, starts, _split(keys), _split(values), strict=True))
             reads = self._store._decode_rows_through_tables(self._layer, rows)
         except BaseException:
-            for row in reversed(claimed):
-                row.book.trim(n_new, layer=self._layer)
+            _trim_back(self._rows, n_new)
             raise
-        self._reads = reads
+        self._reads, self._n_written = reads, n_new
         return _left_padded([read[0] for read in reads]), _left_padded([r[1] for r in reads])
 
     def attend_rows(self, queries: mx.array, scale: float, mask: object) -> mx.array | None:
         """Attention of ``queries`` (``(B, n_q_heads, n, head_dim)``) computed row by row
-        over each row's own positions, with no padding (BATCH-ATTEND).
+        over each row's own positions, with no padding (BATCH-ATTEND); the last
+        update's reads are used once.
 
         Returns ``None`` (the caller then reads the padded arrays with ``mask``) unless
-        ``mask`` is the one this batch made for the step, the last update wrote ``n``
-        positions per row, and the queries have the store's dtype.
+        the last update of this layer wrote ``n`` positions per row and nothing has
+        used its reads yet, the queries have ``B`` rows and the store's dtype, and
+        ``mask`` is ``None``, ``"causal"`` or the array the batch made for this step.
         """
-        reads = self._reads
-        if mask is not self._step_mask.value or len(reads) != queries.shape[0]:
+        reads, self._reads = self._reads, []
+        shape = queries.shape
+        if (
+            not reads
+            or len(shape) != 4
+            or shape[0] != len(reads)
+            or shape[2] != self._n_written
+            or queries.dtype != self._dtype
+            or not (mask is None or mask == "causal" or mask is self._step_mask.value)
+        ):
             return None
-        n_new = queries.shape[2]
-        if queries.dtype != self._dtype or reads[0][0].shape[2] < n_new:
-            return None
-        row_mask = None if n_new == 1 else "causal"
+        row_mask = None if self._n_written == 1 else "causal"
         return mx.concatenate(
             [
                 mx.fast.scaled_dot_product_attention(
@@ -187,6 +220,20 @@ class PooledBatchLayer:
                 for row_queries, (keys, values) in zip(_split(queries), reads, strict=True)
             ]
         )
+
+    def _require_lockstep(self, n_new: int) -> None:
+        """BATCH-LOCKSTEP: before this layer's append, each row holds what it holds at
+        the batch's first layer less the ``n_new`` positions that layer appended this
+        step; so the mask made from the first layer's rows is this layer's too."""
+        for index, (row, first) in enumerate(zip(self._rows, self._first_rows, strict=True)):
+            if row.offset + n_new != first.offset:
+                raise ValueError(
+                    f"row {index} holds {row.offset} positions at layer {self._layer} and "
+                    f"{first.offset} at the batch's first layer; expected "
+                    f"{first.offset - n_new} here, the first layer's less this step's "
+                    f"{n_new}: a batch's rows must keep their layers in step (trim every "
+                    "layer alike)"
+                )
 
     def _require_batch(self, keys: mx.array, values: mx.array) -> int:
         """``n`` if keys and values are ``(B, n_kv_heads, n, head_dim)`` of the store's dtype."""
@@ -228,7 +275,7 @@ def batch_caches(requests: Sequence[PoolBackedPromptCache]) -> list[PooledBatchL
     """
     listed = _require_requests(requests)
     first = listed[0]
-    store = _mlx_store_of(first[0])
+    store = _mlx_store_of(first[0], "requests[0]")
     for index, request in enumerate(listed):
         if len(request) != len(first):
             raise ValueError(
@@ -239,14 +286,18 @@ def batch_caches(requests: Sequence[PoolBackedPromptCache]) -> list[PooledBatchL
             raise ValueError(f"requests[{index}] was released; a batch needs live requests")
         if request[0].storage is not store:
             raise ValueError(
-                f"requests[{index}] lives in another store than requests[0]; a batch's "
-                "requests must share one store"
+                f"requests[{index}] lives in another store than requests[0] (a "
+                f"{type(request[0].storage).__name__}); a batch's requests must share one "
+                "MLXBlockStorage"
             )
     step_mask = _StepMask()
-    return [
+    layers = [
         PooledBatchLayer([request[layer] for request in listed], step_mask)
         for layer in range(len(first))
     ]
+    for later in layers[1:]:
+        later._first_rows = layers[0].rows
+    return layers
 
 
 def _require_requests(requests: object) -> list[PoolBackedPromptCache]:
@@ -282,11 +333,78 @@ def _table_of(cache: PoolBackedKVCache) -> DeviceBlockTable:
     return table
 
 
-def _mlx_store_of(cache: PoolBackedKVCache) -> MLXBlockStorage:
+def _mlx_store_of(cache: PoolBackedKVCache, name: str = "a row") -> MLXBlockStorage:
     store = cache.storage
     if not isinstance(store, MLXBlockStorage) or cache.table is None:
-        raise ValueError(f"a pooled batch needs an MLXBlockStorage, got {type(store).__name__}")
+        raise ValueError(
+            f"{name} lives in a {type(store).__name__}; a pooled batch needs an "
+            "MLXBlockStorage (its block-table decode path)"
+        )
     return store
+
+
+def _claim_all(rows: tuple[PoolBackedKVCache, ...], n_new: int) -> list[int]:
+    """Each row's ``_claim`` in order; if one is refused, the rows before it are trimmed
+    back (every one, even if another's trim fails) and the refusal goes up."""
+    starts: list[int] = []
+    try:
+        for row in rows:
+            starts.append(row._claim(n_new))
+    except BaseException:
+        _trim_back(rows[: len(starts)], n_new)
+        raise
+    return starts
+
+
+def _trim_back(rows: Sequence[PoolBackedKVCache], n_new: int) -> None:
+    """Undo ``n_new`` claimed positions of every row, newest row first, going on past a
+    trim that fails: the caller re-raises its own error, which says what went wrong."""
+    for row in reversed(rows):
+        try:
+            row.book.trim(n_new, layer=row.layer)
+        except Exception:  # the step's own error, re-raised by the caller, says what went wrong
+            continue
+
+
+def _require_step_supplied(
+    rows: tuple[PoolBackedKVCache, ...], tables: tuple[DeviceBlockTable, ...], n_new: int
+) -> None:
+    """Before the batch's first layer claims anything: every row's table is live (a
+    stale block is named) and the pool can supply every row's copies and growth at
+    once, after the dropped caches' blocks came back; else refused with nothing
+    changed (BATCH-REFUSED)."""
+    for table in tables:
+        table.require_live()
+    releases = deferred_releases_for(rows[0].book.pool)
+    releases.check_out_reclaiming(lambda: _require_supply_of(rows, n_new))
+
+
+def _require_supply_of(rows: tuple[PoolBackedKVCache, ...], n_new: int) -> None:
+    """Refuse unless the pool can supply, per stream, every row's growth and a copy of
+    each shared block a row moves; a block that ``k`` rows move and ``r`` handles hold
+    is copied ``min(k, r - 1)`` times (its last holder keeps it)."""
+    moved: dict[str, Counter[int]] = {"k": Counter(), "v": Counter()}
+    growth = 0
+    for row in rows:
+        keys, values, grown = row.book.append_moves(n_new, row.layer)
+        moved["k"].update(keys)
+        moved["v"].update(values)
+        growth += grown
+    book = rows[0].book
+    pool = book.pool
+    demand = {
+        stream: growth + sum(min(n, pool.ref_count(i) - 1) for i, n in counts.items())
+        for stream, counts in moved.items()
+    }
+    if not (demand["k"] or demand["v"]):
+        return
+    try:
+        require_supply(pool, demand, book.owner, book.format, pool.free)
+    except BlockPoolExhaustedError as refusal:
+        owners = ", ".join(str(row.book.owner) for row in rows)
+        raise BlockPoolExhaustedError(
+            f"a batched step of {len(rows)} requests (owners {owners}) is refused: {refusal}"
+        ) from None
 
 
 def _causal_mask(n_new: int, longest_before: int, padding: mx.array) -> mx.array:

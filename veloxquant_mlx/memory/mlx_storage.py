@@ -484,9 +484,10 @@ class MLXBlockStorage:
         if not self._lazy_writes:
             mx.eval(*(keys for _, _, keys, _ in rows), *(values for _, _, _, values in rows))
         with self._lock:
-            capacity = self._capacity
-            steps = self._steps_locked(layer, rows)
-            if self._capacity != capacity:  # a row's table grew the slabs: every entry again
+            steps: list[StepRows] = []
+            capacity = -1
+            while capacity != self._capacity:  # a row's table grew the slabs: all rows again
+                capacity = self._capacity
                 steps = self._steps_locked(layer, rows)
             slab = self._slabs[layer]
             for step, (_, _, keys, values) in zip(steps, rows, strict=True):

@@ -422,6 +422,50 @@ class PooledKVCache:
             self._rewrites.pop(layer, None)  # past what it had written: writes are new
         return start
 
+    def append_moves(self, n_tokens: int, layer: int) -> tuple[set[int], set[int], int]:
+        """What ``append(n_tokens, layer=layer)`` would take from the pool, were nothing
+        else to change it first: the ids of the shared key and value blocks it would move
+        to private copies (copy-on-write after a fork: blocks it writes again below the
+        extent, and a partly filled last block it grows into), and the blocks per stream
+        its growth checks out (RES-TAKE). A batch of requests
+        (:mod:`~veloxquant_mlx.memory.batch_cache`) asks every row before it appends any,
+        so that a step the pool cannot supply is refused with nothing changed.
+
+        Raises:
+            RuntimeError: The book was released.
+            TypeError, ValueError: ``n_tokens`` is not an int ``>= 0`` or ``layer``
+                is out of range.
+        """
+        self._require_open()
+        require_int("n_tokens", n_tokens, minimum=0)
+        self._require_layer(layer)
+        start, block_size = self._offsets[layer], self._block_size
+        end = start + n_tokens
+        moved: set[int] = set()
+        if n_tokens and start < self._maybe_shared * block_size and start < self._n_tokens:
+            last = min((min(end, self._n_tokens) - 1) // block_size, self._maybe_shared - 1)
+            moved.update(range(start // block_size, last + 1))  # _own_rewritten's range
+        growth = 0
+        if end > self._n_tokens:
+            last = len(self._key_blocks) - 1
+            if (
+                self._last_may_be_shared
+                and last >= 0
+                and self._key_blocks[last].n_used < block_size
+            ):
+                moved.add(last)  # _grow_to's copy-on-write of the last blocks
+            growth = self._blocks_to_check_out(end)
+        shared = self._pool.is_shared
+        return (
+            {self._key_blocks[i].block_id for i in moved if shared(self._key_blocks[i].block_id)},
+            {
+                self._value_blocks[i].block_id
+                for i in moved
+                if shared(self._value_blocks[i].block_id)
+            },
+            growth,
+        )
+
     def require_rewritable(self, layer: int, end: int) -> None:
         """Refuse, before anything changes, to replace ``layer``'s positions by ``end`` new
         ones (a cache's ``state`` setter does: it trims the layer to nothing, then appends)
