@@ -16,8 +16,8 @@ batch then reads them left-padded to the longest row, with a mask that hides
 the padding (BATCH-MASK, BATCH-UPDATE). With the attention hook installed
 (:func:`~veloxquant_mlx.memory.attention_hook.install_paged_attention`), the
 batch computes attention itself, row by row over each row's own positions
-(BATCH-ATTEND): the padded arrays are then never computed, so a step copies no
-keys or values.
+(BATCH-ATTEND): the padded arrays are then never computed, and each row is read
+as it would be alone.
 
 Why one pass over a layer's slab: rows share it, and a read keeps the slab
 version it read from alive; a later row's write to that slab would then copy
@@ -62,15 +62,24 @@ __all__ = ["PooledBatchLayer", "batch_caches"]
 _NO_MASK: Final = object()
 
 
-class _StepMask:
-    """The mask the batch's first layer made for the current step, shared by its layers:
-    attention per row answers for that array mask, or ``None`` or ``"causal"``, never
-    for another array (BATCH-ATTEND)."""
+class _BatchStep:
+    """What the layers of one batch share within a step: the mask the first layer made
+    (attention per row answers for that array, or ``None`` or ``"causal"``, never for
+    another array: BATCH-ATTEND), and the one layer that holds its rows' reads until
+    attention uses them (a read kept past its layer would make a later write to that
+    layer's slab copy it whole)."""
 
-    __slots__ = ("value",)
+    __slots__ = ("holder", "mask")
 
     def __init__(self) -> None:
-        self.value: object = _NO_MASK
+        self.mask: object = _NO_MASK
+        self.holder: PooledBatchLayer | None = None
+
+    def hold(self, layer: PooledBatchLayer | None) -> None:
+        """Let ``layer`` hold reads (``None``: no layer); the last holder drops its own."""
+        if self.holder is not None and self.holder is not layer:
+            self.holder._reads = []
+        self.holder = layer
 
 
 class PooledBatchLayer:
@@ -83,7 +92,7 @@ class PooledBatchLayer:
     uses them, and the rows' offsets as an array.
     """
 
-    def __init__(self, rows: Sequence[PoolBackedKVCache], step_mask: _StepMask) -> None:
+    def __init__(self, rows: Sequence[PoolBackedKVCache], step: _BatchStep) -> None:
         """Use :func:`batch_caches`, which checks the rows."""
         self._rows: Final = tuple(rows)
         self._store: Final = _mlx_store_of(self._rows[0])
@@ -91,13 +100,13 @@ class PooledBatchLayer:
         self._tables: Final = tuple(_table_of(row) for row in self._rows)
         self._heads, self._head_dim = self._store.slot_shape
         self._dtype: Final = self._store.dtype
-        # The mask the batch made for this step (every layer of the batch shares it).
-        self._step_mask: Final = step_mask
+        # What the batch's layers share within a step: its mask and the reads' holder.
+        self._step: Final = step
         # The rows' offsets as last asked, and as an array (RoPE asks twice per layer).
         self._offsets: tuple[int, ...] = ()
         self._offset_array = mx.array([], dtype=mx.int32)
         # The last update's reads, one (keys, values) per row, until attend_rows uses them
-        # (then dropped: a read kept past its step makes the next write copy the slab).
+        # or the next layer's update (_BatchStep.hold).
         self._reads: list[tuple[mx.array, mx.array]] = []
         # The positions per row the last update wrote (attend_rows answers only for them).
         self._n_written = 0
@@ -149,7 +158,7 @@ class PooledBatchLayer:
         else:
             padding = mx.array([longest - length for length in lengths], dtype=mx.int32)
             mask = _causal_mask(n_new, longest, padding)
-        self._step_mask.value = mask
+        self._step.mask = mask
         return mask
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
@@ -175,9 +184,9 @@ class PooledBatchLayer:
                 the rows appended before it are trimmed back.
         """
         n_new = self._require_batch(keys, values)
-        self._reads = []  # the last step's reads must not outlive it (see __init__)
+        self._reads = []  # this layer's last reads must not outlive its step
         if self._first_rows is self._rows:
-            _require_step_supplied(self._rows, self._tables, n_new)
+            _require_step_supplied(self._store, self._rows, self._tables, n_new)
         else:
             self._require_lockstep(n_new)
         starts = _claim_all(self._rows, n_new)
@@ -188,6 +197,7 @@ class PooledBatchLayer:
             _trim_back(self._rows, n_new)
             raise
         self._reads, self._n_written = reads, n_new
+        self._step.hold(self)
         return _left_padded([read[0] for read in reads]), _left_padded([r[1] for r in reads])
 
     def attend_rows(self, queries: mx.array, scale: float, mask: object) -> mx.array | None:
@@ -201,6 +211,8 @@ class PooledBatchLayer:
         ``mask`` is ``None``, ``"causal"`` or the array the batch made for this step.
         """
         reads, self._reads = self._reads, []
+        if self._step.holder is self:
+            self._step.holder = None
         shape = queries.shape
         if (
             not reads
@@ -208,7 +220,7 @@ class PooledBatchLayer:
             or shape[0] != len(reads)
             or shape[2] != self._n_written
             or queries.dtype != self._dtype
-            or not (mask is None or mask == "causal" or mask is self._step_mask.value)
+            or not (mask is None or mask == "causal" or mask is self._step.mask)
         ):
             return None
         row_mask = None if self._n_written == 1 else "causal"
@@ -222,17 +234,16 @@ class PooledBatchLayer:
         )
 
     def _require_lockstep(self, n_new: int) -> None:
-        """BATCH-LOCKSTEP: before this layer's append, each row holds what it holds at
-        the batch's first layer less the ``n_new`` positions that layer appended this
-        step; so the mask made from the first layer's rows is this layer's too."""
+        """BATCH-LOCKSTEP at a later layer: the first layer has appended this step's
+        ``n_new`` positions to every row, and this one has not (the first layer found
+        every row's layers in step, so this holds unless layers are called out of order)."""
         for index, (row, first) in enumerate(zip(self._rows, self._first_rows, strict=True)):
             if row.offset + n_new != first.offset:
                 raise ValueError(
-                    f"row {index} holds {row.offset} positions at layer {self._layer} and "
-                    f"{first.offset} at the batch's first layer; expected "
-                    f"{first.offset - n_new} here, the first layer's less this step's "
-                    f"{n_new}: a batch's rows must keep their layers in step (trim every "
-                    "layer alike)"
+                    f"layer {self._layer} of the batch was called with row {index} holding "
+                    f"{row.offset} positions there and {first.offset} at the first layer; "
+                    f"expected {first.offset - n_new}: call the batch's layers in order in "
+                    "each step, the first one first, as a model does"
                 )
 
     def _require_batch(self, keys: mx.array, values: mx.array) -> int:
@@ -290,9 +301,9 @@ def batch_caches(requests: Sequence[PoolBackedPromptCache]) -> list[PooledBatchL
                 f"{type(request[0].storage).__name__}); a batch's requests must share one "
                 "MLXBlockStorage"
             )
-    step_mask = _StepMask()
+    step = _BatchStep()
     layers = [
-        PooledBatchLayer([request[layer] for request in listed], step_mask)
+        PooledBatchLayer([request[layer] for request in listed], step)
         for layer in range(len(first))
     ]
     for later in layers[1:]:
@@ -367,12 +378,29 @@ def _trim_back(rows: Sequence[PoolBackedKVCache], n_new: int) -> None:
 
 
 def _require_step_supplied(
-    rows: tuple[PoolBackedKVCache, ...], tables: tuple[DeviceBlockTable, ...], n_new: int
+    store: MLXBlockStorage,
+    rows: tuple[PoolBackedKVCache, ...],
+    tables: tuple[DeviceBlockTable, ...],
+    n_new: int,
 ) -> None:
-    """Before the batch's first layer claims anything: every row's table is live (a
-    stale block is named) and the pool can supply every row's copies and growth at
-    once, after the dropped caches' blocks came back; else refused with nothing
-    changed (BATCH-REFUSED)."""
+    """Before the batch's first layer claims anything, what any row's append would
+    refuse (BATCH-REFUSED, BATCH-LOCKSTEP), in the order a request alone meets it: the
+    store's thread, every row's layers in step, ``kv_bits``, every row's table live (a
+    stale block is named), then each row's own look (``append_moves``), and last
+    whether the pool can supply every row's copies and growth at once, after the
+    dropped caches' blocks came back."""
+    store.require_this_thread()
+    for index, row in enumerate(rows):
+        if not row.book.layers_in_step():
+            offsets = [row.book.layer_offset(layer) for layer in range(row.book.n_layers)]
+            raise ValueError(
+                f"row {index} holds {offsets} positions at its layers; a batch needs every "
+                "layer of a row to hold the same positions (trim every layer alike, as "
+                "mlx-lm's trim_prompt_cache does)"
+            )
+    for row in rows:
+        if n_new != 1 or row.kv_bits_pending:
+            row._refuse_kv_bits()
     for table in tables:
         table.require_live()
     releases = deferred_releases_for(rows[0].book.pool)

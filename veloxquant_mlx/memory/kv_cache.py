@@ -295,13 +295,21 @@ class PoolBackedKVCache(KVCacheConventions):
             self._thread_check()
         self._releases.drain()  # blocks of caches dropped without release() come back
         if n_tokens != 1 or not self._kv_bits_checked:
-            # A prompt chunk, or this cache's first call: refuse kv_bits before any block
-            # is taken.
-            bits = kv_bits_of_generation()
-            if bits is not None:
-                raise kv_bits_refusal(bits, dtype_name(self._dtype))
-            self._kv_bits_checked = True
+            self._refuse_kv_bits()
         return self._book.append(n_tokens, layer=self._layer)
+
+    def _refuse_kv_bits(self) -> None:
+        """A prompt chunk, or this cache's first call: refuse the generator's ``kv_bits``
+        before any block is taken (then a decode step need not look again)."""
+        bits = kv_bits_of_generation()
+        if bits is not None:
+            raise kv_bits_refusal(bits, dtype_name(self._dtype))
+        self._kv_bits_checked = True
+
+    @property
+    def kv_bits_pending(self) -> bool:
+        """Whether the next one-position update still looks for ``kv_bits``."""
+        return not self._kv_bits_checked
 
     def attend_in_place(self, queries: mx.array, scale: float) -> mx.array | None:
         """Decode attention over every held position, read in place (fused mode).

@@ -427,20 +427,27 @@ class PooledKVCache:
         else to change it first: the ids of the shared key and value blocks it would move
         to private copies (copy-on-write after a fork: blocks it writes again below the
         extent, and a partly filled last block it grows into), and the blocks per stream
-        its growth checks out (RES-TAKE). A batch of requests
-        (:mod:`~veloxquant_mlx.memory.batch_cache`) asks every row before it appends any,
-        so that a step the pool cannot supply is refused with nothing changed.
+        its growth checks out (RES-TAKE). It first refuses, as the append would, a
+        reserved block the growth would take that is no longer the book's alone, and a
+        block the append writes again or marks that was shared behind the book's back
+        (held blocks freed or moved are the table's to find: ``require_live``). A batch of
+        requests (:mod:`~veloxquant_mlx.memory.batch_cache`) asks every row before it
+        appends any, so that a step one row would refuse changes no row. O(1) pool looks
+        for a decode step.
 
         Raises:
             RuntimeError: The book was released.
             TypeError, ValueError: ``n_tokens`` is not an int ``>= 0`` or ``layer``
                 is out of range.
+            StaleBlockTableError: A reserved block the growth would take, named.
+            ValueError: A block shared behind the book's back, named.
         """
         self._require_open()
         require_int("n_tokens", n_tokens, minimum=0)
         self._require_layer(layer)
         start, block_size = self._offsets[layer], self._block_size
         end = start + n_tokens
+        self._require_appendable(layer, start, end)
         moved: set[int] = set()
         if n_tokens and start < self._maybe_shared * block_size and start < self._n_tokens:
             last = min((min(end, self._n_tokens) - 1) // block_size, self._maybe_shared - 1)
@@ -465,6 +472,22 @@ class PooledKVCache:
             },
             growth,
         )
+
+    def _require_appendable(self, layer: int, start: int, end: int) -> None:
+        """``append``'s own refusals before it changes anything, for positions ``start ..
+        end - 1`` of ``layer`` (see :meth:`append_moves`)."""
+        if end > self._n_tokens and self._reserved_keys:
+            n_taken = -(-end // self._block_size) - len(self._key_blocks)
+            if n_taken > 0:
+                self._require_reserved_intact(n_taken)
+        if self._rewrites and end > start:
+            self._require_rewrite_private(layer, start, end)
+        if end > self._n_tokens and self._key_blocks:
+            self._require_last_markable()
+
+    def layers_in_step(self) -> bool:
+        """Whether every layer holds the same positions (mlx-lm trims all alike). O(layers)."""
+        return min(self._offsets) == max(self._offsets)
 
     def require_rewritable(self, layer: int, end: int) -> None:
         """Refuse, before anything changes, to replace ``layer``'s positions by ``end`` new
