@@ -321,18 +321,24 @@ def make_variants(
         pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks))
         return MLXBlockStorage(pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, mx.float32, **store_options)
 
+    def reserved(store: MLXBlockStorage, **batching: Any) -> Variant:
+        """Requests over ``store`` that reserve every position (``batching``: how the
+        variant joins them, and whether attention goes through the hook)."""
+        return Variant(
+            lambda: make_pool_backed_cache(
+                model, store, attention="gather", reserve_tokens=positions
+            ),
+            store,
+            **batching,
+        )
+
     lazy, eager, reserving = paged(lazy_writes=True), paged(), paged(lazy_writes=True)
     variants = {
         "kv_cache": Variant(kv_cache_list),
         "pool_backed": Variant(
             lambda: make_pool_backed_cache(model, lazy, attention="gather"), lazy
         ),
-        "pool_backed_reserved": Variant(
-            lambda: make_pool_backed_cache(
-                model, reserving, attention="gather", reserve_tokens=positions
-            ),
-            reserving,
-        ),
+        "pool_backed_reserved": reserved(reserving),
         "pool_backed_published_writes": Variant(
             lambda: make_pool_backed_cache(model, eager, attention="gather"), eager
         ),
@@ -340,23 +346,10 @@ def make_variants(
     if own_stores:
         variants["pool_backed_reserved_own_stores"] = own_stores_variant(model, positions, paged)
     if n_requests > 1:
-        batched = paged(lazy_writes=True)
-        variants["pool_backed_batched"] = Variant(
-            lambda: make_pool_backed_cache(
-                model, batched, attention="gather", reserve_tokens=positions
-            ),
-            batched,
-            batch=batch_caches,  # type: ignore[arg-type]  # a list of PoolBackedPromptCache
-            hooked=True,
-        )
-        padded = paged(lazy_writes=True)
-        variants["pool_backed_batched_padded"] = Variant(
-            lambda: make_pool_backed_cache(
-                model, padded, attention="gather", reserve_tokens=positions
-            ),
-            padded,
-            batch=batch_caches,  # type: ignore[arg-type]  # a list of PoolBackedPromptCache
-        )
+        joined: Any = batch_caches  # joins PoolBackedPromptCache lists, a kind of Caches
+        batched = reserved(paged(lazy_writes=True), batch=joined, hooked=True)
+        variants["pool_backed_batched"] = batched
+        variants["pool_backed_batched_padded"] = reserved(paged(lazy_writes=True), batch=joined)
         variants["mlx_lm_batch_kv_cache"] = Variant(kv_cache_list, batch=merged_kv_caches)
     if fused and cuda_unavailable_reason() is None:
         fused_store = paged(lazy_writes=True)
