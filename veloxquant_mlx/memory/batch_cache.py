@@ -34,10 +34,10 @@ Complexity (``B`` rows, ``n`` new positions per row, ``T`` the longest row):
 only where the padded arrays are computed, O(B * T) to pad; ``offset`` and
 ``make_mask`` O(B) host work (``make_mask`` O(B * n * T) device work for an
 array mask); ``attend_rows`` O(B) host work; the first layer's look before a
-step O(B) pool calls (O(blocks) after a free anywhere in the pool, as a
-request's own first layer). Thread safety: a batch is used
-from one thread at a time, as its requests' caches are (with ``lazy_writes``,
-the store's own thread).
+step O(B * layers) host work and O(B) pool calls (O(blocks) after a free
+anywhere in the pool, as a request's own first layer). Thread safety: a batch
+is used from one thread at a time, as its requests' caches are (with
+``lazy_writes``, the store's own thread).
 """
 
 from __future__ import annotations
