@@ -214,16 +214,6 @@ def test_offset_and_masks_follow_the_rules() -> None:
     rows.release()
 
 
-def _state(rows: Rows, store: MLXBlockStorage) -> tuple[object, ...]:
-    pool = store.pool
-    return (
-        [cache[layer].offset for cache in rows.ours for layer in range(N_LAYERS)],
-        [tuple(block.block_id for block in cache.book.key_blocks) for cache in rows.ours],
-        pool.stats.blocks_in_use(),
-        {stream: pool.n_free(stream) for stream in ("k", "v")},
-    )
-
-
 @pytest.mark.parametrize(
     ("keys_shape", "dtype", "error", "match"),
     [
@@ -239,35 +229,30 @@ def test_bad_keys_are_refused_before_any_row_changes(
     store = _store()
     rows = Rows(_model(), store, LENGTHS)
     [layer, _] = batch_caches(rows.ours)
-    before = _state(rows, store)
+    before = _pool_and_rows(store.pool, rows.ours)
     keys = mx.zeros(keys_shape, dtype=dtype)
     with pytest.raises(error, match=match):
         layer.update_and_fetch(keys, keys)
     with pytest.raises(TypeError, match=r"must be mlx\.core\.array"):
         layer.update_and_fetch([1], keys)  # type: ignore[arg-type]
-    assert _state(rows, store) == before
+    assert _pool_and_rows(store.pool, rows.ours) == before
     rows.release()
 
 
-def test_a_row_the_pool_cannot_grow_trims_the_rows_before_it_back() -> None:
+def test_a_step_that_grows_two_rows_with_one_free_block_changes_nothing() -> None:
     # Rows of 4, 4 and 3 positions: the first two need a new block per stream to grow.
     store = _store(n_blocks=8)
     rows = Rows(_model(), store, (4, 4, 3))
     pool = store.pool
-    taken = [
-        block
-        for stream in ("k", "v")
-        if pool.n_free(stream) > 1
-        for block in pool.allocate(stream, (pool.n_free(stream) - 1) * BLOCK_SIZE, owner=99)
-    ]
+    taken = _leave_free(pool, 1)
     assert (pool.n_free("k"), pool.n_free("v")) == (1, 1)
     [layer, _] = batch_caches(rows.ours)
-    before = _state(rows, store)
+    before = _pool_and_rows(store.pool, rows.ours)
     next_key_id = _next_ids(pool)
     token = mx.zeros((3, N_KV_HEADS, 1, HEAD_DIM))
     with pytest.raises(BlockPoolExhaustedError):
-        layer.update_and_fetch(token, token)  # row 0 takes the last blocks, row 1 cannot
-    assert _state(rows, store) == before
+        layer.update_and_fetch(token, token)  # row 0 alone could grow, not rows 0 and 1
+    assert _pool_and_rows(store.pool, rows.ours) == before
     assert _next_ids(pool) == next_key_id  # the pool hands out the same ids next
     for cache in rows.ours:
         cache.book.check_invariants()
@@ -347,11 +332,14 @@ def test_a_step_the_pool_cannot_supply_is_refused_before_any_row_changes(case: s
             cache.release()
 
 
-def _leave_free(pool: CheckedBlockPool[Block], per_stream: int) -> None:
+def _leave_free(pool: CheckedBlockPool[Block], per_stream: int) -> list[Block]:
+    """Take blocks (owner 99) until ``per_stream`` of each stream are free; returns them."""
+    taken: list[Block] = []
     for stream in ("k", "v"):
         extra = pool.n_free(stream) - per_stream
         if extra > 0:
-            pool.allocate(stream, extra * BLOCK_SIZE, owner=99)
+            taken += pool.allocate(stream, extra * BLOCK_SIZE, owner=99)
+    return taken
 
 
 def _pool_and_rows(

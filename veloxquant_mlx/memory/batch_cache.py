@@ -52,7 +52,7 @@ from veloxquant_mlx.memory.block_pool import BlockPoolExhaustedError
 from veloxquant_mlx.memory.block_table import DeviceBlockTable
 from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache
-from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name, require_arrays
 from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
 from veloxquant_mlx.memory.stream_supply import require_supply
 
@@ -92,10 +92,17 @@ class PooledBatchLayer:
     uses them, and the rows' offsets as an array.
     """
 
-    def __init__(self, rows: Sequence[PoolBackedKVCache], step: _BatchStep) -> None:
-        """Use :func:`batch_caches`, which checks the rows."""
+    def __init__(
+        self,
+        rows: Sequence[PoolBackedKVCache],
+        store: MLXBlockStorage,
+        step: _BatchStep,
+        first_rows: tuple[PoolBackedKVCache, ...] | None,
+    ) -> None:
+        """Use :func:`batch_caches`, which checks the rows and their ``store``;
+        ``first_rows`` are the batch's first layer's (``None``: this is it)."""
         self._rows: Final = tuple(rows)
-        self._store: Final = _mlx_store_of(self._rows[0])
+        self._store: Final = store
         self._layer: Final = self._rows[0].layer
         self._tables: Final = tuple(_table_of(row) for row in self._rows)
         self._heads, self._head_dim = self._store.slot_shape
@@ -111,7 +118,7 @@ class PooledBatchLayer:
         # The positions per row the last update wrote (attend_rows answers only for them).
         self._n_written = 0
         # The batch's first layer's rows: every other layer must hold what they hold.
-        self._first_rows: tuple[PoolBackedKVCache, ...] = self._rows
+        self._first_rows: Final = self._rows if first_rows is None else first_rows
 
     @property
     def rows(self) -> tuple[PoolBackedKVCache, ...]:
@@ -248,11 +255,7 @@ class PooledBatchLayer:
 
     def _require_batch(self, keys: mx.array, values: mx.array) -> int:
         """``n`` if keys and values are ``(B, n_kv_heads, n, head_dim)`` of the store's dtype."""
-        if type(keys) is not mx.array or type(values) is not mx.array:
-            raise TypeError(
-                f"keys and values must be mlx.core.array, got {type(keys).__name__} and "
-                f"{type(values).__name__}"
-            )
+        require_arrays(keys, values)
         if keys.dtype != self._dtype or values.dtype != self._dtype:
             raise TypeError(
                 f"keys and values must have the store's dtype {dtype_name(self._dtype)}, got "
@@ -302,12 +305,11 @@ def batch_caches(requests: Sequence[PoolBackedPromptCache]) -> list[PooledBatchL
                 "MLXBlockStorage"
             )
     step = _BatchStep()
-    layers = [
-        PooledBatchLayer([request[layer] for request in listed], step)
-        for layer in range(len(first))
+    layers = [PooledBatchLayer([request[0] for request in listed], store, step, None)]
+    layers += [
+        PooledBatchLayer([request[layer] for request in listed], store, step, layers[0].rows)
+        for layer in range(1, len(first))
     ]
-    for later in layers[1:]:
-        later._first_rows = layers[0].rows
     return layers
 
 
@@ -319,13 +321,14 @@ def _require_requests(requests: object) -> list[PoolBackedPromptCache]:
     listed = list(requests)
     if not listed:
         raise ValueError("requests must hold at least one PoolBackedPromptCache, got none")
+    seen: dict[int, int] = {}  # id() of each request: its first index
     for index, request in enumerate(listed):
         if not isinstance(request, PoolBackedPromptCache):
             raise TypeError(
                 f"requests[{index}] must be a PoolBackedPromptCache, got {type(request).__name__}"
             )
-        earlier = next((i for i in range(index) if listed[i] is request), None)
-        if earlier is not None:
+        earlier = seen.setdefault(id(request), index)
+        if earlier != index:
             raise ValueError(
                 f"requests[{index}] is requests[{earlier}] again; a request is one row"
             )
@@ -344,7 +347,7 @@ def _table_of(cache: PoolBackedKVCache) -> DeviceBlockTable:
     return table
 
 
-def _mlx_store_of(cache: PoolBackedKVCache, name: str = "a row") -> MLXBlockStorage:
+def _mlx_store_of(cache: PoolBackedKVCache, name: str) -> MLXBlockStorage:
     store = cache.storage
     if not isinstance(store, MLXBlockStorage) or cache.table is None:
         raise ValueError(
