@@ -35,7 +35,6 @@ from veloxquant_mlx.commandline.files import atomic_file
 from veloxquant_mlx.commandline.progress import ProgressThrottle
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.stress.checker import Violation
-from veloxquant_mlx.stress.config import default_allocator
 from veloxquant_mlx.stress.linearizability import DEFAULT_BUDGET, search
 from veloxquant_mlx.stress.minimal import explain
 from veloxquant_mlx.stress.report import REPRODUCER_NAME
@@ -53,6 +52,7 @@ from veloxquant_mlx.testing.aliasing import (
     mlx_backend,
     spec_config,
 )
+from veloxquant_mlx.testing.exhaustive_scope import default_factory
 from veloxquant_mlx.testing.lockstep import Check, ConformanceError, Lockstep
 from veloxquant_mlx.testing.port import Port
 from veloxquant_mlx.testing.replay_command import TARGETS
@@ -139,7 +139,7 @@ def _target(trace: Trace, on: str, port: Port | None) -> _Target:
     if port is not None:  # a port's finding may be a value read after a call: read them all
         return _Target(Lockstep(port, config, trace.history_len, check=Check.STATE))
     if on == "pool":
-        return _Target(Lockstep(default_allocator, config, trace.history_len, check=Check.OUTCOMES))
+        return _Target(Lockstep(default_factory, config, trace.history_len, check=Check.OUTCOMES))
     backend = mlx_backend(lazy_writes=True) if on == "mlx-lazy" else builtin_backend(on)
     return _Target(AliasingReplay(trace.pool, trace.store, backend, history_len=trace.history_len))
 

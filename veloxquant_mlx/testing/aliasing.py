@@ -103,18 +103,24 @@ __all__ = [
 
 ArrayT = TypeVar("ArrayT")
 
-#: Sentinels count modulo this per dtype, so that every value is exact in it.
-_SENTINEL_MODULUS: Final = {
-    "float16": 2**11,
-    "bfloat16": 2**8,
-    "int8": 2**7,
-    "uint8": 2**8,
-    "int16": 2**15,
-    "uint16": 2**16,
-}
-_DEFAULT_MODULUS: Final = 2**24
+#: Sentinels count modulo at most this (every such count is exact in float32).
+_MAX_MODULUS: Final = 2**24
 #: Compact the spec's state once it holds this many stale handles (they change nothing).
 _COMPACT_AFTER: Final = 256
+
+
+def _sentinel_modulus(dtype: str) -> int:
+    """What sentinels count modulo in ``dtype``, so that every value is exact there: the
+    integers a float type holds exactly (``2 ** (mantissa bits + 1)``), an int type's
+    positive range, at most ``2 ** 24`` (float16 2048, bfloat16 256, int8 128, uint16
+    65536)."""
+    if dtype == "bfloat16":  # not a NumPy dtype: 7 mantissa bits
+        return 2**8
+    kind = np.dtype(dtype)
+    if kind.kind in "iu":
+        return min(_MAX_MODULUS, int(np.iinfo(kind).max) + 1)
+    exact: int = 2 ** (int(np.finfo(kind).nmant) + 1)
+    return min(_MAX_MODULUS, exact)
 
 
 def spec_config(pool: PoolConfig) -> model.SpecConfig:
@@ -184,7 +190,7 @@ class AliasingReplay(Generic[ArrayT]):
         self.spec: Final = store_spec
         self._block_size: Final = pool_config.block_size
         self._max_held_reads: Final = max_held_reads
-        self._modulus: Final = _SENTINEL_MODULUS.get(store_spec.dtype, _DEFAULT_MODULUS)
+        self._modulus: Final = _sentinel_modulus(store_spec.dtype)
         self._shadow: Final[dict[Handle, Values]] = {}
         self._held: Final[list[_HeldRead[ArrayT]]] = []
         self._next_sentinel = 0

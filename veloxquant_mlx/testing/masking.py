@@ -140,7 +140,7 @@ def _refragmented(ours: object, theirs: object) -> object:
 
 def _reratioed(prefix: str, ours: tuple[object, ...], theirs: tuple[object, ...]) -> object:
     """The spec's samples ``theirs`` with the fragmentation ratio over ``ours``' blocks."""
-    blocks, ratio = f"{prefix}_blocks", f"{prefix}_fragmentation_ratio"
+    blocks, ratio = (f"{prefix}_{model.STATS_SAMPLES[f]}" for f in ("n_blocks", "fragmentation"))
     mine = dict(sample for sample in ours if isinstance(sample, tuple) and len(sample) == 2)
     spec = dict(sample for sample in theirs if isinstance(sample, tuple) and len(sample) == 2)
     if blocks not in mine or blocks not in spec or ratio not in spec:
