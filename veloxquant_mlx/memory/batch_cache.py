@@ -52,6 +52,7 @@ from veloxquant_mlx.memory.block_pool import BlockPoolExhaustedError
 from veloxquant_mlx.memory.block_table import DeviceBlockTable
 from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache
+from veloxquant_mlx.memory.mlx_lm_protocol import kv_bits_of_generation, kv_bits_refusal
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name, require_arrays
 from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
 from veloxquant_mlx.memory.stream_supply import require_supply
@@ -69,11 +70,13 @@ class _BatchStep:
     attention uses them (a read kept past its layer would make a later write to that
     layer's slab copy it whole)."""
 
-    __slots__ = ("holder", "mask")
+    __slots__ = ("holder", "kv_bits_checked", "mask")
 
     def __init__(self) -> None:
         self.mask: object = _NO_MASK
         self.holder: PooledBatchLayer | None = None
+        # Whether a step looked for the generator's kv_bits (then one-position steps need not).
+        self.kv_bits_checked = False
 
     def hold(self, layer: PooledBatchLayer | None) -> None:
         """Let ``layer`` hold reads (``None``: no layer); the last holder drops its own."""
@@ -193,10 +196,11 @@ class PooledBatchLayer:
         n_new = self._require_batch(keys, values)
         self._reads = []  # this layer's last reads must not outlive its step
         if self._first_rows is self._rows:
-            _require_step_supplied(self._store, self._rows, self._tables, n_new)
+            _require_step_supplied(self._store, self._rows, self._tables, self._step, n_new)
         else:
+            self._store.require_this_thread()
             self._require_lockstep(n_new)
-        starts = _claim_all(self._rows, n_new)
+        starts = _append_all(self._rows, n_new)
         try:
             rows = list(zip(self._tables, starts, _split(keys), _split(values), strict=True))
             reads = self._store._decode_rows_through_tables(self._layer, rows)
@@ -357,13 +361,15 @@ def _mlx_store_of(cache: PoolBackedKVCache, name: str) -> MLXBlockStorage:
     return store
 
 
-def _claim_all(rows: tuple[PoolBackedKVCache, ...], n_new: int) -> list[int]:
-    """Each row's ``_claim`` in order; if one is refused, the rows before it are trimmed
-    back (every one, even if another's trim fails) and the refusal goes up."""
+def _append_all(rows: tuple[PoolBackedKVCache, ...], n_new: int) -> list[int]:
+    """Append ``n_new`` positions to each row's book at its layer, in order; if one is
+    refused, the rows before it are trimmed back (every one, even if another's trim
+    fails) and the refusal goes up. The checks a request's own update makes first were
+    made for the whole batch (``_require_step_supplied``)."""
     starts: list[int] = []
     try:
         for row in rows:
-            starts.append(row._claim(n_new))
+            starts.append(row.book.append(n_new, layer=row.layer))
     except BaseException:
         _trim_back(rows[: len(starts)], n_new)
         raise
@@ -384,6 +390,7 @@ def _require_step_supplied(
     store: MLXBlockStorage,
     rows: tuple[PoolBackedKVCache, ...],
     tables: tuple[DeviceBlockTable, ...],
+    step: _BatchStep,
     n_new: int,
 ) -> None:
     """Before the batch's first layer claims anything, what any row's append would
@@ -401,9 +408,11 @@ def _require_step_supplied(
                 "layer of a row to hold the same positions (trim every layer alike, as "
                 "mlx-lm's trim_prompt_cache does)"
             )
-    for row in rows:
-        if n_new != 1 or row.kv_bits_pending:
-            row._refuse_kv_bits()
+    if n_new != 1 or not step.kv_bits_checked:  # a prompt chunk, or the first step
+        bits = kv_bits_of_generation()
+        if bits is not None:
+            raise kv_bits_refusal(bits, dtype_name(store.dtype))
+        step.kv_bits_checked = True
     for table in tables:
         table.require_live()
     releases = deferred_releases_for(rows[0].book.pool)

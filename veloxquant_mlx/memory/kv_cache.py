@@ -268,8 +268,18 @@ class PoolBackedKVCache(KVCacheConventions):
             n_tokens: int = shape[2]
         else:
             n_tokens = self._require_update(keys, values)
-        start = self._claim(n_tokens)
+        if self._thread_check is not None:  # _require_store_thread, inlined: the decode path
+            self._thread_check()
+        self._releases.drain()  # blocks of caches dropped without release() come back
+        if n_tokens != 1 or not self._kv_bits_checked:
+            # A prompt chunk, or this cache's first call: refuse kv_bits before any block
+            # is taken.
+            bits = kv_bits_of_generation()
+            if bits is not None:
+                raise kv_bits_refusal(bits, dtype_name(self._dtype))
+            self._kv_bits_checked = True
         book, layer = self._book, self._layer
+        start = book.append(n_tokens, layer=layer)
         try:
             update, table = self._update_through_table, self._table
             if update is not None and table is not None:
@@ -280,36 +290,6 @@ class PoolBackedKVCache(KVCacheConventions):
         except BaseException:
             book.trim(n_tokens, layer=layer)
             raise
-
-    def _claim(self, n_tokens: int) -> int:
-        """What an update does before it writes: refuse another thread than a
-        ``lazy_writes`` store's, give back dropped caches' blocks, refuse ``kv_bits``,
-        and append ``n_tokens`` positions to the book at this layer.
-
-        Returns the first new position. The caller writes them next, and trims them
-        again if the write fails. A batch of requests
-        (:mod:`~veloxquant_mlx.memory.batch_cache`) claims every row's positions before it
-        writes any.
-        """
-        if self._thread_check is not None:  # _require_store_thread, inlined: the decode path
-            self._thread_check()
-        self._releases.drain()  # blocks of caches dropped without release() come back
-        if n_tokens != 1 or not self._kv_bits_checked:
-            self._refuse_kv_bits()
-        return self._book.append(n_tokens, layer=self._layer)
-
-    def _refuse_kv_bits(self) -> None:
-        """A prompt chunk, or this cache's first call: refuse the generator's ``kv_bits``
-        before any block is taken (then a decode step need not look again)."""
-        bits = kv_bits_of_generation()
-        if bits is not None:
-            raise kv_bits_refusal(bits, dtype_name(self._dtype))
-        self._kv_bits_checked = True
-
-    @property
-    def kv_bits_pending(self) -> bool:
-        """Whether the next one-position update still looks for ``kv_bits``."""
-        return not self._kv_bits_checked
 
     def attend_in_place(self, queries: mx.array, scale: float) -> mx.array | None:
         """Decode attention over every held position, read in place (fused mode).

@@ -461,12 +461,18 @@ class MLXBlockStorage:
             # This thread's forward pass up to here, outside the lock: under it, publishing
             # the slab then computes only the update.
             mx.eval(keys, values)
-        with self._lock:
+        with self._lock:  # keeping and reading the slab inlined: a call costs host time
             step = self._step_locked(layer, table, start, n_new)
             slab = _write_step(self._slabs[layer], step, keys, values)
             if n_new:
-                self._keep_locked(layer, slab)
-            return self._read_step(slab, step)
+                # The list lets go of the old slab: MLX donates its buffer to the update
+                # unless a pending gather or a live view still reads it.
+                self._slabs[layer] = slab
+                if not self._lazy_writes:
+                    publish(slab)
+            if step.run_rows is not None:
+                return block_gather.read_by_slices(slab, step.run_rows, step.n_read)
+            return self._copy_out(slab, step)
 
     def _decode_rows_through_tables(
         self, layer: int, rows: Sequence[tuple[DeviceBlockTable, int, mx.array, mx.array]]
@@ -488,11 +494,16 @@ class MLXBlockStorage:
             capacity = -1
             while capacity != self._capacity:  # a row's table grew the slabs: all rows again
                 capacity = self._capacity
-                steps = self._steps_locked(layer, rows)
+                steps = [
+                    self._step_locked(layer, table, start, keys.shape[2])
+                    for table, start, keys, _ in rows
+                ]
             slab = self._slabs[layer]
             for step, (_, _, keys, values) in zip(steps, rows, strict=True):
                 slab = _write_step(slab, step, keys, values)
-            self._keep_locked(layer, slab)
+            self._slabs[layer] = slab  # as in _decode_through_table
+            if not self._lazy_writes:
+                publish(slab)
             return [self._read_step(slab, step) for step in steps]
 
     def fetch_through_table(
@@ -660,23 +671,9 @@ class MLXBlockStorage:
             )
         return rows.for_step(start, n_new)
 
-    def _steps_locked(
-        self, layer: int, rows: Sequence[tuple[DeviceBlockTable, int, mx.array, mx.array]]
-    ) -> list[StepRows]:
-        return [
-            self._step_locked(layer, table, start, keys.shape[2]) for table, start, keys, _ in rows
-        ]
-
-    def _keep_locked(self, layer: int, slab: mx.array) -> None:
-        """Make ``slab`` the layer's (published unless the store has ``lazy_writes``)."""
-        # The list lets go of the old slab: MLX donates its buffer to the update unless
-        # a pending gather or a live view still reads it.
-        self._slabs[layer] = slab
-        if not self._lazy_writes:
-            publish(slab)
-
     def _read_step(self, slab: mx.array, step: StepRows) -> tuple[mx.array, mx.array]:
-        """The step's read: two slices where each stream's ids run on, else a copy."""
+        """A batched step's read of one row (``_decode_through_table`` inlines it): two
+        slices where each stream's ids run on, else a copy."""
         if step.run_rows is not None:
             return block_gather.read_by_slices(slab, step.run_rows, step.n_read)
         return self._copy_out(slab, step)
