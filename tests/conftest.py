@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from veloxquant_mlx.memory import CheckedBlockPool
 from veloxquant_mlx.memory.block_pool import (
     AllocationStats,
     Block,
@@ -169,12 +170,15 @@ def make_pool(
     return BlockPoolAllocator(config, history_len=history_len)
 
 
-def leave_free(pool: BlockPoolAllocator, n_free: int, owner: int = 999) -> None:
-    """Check out blocks of each stream to ``owner`` until ``n_free`` are left in it."""
+def leave_free(pool: CheckedBlockPool[Block], n_free: int, owner: int = 999) -> list[Block]:
+    """Check out blocks of each stream to ``owner`` until at most ``n_free`` are left in
+    it; returns the blocks taken."""
+    taken: list[Block] = []
     for stream in ("k", "v"):
         n_taken = pool.n_free(stream) - n_free
-        if n_taken:
-            pool.allocate(stream, n_taken * pool.config.block_size, owner)
+        if n_taken > 0:
+            taken += pool.allocate(stream, n_taken * pool.config.block_size, owner)
+    return taken
 
 
 def take_all_free(pool: BlockPoolAllocator, stream: str, owner: int) -> list[int]:

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import pytest
+from conftest import leave_free
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache
 from tiny_models import prompt, tiny_model
@@ -244,7 +245,7 @@ def test_a_step_that_grows_two_rows_with_one_free_block_changes_nothing() -> Non
     store = _store(n_blocks=8)
     rows = Rows(_model(), store, (4, 4, 3))
     pool = store.pool
-    taken = _leave_free(pool, 1)
+    taken = leave_free(pool, 1)
     assert (pool.n_free("k"), pool.n_free("v")) == (1, 1)
     [layer, _] = batch_caches(rows.ours)
     before = _pool_and_rows(store.pool, rows.ours)
@@ -319,7 +320,7 @@ def test_a_step_the_pool_cannot_supply_is_refused_before_any_row_changes(case: s
     model(prompt(2, 4, VOCAB)[None], cache=full)  # one full block: grows next step
     rows = [first, twin, full] if case == "a row forked" else [first, full]
     assert all(row is not None for row in rows)
-    _leave_free(pool, 1 if not reserving else 4)
+    leave_free(pool, 1 if not reserving else 4)
     layer = batch_caches(rows)[0]  # type: ignore[arg-type]
     before = _pool_and_rows(pool, rows)  # type: ignore[arg-type]
     token = mx.zeros((len(rows), N_KV_HEADS, 1, HEAD_DIM))
@@ -330,16 +331,6 @@ def test_a_step_the_pool_cannot_supply_is_refused_before_any_row_changes(case: s
     for cache in (first, twin, full):
         if cache is not None:
             cache.release()
-
-
-def _leave_free(pool: CheckedBlockPool[Block], per_stream: int) -> list[Block]:
-    """Take blocks (owner 99) until ``per_stream`` of each stream are free; returns them."""
-    taken: list[Block] = []
-    for stream in ("k", "v"):
-        extra = pool.n_free(stream) - per_stream
-        if extra > 0:
-            taken += pool.allocate(stream, extra * BLOCK_SIZE, owner=99)
-    return taken
 
 
 def _pool_and_rows(
@@ -443,7 +434,7 @@ def test_a_later_row_s_own_refusal_leaves_an_earlier_fork_unmoved(fault: str) ->
 def test_another_thread_is_refused_before_the_pool_is_asked() -> None:
     store = _store(n_blocks=8)
     rows = Rows(_model(), store, (4, 4))  # both grow next step; the pool has too few
-    _leave_free(store.pool, 1)
+    leave_free(store.pool, 1)
     batch = batch_caches(rows.ours)
     token = mx.zeros((2, N_KV_HEADS, 1, HEAD_DIM))
     exhausted = store.pool.stats.n_exhausted

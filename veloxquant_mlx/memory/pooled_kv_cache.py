@@ -95,7 +95,7 @@ at a time; the pool it draws from is shared and locks itself.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from types import TracebackType
 from typing import TYPE_CHECKING, Final, NoReturn
 
@@ -447,20 +447,23 @@ class PooledKVCache:
         self._require_layer(layer)
         start, block_size = self._offsets[layer], self._block_size
         end = start + n_tokens
-        self._require_appendable(layer, start, end)
+        # append's own refusals, as it meets them (it looks at the last blocks only when
+        # a rewrite moves blocks first; else the pool's refused mark is its look).
+        if end > self._n_tokens and self._reserved_keys:
+            n_taken = -(-end // block_size) - len(self._key_blocks)
+            if n_taken > 0:
+                self._require_reserved_intact(n_taken)
+        if self._rewrites and n_tokens:
+            self._require_rewrite_private(layer, start, end)
+        if end > self._n_tokens and self._key_blocks:
+            self._require_last_markable()
         moved: set[int] = set()
         if n_tokens and start < self._maybe_shared * block_size and start < self._n_tokens:
-            last = min((min(end, self._n_tokens) - 1) // block_size, self._maybe_shared - 1)
-            moved.update(range(start // block_size, last + 1))  # _own_rewritten's range
+            moved.update(self._rewritten_range(start, end))
         growth = 0
         if end > self._n_tokens:
-            last = len(self._key_blocks) - 1
-            if (
-                self._last_may_be_shared
-                and last >= 0
-                and self._key_blocks[last].n_used < block_size
-            ):
-                moved.add(last)  # _grow_to's copy-on-write of the last blocks
+            if self._grows_into_shared_last():
+                moved.add(len(self._key_blocks) - 1)
             growth = self._blocks_to_check_out(end)
         shared = self._pool.is_shared
         return (
@@ -472,18 +475,6 @@ class PooledKVCache:
             },
             growth,
         )
-
-    def _require_appendable(self, layer: int, start: int, end: int) -> None:
-        """``append``'s own refusals before it changes anything, for positions ``start ..
-        end - 1`` of ``layer`` (see :meth:`append_moves`)."""
-        if end > self._n_tokens and self._reserved_keys:
-            n_taken = -(-end // self._block_size) - len(self._key_blocks)
-            if n_taken > 0:
-                self._require_reserved_intact(n_taken)
-        if self._rewrites and end > start:
-            self._require_rewrite_private(layer, start, end)
-        if end > self._n_tokens and self._key_blocks:
-            self._require_last_markable()
 
     def layers_in_step(self) -> bool:
         """Whether every layer holds the same positions (mlx-lm trims all alike). O(layers)."""
@@ -518,14 +509,17 @@ class PooledKVCache:
             self._require_reserved_intact(len(self._reserved_keys))
         if min(end, kept) > 0:
             self._require_rewritten_private(0, min(end, kept))
-        self._releases.check_out_reclaiming(lambda: self._require_replacement_supply(end, kept))
-
-    def _require_replacement_supply(self, end: int, kept: int) -> None:
-        """Refuse if the pool cannot supply ``_replacement_demand`` (worked out here, after
-        ``check_out_reclaiming`` drained the dropped caches: a dropped fork shares no more)."""
-        demand = self._replacement_demand(end, kept)
-        if demand["k"] or demand["v"]:
-            require_supply(self._pool, demand, self._owner, self._format, self._free)
+        # The demand is worked out inside, after the dropped caches are drained: a dropped
+        # fork shares no more.
+        self._releases.check_out_reclaiming(
+            lambda: require_supply(
+                self._pool,
+                self._replacement_demand(end, kept),
+                self._owner,
+                self._format,
+                self._free,
+            )
+        )
 
     def _replacement_demand(self, end: int, kept: int) -> dict[str, int]:
         """Blocks per stream that trimming a layer to nothing, with ``kept`` positions
@@ -559,7 +553,7 @@ class PooledKVCache:
             demand[stream] = max(trim_copy, trim_copy + rest)
         return demand
 
-    def _n_shared(self, blocks: tuple[Block, ...], indices: set[int]) -> int:
+    def _n_shared(self, blocks: tuple[Block, ...], indices: Iterable[int]) -> int:
         return sum(self._pool.is_shared(blocks[index].block_id) for index in indices)
 
     def trim(self, n: int, *, layer: int | None = None) -> int:
@@ -758,7 +752,7 @@ class PooledKVCache:
         """Cover ``n_tokens`` positions: fill the last blocks, then take new ones."""
         block_size = self._block_size
         if self._last_may_be_shared:  # once, after a fork: the growth writes into it
-            if self._key_blocks and self._key_blocks[-1].n_used < block_size:
+            if self._grows_into_shared_last():
                 growth = self._blocks_to_check_out(n_tokens)
                 self._own_blocks_reclaiming(len(self._key_blocks) - 1, growth)
             self._last_may_be_shared = False
@@ -1010,28 +1004,41 @@ class PooledKVCache:
         """Copy-on-write before an append writes positions ``start .. end - 1``, the first
         of them held (by a layer trimmed alone, while another layer still holds them):
         each held block among them that is shared moves to a private one, all or none."""
-        block_size = self._block_size
-        first = start // block_size
-        last = min((min(end, self._n_tokens) - 1) // block_size, self._maybe_shared - 1)
+        indices = self._rewritten_range(start, end)
         growth = self._blocks_to_check_out(end)
-        self._releases.check_out_reclaiming(lambda: self._own_range(first, last, growth))
-        if last == self._maybe_shared - 1:
-            self._maybe_shared = first  # every block from first on is now private
+        self._releases.check_out_reclaiming(lambda: self._own_range(indices, growth))
+        if indices.stop == self._maybe_shared:
+            self._maybe_shared = indices.start  # every block from its first on is now private
 
-    def _own_range(self, first: int, last: int, growth: int) -> None:
-        """``_own_blocks`` of every index ``first .. last``. The pool is asked first for
+    def _rewritten_range(self, start: int, end: int) -> range:
+        """Indices of the held blocks, below ``_maybe_shared``, that an append writing
+        positions ``start .. end - 1`` (the first of them held) writes again."""
+        block_size = self._block_size
+        last = min((min(end, self._n_tokens) - 1) // block_size, self._maybe_shared - 1)
+        return range(start // block_size, last + 1)
+
+    def _grows_into_shared_last(self) -> bool:
+        """Whether growth copies the last blocks first (after a fork, a partly filled last
+        block is shared: the growth writes into it)."""
+        return (
+            self._last_may_be_shared
+            and bool(self._key_blocks)
+            and self._key_blocks[-1].n_used < self._block_size
+        )
+
+    def _own_range(self, indices: range, growth: int) -> None:
+        """``_own_blocks`` of every index of ``indices``. The pool is asked first for
         them all and for the ``growth`` blocks per stream the append then checks out, so
         a refusal moves none."""
-        pool, indices = self._pool, range(first, last + 1)
         self._require_held_live()  # before any exhaustion
         moves = {
-            "k": sum(pool.is_shared(self._key_blocks[index].block_id) for index in indices),
-            "v": sum(pool.is_shared(self._value_blocks[index].block_id) for index in indices),
+            "k": self._n_shared(self._key_blocks, indices),
+            "v": self._n_shared(self._value_blocks, indices),
         }
         if moves["k"] or moves["v"]:
             self._check_table()
             demand = {stream: count + growth for stream, count in moves.items()}
-            require_supply(pool, demand, self._owner, self._format, self._free)
+            require_supply(self._pool, demand, self._owner, self._format, self._free)
             for index in indices:
                 self._own_blocks(index)
 
