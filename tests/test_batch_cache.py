@@ -19,10 +19,10 @@ from collections.abc import Callable, Iterator
 
 import mlx.core as mx
 import pytest
-from conftest import leave_free
+from conftest import leave_free, pool_unchanged
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache
-from tiny_models import prompt, tiny_model
+from tiny_models import greedy, prompt, tiny_model
 
 from veloxquant_mlx.memory import CheckedBlockPool
 from veloxquant_mlx.memory.attention_hook import (
@@ -429,6 +429,24 @@ def test_a_later_row_s_own_refusal_leaves_an_earlier_fork_unmoved(fault: str) ->
     assert pool.stats.n_copy_on_write == copies
     for cache in (parent, fork):
         cache.release()
+
+
+@pytest.mark.parametrize("n_prompt", [4, 1])
+def test_kv_bits_is_refused_before_any_row_changes(n_prompt: int) -> None:
+    # mlx-lm's generator asks for kv_bits: a batch's first layer refuses it before it
+    # claims anything, as a request's own cache does (a one-position prompt included).
+    store = _store()
+    assert isinstance(store.pool, BlockPoolAllocator)
+    rows = Rows(_model(), store, (5,))
+    batch = batch_caches(rows.ours)
+    refused = pytest.raises(ValueError, match=r"kv_bits=4 cannot quantize .* float32")
+    with pool_unchanged(store.pool, owners=[rows.ours[0].book.owner]), refused:
+        greedy(rows.model, prompt(3, n_prompt, VOCAB), batch, 2, kv_bits=4, kv_group_size=8)
+    assert [layer.offset for layer in rows.ours[0]] == [5, 5]
+    rows.step_both(batch, [0])  # outside the generator the same batch goes on
+    with pytest.raises(ValueError, match=r"kv_bits=4 cannot quantize"):  # its first probe
+        greedy(rows.model, prompt(3, 1, VOCAB), batch, 2, kv_bits=4, kv_group_size=8)
+    rows.release()
 
 
 def test_another_thread_is_refused_before_the_pool_is_asked() -> None:

@@ -43,8 +43,8 @@ is used from one thread at a time, as its requests' caches are (with
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
-from typing import Final
+from collections.abc import Callable, Sequence
+from typing import Final, NoReturn
 
 import mlx.core as mx
 
@@ -243,6 +243,18 @@ class PooledBatchLayer:
                 for row_queries, (keys, values) in zip(_split(queries), reads, strict=True)
             ]
         )
+
+    @property
+    def to_quantized(self) -> Callable[..., NoReturn]:
+        """Refused as soon as it is looked up, as a request's own cache refuses it:
+        mlx-lm's generator probes it after every forward pass when it asks for
+        ``kv_bits`` (BATCH-REFUSED), also when the batch's earlier steps ran outside
+        a generator and so did not look for ``kv_bits`` again at a one-position step.
+
+        Raises:
+            ValueError: Always, naming ``kv_bits`` and the store's dtype; nothing changes.
+        """
+        raise kv_bits_refusal(kv_bits_of_generation(), dtype_name(self._dtype))
 
     def _require_lockstep(self, n_new: int) -> None:
         """BATCH-LOCKSTEP at a later layer: the first layer has appended this step's
