@@ -317,10 +317,9 @@ def _mix_problem(text: str, *, with_store: bool) -> str | None:
 def _replay_conflicts(args: argparse.Namespace) -> str | None:
     """With ``--replay``, the run's options that were given (they would be ignored): those
     whose value is not the parser's default."""
-    defaults = _option_defaults()
     given = [
         "--" + name.replace("_", "-")
-        for name, default in defaults.items()
+        for name, default in _option_defaults().items()
         if name not in _REPLAY_OPTIONS and getattr(args, name) != default
     ]
     if not given:
@@ -475,11 +474,7 @@ def run(args: argparse.Namespace) -> int:
         )
     if any(finding.kind == "deadlock" for finding in report.findings):
         exit_at_once()  # its threads are stuck: the interpreter's exit could abort
-    if args.json:
-        json.dump(report.to_json(), sys.stdout, indent=2)
-        sys.stdout.write("\n")
-    else:
-        print(summary_text(report))
+    print(json.dumps(report.to_json(), indent=2) if args.json else summary_text(report))
     return report.verdict.exit_status
 
 
@@ -488,13 +483,10 @@ def start_line(config: StressConfig) -> str:
     limits = []
     if config.ops is not None:
         limits.append(f"{config.ops:,} worker calls")
+    most = ""
     if config.duration is not None:
         limits.append(f"{config.duration:g} s")
-    most = (
-        f"; wall time at most {config.duration + config.check_budget:g} s"
-        if config.duration is not None
-        else ""
-    )
+        most = f"; wall time at most {config.duration + config.check_budget:g} s"
     run, search = memory_parts(config)
     return (
         f"[stress {config.profile}] {config.threads} threads until {' or '.join(limits)}, "

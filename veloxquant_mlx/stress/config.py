@@ -12,8 +12,9 @@ the preset of a profile, which command-line options then override:
   minutes of checking after the last call.
 
 Every run's wall time is at most its ``duration`` plus its ``check_budget``
-(plus one call per thread, and the joins): checking that does not finish in
-time is cut, and the run's verdict is then inconclusive, never OK.
+(plus the call each worker has in flight when ``duration`` passes, and the
+joins): checking that does not finish in time is cut, and the run's verdict
+is then inconclusive, never OK.
 
 Complexity: O(1). Thread safety: immutable values.
 """

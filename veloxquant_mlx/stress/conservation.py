@@ -65,9 +65,6 @@ class _Auditor:
     def blocks_for(self, owner: int) -> list[Block]:
         return list(self.call(BlocksFor(owner)) or [])
 
-    def free_all(self, owner: int) -> None:
-        self.call(FreeAll(owner))
-
 
 def check_conservation(
     pool: BlockPoolAllocator, recorder: ThreadRecorder, owners: Iterable[int]
@@ -83,7 +80,7 @@ def check_conservation(
     owners = sorted(set(owners) | {CONSERVATION_OWNER})
     _check_held(audit, owners)
     for owner in owners:
-        audit.free_all(owner)
+        audit.call(FreeAll(owner))
     _check_all_free(audit)
     _check_drain(audit)
     try:
@@ -102,10 +99,13 @@ def _check_held(audit: _Auditor, owners: list[int]) -> None:
             holders.setdefault(block.block_id, []).append(owner)
     held = len(holders)
     for block_id, its_owners in holders.items():
-        if len(its_owners) > 1 and audit.call(RefCount(block_id)) != len(its_owners):
+        if len(its_owners) == 1:
+            continue
+        count = audit.call(RefCount(block_id))
+        if count != len(its_owners):
             audit.problems.append(
                 f"block id {block_id} is held by owners {its_owners} but the pool counts "
-                f"{audit.call(RefCount(block_id))} handle(s) of it: a block was handed out twice"
+                f"{count} handle(s) of it: a block was handed out twice"
             )
     stats = audit.stats()
     if stats is None:
@@ -154,4 +154,4 @@ def _check_drain(audit: _Auditor) -> None:
                 f"the free blocks of stream {stream!r} hold a duplicated id: {sorted(ids)}"
             )
         seen.update(ids)
-    audit.free_all(CONSERVATION_OWNER)
+    audit.call(FreeAll(CONSERVATION_OWNER))

@@ -208,11 +208,9 @@ def search(
             break
         depth = (mask & window.required).bit_count()
         if depth > result.deepest:
-            result.deepest, result.deepest_state, result.deepest_mask = (
-                depth,
-                Checkpoint(state, names),
-                mask,
-            )
+            result.deepest = depth
+            result.deepest_state = Checkpoint(state, names)
+            result.deepest_mask = mask
         if mask & window.required == window.required:
             end = compact(state, names)
             if end not in ends:

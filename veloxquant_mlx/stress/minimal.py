@@ -165,22 +165,17 @@ def explain(
 
 
 def _stuck_lines(result: SearchResult, window: Window) -> list[str]:
-    ordered = window.events
     total = window.required.bit_count()
     lines = [
         f"the search linearized at most {result.deepest} of the {total} completed calls; "
         "after that, none of the calls that could come next has the outcome the spec gives:"
     ]
-    checkpoint = result.deepest_state
-    assert checkpoint is not None, "called with a search that expanded a configuration"
+    deepest = result.deepest_state
+    assert deepest is not None, "called with a search that expanded a configuration"
     for i in window.candidates(result.deepest_mask):
-        event = ordered[i]
+        event = window.events[i]
         predicted = predicted_outcome(
-            checkpoint.state,
-            checkpoint.names,
-            event,
-            window.issuing,
-            store_layers=window.store_layers,
+            deepest.state, deepest.names, event, window.issuing, store_layers=window.store_layers
         )
         lines.append(f"  op {event.call:<8} {describe(event)}; the spec: {predicted}")
     return lines

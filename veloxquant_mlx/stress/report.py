@@ -37,6 +37,7 @@ from __future__ import annotations
 import dataclasses
 import platform
 import sys
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Final
@@ -187,10 +188,9 @@ class StressReport:
 
     def errors_by_kind(self) -> dict[str, int]:
         """How many calls raised each error class, whatever the call."""
-        totals: dict[str, int] = {}
+        totals: Counter[str] = Counter()
         for errors in self.errors_by_call_kind.values():
-            for kind, count in errors.items():
-                totals[kind] = totals.get(kind, 0) + count
+            totals.update(errors)
         return dict(sorted(totals.items()))
 
     def per_second(self, count: int) -> float:
@@ -283,16 +283,9 @@ def summary_text(report: StressReport) -> str:
         f"  replay on {replay.get('backend')}: {replay.get('ops_replayed', 0):,} ops replayed, "
         f"{replay.get('ops_written', 0):,} written to {replay.get('trace') or '(no file)'}"
     )
-    lines.append(
-        "  conservation: "
-        + (
-            "ok"
-            if not report.conservation_problems
-            else f"{len(report.conservation_problems)} problems"
-        )
-    )
-    for gap in report.gaps:
-        lines.append(f"NOT CHECKED: {gap}")
+    n_problems = len(report.conservation_problems)
+    lines.append(f"  conservation: {n_problems} problems" if n_problems else "  conservation: ok")
+    lines += [f"NOT CHECKED: {gap}" for gap in report.gaps]
     for finding in report.findings:
         where = f" (reproducer: {finding.path})" if finding.path else ""
         lines.append(f"VIOLATION [{finding.kind}]{where}: {finding.message}")

@@ -50,7 +50,7 @@ import threading
 import time
 import traceback
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final, TextIO
 
 from veloxquant_mlx.commandline.files import atomic_write_text
@@ -194,9 +194,8 @@ class _Run:
                 # recorded: a step records one call, two (a blocks_for first) or none (a
                 # write with nothing held). The barrier action takes the events.
                 for _ in range(self._window_calls):
-                    if self._window_must_close():
-                        break  # every worker sees it too: the condition never clears
-                    if len(recorded.events) >= self._window_calls:
+                    # every worker sees a window that must close: its condition never clears
+                    if self._window_must_close() or len(recorded.events) >= self._window_calls:
                         break
                     worker.step()
                 self.barrier.wait()
@@ -437,22 +436,10 @@ def _run_threads(run: _Run) -> float:
         stream=run.progress,
     )
     stop_invariants = threading.Event()
-    checkers = [
-        threading.Thread(target=run.check_histories, name="stress-history-checker", daemon=True)
-    ]
+    checkers = [_daemon("stress-history-checker", run.check_histories)]
     if config.check_interval > 0:
-        checkers.append(
-            threading.Thread(
-                target=run.check_invariants,
-                args=(stop_invariants,),
-                name="stress-invariants",
-                daemon=True,
-            )
-        )
-    workers = [
-        threading.Thread(target=run.work, args=(i,), name=f"stress-worker-{i}", daemon=True)
-        for i in range(config.threads)
-    ]
+        checkers.append(_daemon("stress-invariants", run.check_invariants, stop_invariants))
+    workers = [_daemon(f"stress-worker-{i}", run.work, i) for i in range(config.threads)]
     run.started = time.monotonic()
     watchdog.start()
     for thread in [*checkers, *workers]:
@@ -467,6 +454,11 @@ def _run_threads(run: _Run) -> float:
     _join(checkers, stalled)
     watchdog.stop()
     return calls_seconds
+
+
+def _daemon(name: str, target: Callable[..., None], *args: object) -> threading.Thread:
+    """A daemon thread, so that a stuck thread cannot keep the interpreter from exiting."""
+    return threading.Thread(target=target, args=args, name=name, daemon=True)
 
 
 def _join(threads: Sequence[threading.Thread], stalled: threading.Event) -> None:

@@ -197,13 +197,12 @@ class _Checker:
     ) -> str | None:
         if outcome is None:
             return run.failure
-        if outcome in self.allowed:
-            self.seen.add(outcome)
-        else:
+        if outcome not in self.allowed:
             return (
                 "no sequential order of the calls gives these results and this final state; "
                 f"results per thread: {outcome.results}; final state: {outcome.final}"
             )
+        self.seen.add(outcome)
         try:
             schedule.pool.check_invariants()
         except AssertionError as error:
@@ -266,14 +265,12 @@ class Exploration:
         """The schedules within the bound that were not run, and why; ``None`` if none."""
         if self.complete:
             return None
-        return Gap(
-            f"schedules of {self.scenario!r} after the first {self.schedules:,}",
-            why_cut_short(
-                interrupted=self.interrupted,
-                stopped_at_first=self.stopped_at_first,
-                budget="max_schedules",
-            ),
+        why = why_cut_short(
+            interrupted=self.interrupted,
+            stopped_at_first=self.stopped_at_first,
+            budget="max_schedules",
         )
+        return Gap(f"schedules of {self.scenario!r} after the first {self.schedules:,}", why)
 
     @property
     def verdict(self) -> Verdict:
