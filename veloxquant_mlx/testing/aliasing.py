@@ -52,7 +52,7 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one 
     )
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Generic, TypeVar
 
@@ -125,9 +125,7 @@ def _sentinel_modulus(dtype: str) -> int:
 
 def spec_config(pool: PoolConfig) -> model.SpecConfig:
     """The spec's twin of a ``PoolConfig``."""
-    return model.SpecConfig(
-        pool.block_size, pool.n_blocks, pool.separate_kv, pool.grow_on_exhaustion, pool.max_blocks
-    )
+    return model.SpecConfig(**asdict(pool))
 
 
 class ReplayError(AssertionError):
@@ -291,8 +289,10 @@ class AliasingReplay(Generic[ArrayT]):
 
     def _give_sentinels(self, name: Handle) -> None:
         """A block the spec says became live: its shadow, and sentinels in every slot."""
-        self._shadow[name] = np.zeros(self._block_shape(), dtype=np.float32)
-        for layer in range(self.spec.n_layers):
+        spec = self.spec
+        shape = (spec.n_layers, self._block_size, spec.n_kv_heads, spec.head_dim)
+        self._shadow[name] = np.zeros(shape, dtype=np.float32)
+        for layer in range(spec.n_layers):
             self._write_sentinels(name, layer, 0, self._block_size, "the sentinel write")
 
     def _store_call(self, index: int, line: TraceLine) -> Outcome:
@@ -503,10 +503,6 @@ class AliasingReplay(Generic[ArrayT]):
             raise _CheckError(f"malformed trace: no call handed out a handle {ref!r}")
         assert isinstance(block, Block), "our pool hands out Blocks"
         return block
-
-    def _block_shape(self) -> tuple[int, int, int, int]:
-        spec = self.spec
-        return (spec.n_layers, self._block_size, spec.n_kv_heads, spec.head_dim)
 
     def _expected_tokens(self, layer: int, names: Sequence[Handle]) -> Values:
         """The shadow's slots of ``names`` in ``layer``, concatenated: ``(k * bs, H, D)``."""

@@ -44,7 +44,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from veloxquant_mlx.testing.exhaustive_scope import default_factory
 from veloxquant_mlx.testing.lockstep import AllocatorFactory, Lockstep, Oracle
-from veloxquant_mlx.testing.port import ALL_CALLS, DEFAULT_HISTORY_LEN, Port, as_port
+from veloxquant_mlx.testing.port import ALL_CALLS, Port, as_port
 from veloxquant_mlx.testing.profiles import profile_settings
 from veloxquant_mlx.testing.strategies import bad_call, call, spec_configs
 from veloxquant_mlx_spec import model
@@ -85,8 +85,7 @@ class PoolConformanceMachine(RuleBasedStateMachine):
     @initialize(config=spec_configs(), history_len=st.sampled_from([0, 1, 3, 1024]))
     def build_pool(self, config: model.SpecConfig, history_len: int) -> None:
         port = type(self).port or Port(type(self).allocator_factory, capabilities=ALL_CALLS)
-        if not port.takes_history_len:  # such a factory keeps the default length only
-            history_len = DEFAULT_HISTORY_LEN
+        history_len = port.history_len_for(history_len)
         self.lockstep = self.lockstep_class(
             port,
             config,
@@ -105,8 +104,7 @@ class PoolConformanceMachine(RuleBasedStateMachine):
         return [d for d in candidates if d.name in self.capabilities]
 
     def draw_call(self, data: st.DataObject, declaration: Declaration) -> object:
-        spec = self.runner.spec
-        names = {"live": spec.live_names(), "issued": spec.names}
+        names = {"live": self.runner.spec.live_names(), "issued": self.runner.spec.names}
         return data.draw(call(declaration, self.runner.state.config, **names))
 
     @rule(data=st.data())
@@ -120,9 +118,8 @@ class PoolConformanceMachine(RuleBasedStateMachine):
     def call_with_a_bad_argument(self, data: st.DataObject) -> None:
         if self.stopped():
             return
-        spec = self.runner.spec
         offered = self.offered(declarations())
-        names = {"live": spec.live_names(), "issued": spec.names}
+        names = {"live": self.runner.spec.live_names(), "issued": self.runner.spec.names}
         self.runner.apply(data.draw(bad_call(offered, self.runner.state.config, **names)))
 
     @invariant()
@@ -179,12 +176,11 @@ def conformance_test_case(
     port = as_port(factory, capabilities=capabilities, **classes)
 
     class PortConformanceMachine(PoolConformanceMachine):
-        allocator_factory: ClassVar[AllocatorFactory] = staticmethod(port.allocator_factory())
+        capabilities = port.offered
 
     PortConformanceMachine.port = port
-    PortConformanceMachine.capabilities = port.offered
     test_case: type[unittest.TestCase] = PortConformanceMachine.TestCase
     test_case.settings = settings(  # type: ignore[attr-defined]
-        profile_settings(), deadline=None, suppress_health_check=list(HealthCheck)
+        profile_settings(), suppress_health_check=list(HealthCheck)
     )
     return test_case

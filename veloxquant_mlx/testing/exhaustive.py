@@ -370,9 +370,8 @@ class _Explorer:
             lockstep.apply(letter.operation)
             self.transitions += 1
         except ConformanceError as error:
-            found = self._counterexample(index, [letter.step], lockstep, error)
-            return self._told(found)
-        child = self._add_child(index, letter.name, letter.operation, letter.prediction)
+            return self._told(self._counterexample(index, [letter.step], lockstep, error))
+        child = self._add_child(index, letter)
         if child is None and self.probe_failure is None:
             self._probe(index, letter.step, lockstep)
         return child
@@ -419,13 +418,10 @@ class _Explorer:
             return None
         return None
 
-    def _add_child(
-        self, parent: int, letter: str, operation: object, prediction: Prediction | None
-    ) -> int | None:
-        """Record the state ``operation`` led to; None if its key was seen (a merge)."""
-        assert prediction is not None, "the spec predicted the operation just applied"
-        before, state = self.nodes[parent], prediction[0]
-        last_freed = freed_last(before.state, operation, state, before.names)
+    def _add_child(self, parent: int, letter: _Letter) -> int | None:
+        """Record the state ``letter`` led to; None if its key was seen (a merge)."""
+        before, state = self.nodes[parent], letter.prediction[0]
+        last_freed = freed_last(before.state, letter.operation, state, before.names)
         last_freed = before.last_freed if last_freed is None else last_freed
         key = canonical_key(state, last_freed)
         if key in self.seen:
@@ -435,7 +431,7 @@ class _Explorer:
         names = (*before.names, *(Handle(before.depth, i) for i in range(len(new))))
         depth = before.depth + 1
         self.nodes.append(
-            _Node(state, names, last_freed, depth, parent, letter, operation, prediction)
+            _Node(state, names, last_freed, depth, parent, *letter.step, letter.prediction)
         )
         return len(self.nodes) - 1
 

@@ -242,8 +242,8 @@ class Lockstep:
             self._compare_outcome(op, declaration, actual, predicted, expect)
         if declaration.may_issue_handles and not isinstance(actual, Raised):
             self._name_new_handles(op, label, value, declaration)
-        if declaration.sets_on_unowned is not None:
-            self._check_unowned(op, actual)
+        if declaration.sets_on_unowned is not None and not isinstance(actual, Raised):
+            self._check_unowned(op, *declaration.sets_on_unowned)
         before = spec.state
         try:
             spec.commit(label, after)
@@ -306,12 +306,8 @@ class Lockstep:
             )
         self.pool_side.name(label, value)
 
-    def _check_unowned(self, op: object, actual: Outcome) -> None:
+    def _check_unowned(self, op: object, handle: str, value: str) -> None:
         """A call on a block built by hand changes that object only (C-MARK-USED-FREE)."""
-        pair = declaration_of(op).sets_on_unowned
-        if pair is None or isinstance(actual, Raised):
-            return
-        handle, value = pair
         ref = getattr(op, handle)
         if isinstance(ref, ForeignBlock) and ref.owner is None:
             shown = getattr(self.pool_side.last_hand_made, value, None)
@@ -393,27 +389,18 @@ class Lockstep:
         alone show are told to the masking's ``seen`` (each a ``ConformanceError``)."""
         masking = self.masking
         assert masking is not None, "called with a masking only"
-        pairs = [
-            (a, p) if a == p else masking.compared(w, a, p)
-            for w, a, p in zip(where, actual, predicted, strict=True)
-        ]
-        shown, expected = [a for a, _ in pairs], [p for _, p in pairs]
-        passing = [
-            index
-            for index, (a, b) in enumerate(zip(actual, predicted, strict=True))
-            if a != b and shown[index] == expected[index]
-        ]
-        let_pass = list(
-            differences(
-                [keys[i] for i in passing],
-                [actual[i] for i in passing],
-                [predicted[i] for i in passing],
-                [where[i] for i in passing],
-                every_field=True,
-            )
-        )
+        shown: list[object] = []
+        expected: list[object] = []
+        let_pass: list[ConformanceError] = []
+        for place, key, a, p in zip(where, keys, actual, predicted, strict=True):
+            compared = (a, p) if a == p else masking.compared(place, a, p)
+            shown.append(compared[0])
+            expected.append(compared[1])
+            if a != p and compared[0] == compared[1]:
+                told = differences([key], [a], [p], [place], every_field=True)
+                let_pass.extend(self._error(message, found) for message, found in told)
         if let_pass:
-            masking.seen([self._error(message, found) for message, found in let_pass])
+            masking.seen(let_pass)
         return shown, expected
 
     def _fail(self, message: str, discrepancy: Discrepancy | None = None) -> NoReturn:

@@ -27,12 +27,11 @@ thread, in linearization order).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sys
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -334,7 +333,7 @@ def _op_from_json(declaration: Declaration, record: dict[str, Any]) -> object:
     arguments: list[object] = []
     for parameter in declaration.parameters:
         if parameter.name not in record:
-            if parameter.default is dataclasses.MISSING:
+            if parameter.default is MISSING:
                 raise TraceFormatError(f"op {declaration.name!r} needs field {parameter.name!r}")
             arguments.append(parameter.default)
             continue
@@ -422,9 +421,9 @@ def encode_header(trace: Trace, *, n_lines: int | None = None) -> str:
     header: dict[str, object] = {
         "trace": FORMAT_NAME,
         "version": FORMAT_VERSION,
-        "pool": {f.name: getattr(trace.pool, f.name) for f in dataclasses.fields(trace.pool)},
+        "pool": {f.name: getattr(trace.pool, f.name) for f in fields(trace.pool)},
         "history_len": trace.history_len,
-        "store": {f.name: getattr(trace.store, f.name) for f in dataclasses.fields(trace.store)},
+        "store": {f.name: getattr(trace.store, f.name) for f in fields(trace.store)},
     }
     if trace.partial:
         header["partial"] = True
@@ -455,7 +454,7 @@ def _parse_json(text: str, what: str) -> object:
     traceback.
     """
     try:
-        return json.loads(text, parse_float=_finite_float, parse_constant=_no_constant)
+        return json.loads(text, parse_float=_finite_float, parse_constant=_finite_float)
     except _NotFiniteError as error:  # JSON, but not a number a trace can hold
         raise TraceFormatError(str(error)) from None
     except RecursionError:
@@ -473,10 +472,6 @@ def _finite_float(text: str) -> float:
     if not math.isfinite(value):
         raise _NotFiniteError(f"a number must be finite, got {text}")
     return value
-
-
-def _no_constant(text: str) -> float:
-    raise _NotFiniteError(f"a number must be finite, got {text}")
 
 
 def _not_a_trace(record: object, line: str) -> TraceFormatError:
@@ -671,10 +666,9 @@ class TraceRecorder:
         Raises:
             ValueError: ``block`` was not handed out by a recorded call.
         """
-        entry = self._names.get(id(block))
-        if entry is None or entry[1] is not block:
+        if not self._named(block):
             raise ValueError(f"{block!r} was not handed out by a recorded call")
-        return entry[0]
+        return self._names[id(block)][0]
 
     def record(
         self, op: object, result: object = None, *, error: BaseException | None = None
