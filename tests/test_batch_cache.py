@@ -444,8 +444,21 @@ def test_kv_bits_is_refused_before_any_row_changes(n_prompt: int) -> None:
         greedy(rows.model, prompt(3, n_prompt, VOCAB), batch, 2, kv_bits=4, kv_group_size=8)
     assert [layer.offset for layer in rows.ours[0]] == [5, 5]
     rows.step_both(batch, [0])  # outside the generator the same batch goes on
-    with pytest.raises(ValueError, match=r"kv_bits=4 cannot quantize"):  # its first probe
+    rows.release()
+
+
+def test_kv_bits_after_steps_outside_the_generator_is_refused_at_its_probe() -> None:
+    # The first layer does not look for kv_bits again at a one-position step; the
+    # generator's to_quantized probe after the forward pass refuses instead, with that
+    # step's position stored (BATCH-REFUSED), as a request's own cache does.
+    store = _store()
+    rows = Rows(_model(), store, (5,))
+    batch = batch_caches(rows.ours)
+    rows.step_both(batch, [0])
+    with pytest.raises(ValueError, match=r"kv_bits=4 cannot quantize .* float32"):
         greedy(rows.model, prompt(3, 1, VOCAB), batch, 2, kv_bits=4, kv_group_size=8)
+    assert [layer.offset for layer in rows.ours[0]] == [7, 7]
+    store.pool.check_invariants()
     rows.release()
 
 

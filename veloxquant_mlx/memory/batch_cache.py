@@ -248,11 +248,13 @@ class PooledBatchLayer:
     def to_quantized(self) -> Callable[..., NoReturn]:
         """Refused as soon as it is looked up, as a request's own cache refuses it:
         mlx-lm's generator probes it after every forward pass when it asks for
-        ``kv_bits`` (BATCH-REFUSED), also when the batch's earlier steps ran outside
-        a generator and so did not look for ``kv_bits`` again at a one-position step.
+        ``kv_bits``. So a batch whose earlier steps ran outside a generator, and
+        which therefore does not look for ``kv_bits`` again at a one-position step,
+        is refused there, after that step's positions were stored (BATCH-REFUSED).
 
         Raises:
-            ValueError: Always, naming ``kv_bits`` and the store's dtype; nothing changes.
+            ValueError: Always, naming ``kv_bits`` and the store's dtype; the look-up
+                changes nothing.
         """
         raise kv_bits_refusal(kv_bits_of_generation(), dtype_name(self._dtype))
 

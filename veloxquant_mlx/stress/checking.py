@@ -15,8 +15,9 @@ it runs out, or on Ctrl-C, the search in progress is stopped at its next
 tick and everything not yet checked is counted as a
 :class:`~veloxquant_mlx.commandline.verdicts.Gap`: the run's verdict is then
 inconclusive (or interrupted), never OK. So a run takes at most its
-``duration`` plus its ``check_budget``, plus the call each worker has in
-flight when ``duration`` passes (a window closes before its next call).
+``duration`` plus its ``check_budget``, plus the step (one call, or two)
+each worker has in flight when ``duration`` passes and the window's closing
+observations (a window closes before its next step).
 
 Complexity: that of the checker and the replay. Thread safety: the queue
 and the budget are shared (locked and ``threading.Event``-based); everything

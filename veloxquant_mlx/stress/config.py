@@ -12,9 +12,9 @@ the preset of a profile, which command-line options then override:
   minutes of checking after the last call.
 
 Every run's wall time is at most its ``duration`` plus its ``check_budget``
-(plus the call each worker has in flight when ``duration`` passes, and the
-joins): checking that does not finish in time is cut, and the run's verdict
-is then inconclusive, never OK.
+(plus the step each worker has in flight when ``duration`` passes, the
+window's closing observations, and the joins): checking that does not
+finish in time is cut, and the run's verdict is then inconclusive, never OK.
 
 Complexity: O(1). Thread safety: immutable values.
 """

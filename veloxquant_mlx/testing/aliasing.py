@@ -52,7 +52,7 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one 
     )
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Generic, TypeVar
 
@@ -125,7 +125,9 @@ def _sentinel_modulus(dtype: str) -> int:
 
 def spec_config(pool: PoolConfig) -> model.SpecConfig:
     """The spec's twin of a ``PoolConfig``."""
-    return model.SpecConfig(**asdict(pool))
+    return model.SpecConfig(
+        pool.block_size, pool.n_blocks, pool.separate_kv, pool.grow_on_exhaustion, pool.max_blocks
+    )
 
 
 class ReplayError(AssertionError):

@@ -176,11 +176,12 @@ def conformance_test_case(
     port = as_port(factory, capabilities=capabilities, **classes)
 
     class PortConformanceMachine(PoolConformanceMachine):
+        allocator_factory: ClassVar[AllocatorFactory] = staticmethod(port.allocator_factory())
         capabilities = port.offered
 
     PortConformanceMachine.port = port
     test_case: type[unittest.TestCase] = PortConformanceMachine.TestCase
     test_case.settings = settings(  # type: ignore[attr-defined]
-        profile_settings(), suppress_health_check=list(HealthCheck)
+        profile_settings(), deadline=None, suppress_health_check=list(HealthCheck)
     )
     return test_case
