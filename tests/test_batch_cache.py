@@ -439,7 +439,9 @@ def test_kv_bits_is_refused_before_any_row_changes(n_prompt: int) -> None:
     assert isinstance(store.pool, BlockPoolAllocator)
     rows = Rows(_model(), store, (5,))
     batch = batch_caches(rows.ours)
-    refused = pytest.raises(ValueError, match=r"kv_bits=4 cannot quantize .* float32")
+    refused = pytest.raises(
+        ValueError, match=r"kv_bits=4 cannot quantize a PooledBatchLayer: .* float32"
+    )
     with pool_unchanged(store.pool, owners=[rows.ours[0].book.owner]), refused:
         greedy(rows.model, prompt(3, n_prompt, VOCAB), batch, 2, kv_bits=4, kv_group_size=8)
     assert [layer.offset for layer in rows.ours[0]] == [5, 5]
@@ -455,7 +457,7 @@ def test_kv_bits_after_steps_outside_the_generator_is_refused_at_its_probe() -> 
     rows = Rows(_model(), store, (5,))
     batch = batch_caches(rows.ours)
     rows.step_both(batch, [0])
-    with pytest.raises(ValueError, match=r"kv_bits=4 cannot quantize .* float32"):
+    with pytest.raises(ValueError, match=r"kv_bits=4 cannot quantize a PooledBatchLayer"):
         greedy(rows.model, prompt(3, 1, VOCAB), batch, 2, kv_bits=4, kv_group_size=8)
     assert [layer.offset for layer in rows.ours[0]] == [7, 7]
     store.pool.check_invariants()

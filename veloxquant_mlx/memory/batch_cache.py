@@ -61,6 +61,8 @@ __all__ = ["PooledBatchLayer", "batch_caches"]
 
 #: A mask value no step made yet (``None`` is a mask: no mask).
 _NO_MASK: Final = object()
+#: What a batch's refusals call it.
+_BATCH_CLASS: Final = "PooledBatchLayer"
 
 
 class _BatchStep:
@@ -256,7 +258,7 @@ class PooledBatchLayer:
             ValueError: Always, naming ``kv_bits`` and the store's dtype; the look-up
                 changes nothing.
         """
-        raise kv_bits_refusal(kv_bits_of_generation(), dtype_name(self._dtype))
+        raise kv_bits_refusal(kv_bits_of_generation(), dtype_name(self._dtype), _BATCH_CLASS)
 
     def _require_lockstep(self, n_new: int) -> None:
         """BATCH-LOCKSTEP at a later layer: the first layer has appended this step's
@@ -425,7 +427,7 @@ def _require_step_supplied(
     if n_new != 1 or not step.kv_bits_checked:  # a prompt chunk, or the first step
         bits = kv_bits_of_generation()
         if bits is not None:
-            raise kv_bits_refusal(bits, dtype_name(store.dtype))
+            raise kv_bits_refusal(bits, dtype_name(store.dtype), _BATCH_CLASS)
         step.kv_bits_checked = True
     for table in tables:
         table.require_live()

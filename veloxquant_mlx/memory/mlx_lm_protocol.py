@@ -194,11 +194,14 @@ def kv_bits_of_generation() -> int | None:
     return None
 
 
-def kv_bits_refusal(bits: object, dtype_name: str) -> ValueError:
-    """The error a pool-backed cache raises for ``kv_bits`` (``bits`` if known)."""
+def kv_bits_refusal(
+    bits: object, dtype_name: str, cache_class: str = "PoolBackedKVCache"
+) -> ValueError:
+    """The error a pool-backed cache (of ``cache_class``) raises for ``kv_bits`` (``bits``
+    if known)."""
     asked = f"kv_bits={bits}" if bits is not None else "kv_bits"
     return ValueError(
-        f"{asked} cannot quantize a PoolBackedKVCache: its keys and values stay in the "
+        f"{asked} cannot quantize a {cache_class}: its keys and values stay in the "
         f"pool's store as {dtype_name}; generate without kv_bits, or use mlx-lm's "
         "make_prompt_cache for a quantized cache"
     )
