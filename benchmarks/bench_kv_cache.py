@@ -243,8 +243,12 @@ class RoundFigures(NamedTuple):
     schedule_us_per_token: float
 
 
-def decode_round(model: Module, requests: list[Caches], steps: int) -> RoundFigures:
-    """Greedy decode ``steps`` tokens for every request, pipelined as mlx-lm does it.
+def decode_round(
+    model: Module, requests: list[Caches], steps: int, *, rows: int = 1
+) -> RoundFigures:
+    """Greedy decode ``steps`` tokens for every request, pipelined as mlx-lm does it;
+    ``rows`` per cache list (a batch of requests joined into one list decodes all its
+    rows in one forward pass per step).
 
     As in ``mlx_lm.generate.generate_step``, a token is scheduled
     (``mx.async_eval``) as soon as its graph is built and the previous step's
@@ -262,7 +266,7 @@ def decode_round(model: Module, requests: list[Caches], steps: int) -> RoundFigu
         and on a GPU that falls behind, ``mx.async_eval`` also waits there for
         work in flight, so the figure then includes computing.
     """
-    tokens = [mx.array([1]) for _ in requests]
+    tokens = [mx.ones((rows,), dtype=mx.int32) for _ in requests]
     host = scheduling = 0.0
     previous: list[mx.array] = []
     start = time.perf_counter()
@@ -279,30 +283,7 @@ def decode_round(model: Module, requests: list[Caches], steps: int) -> RoundFigu
         previous = list(tokens)
     mx.eval(previous)
     elapsed = time.perf_counter() - start
-    n_tokens = steps * len(requests)
-    return RoundFigures(n_tokens / elapsed, host / n_tokens * 1e6, scheduling / n_tokens * 1e6)
-
-
-def decode_round_batched(model: Module, batch: Caches, n_requests: int, steps: int) -> RoundFigures:
-    """:func:`decode_round` for requests joined into one batch: one forward pass per step
-    for all of them, scheduled, then the previous step's tokens waited for."""
-    tokens = mx.ones((n_requests,), dtype=mx.int32)
-    host = scheduling = 0.0
-    previous: list[mx.array] = []
-    start = time.perf_counter()
-    for _ in range(steps):
-        building = time.perf_counter()
-        logits = model(tokens[:, None], cache=batch)
-        tokens = mx.argmax(logits[:, -1], axis=-1)
-        built = time.perf_counter()
-        host += built - building
-        schedule(tokens)
-        scheduling += time.perf_counter() - built
-        mx.eval(previous)
-        previous = [tokens]
-    mx.eval(previous)
-    elapsed = time.perf_counter() - start
-    n_tokens = steps * n_requests
+    n_tokens = steps * len(requests) * rows
     return RoundFigures(n_tokens / elapsed, host / n_tokens * 1e6, scheduling / n_tokens * 1e6)
 
 
@@ -428,14 +409,10 @@ def bench_decode_at(
             if variants[name].hooked:
                 install_paged_attention(model)
             clocks[name].seconds = 0.0
-            if name in batches:
-                speed, host, scheduling = decode_round_batched(
-                    model, batches[name], n_requests, options.steps_per_round
-                )
-            else:
-                speed, host, scheduling = decode_round(
-                    model, requests[name], options.steps_per_round
-                )
+            caches, rows = ([batches[name]], n_requests) if name in batches else (requests[name], 1)
+            speed, host, scheduling = decode_round(
+                model, caches, options.steps_per_round, rows=rows
+            )
             uninstall_paged_attention(model)
             speeds[name].append(speed)
             hosts[name].append(host)
@@ -458,14 +435,10 @@ def bench_decode_at(
         },
     }
     for name in names[1:]:
-        ratios = [
-            ours / theirs for ours, theirs in zip(speeds[name], speeds["kv_cache"], strict=True)
-        ]
-        row[f"{name}_over_kv_cache"] = statistics.median(ratios)
+        row[f"{name}_over_kv_cache"] = same_round_ratio(speeds[name], speeds["kv_cache"])
     if "pool_backed_batched" in speeds:
-        batched, theirs = speeds["pool_backed_batched"], speeds["mlx_lm_batch_kv_cache"]
-        row["pool_backed_batched_over_mlx_lm_batch_kv_cache"] = statistics.median(
-            ours / reference for ours, reference in zip(batched, theirs, strict=True)
+        row["pool_backed_batched_over_mlx_lm_batch_kv_cache"] = same_round_ratio(
+            speeds["pool_backed_batched"], speeds["mlx_lm_batch_kv_cache"]
         )
     for caches in requests.values():
         for cache in caches:
@@ -516,6 +489,11 @@ def bench_decode(options: Options) -> dict[str, object]:
         "host_us_per_token_spread": host_spread(rows, "host_us_per_token"),
         "cache_host_us_per_token_spread": host_spread(rows, "cache_host_us_per_token"),
     }
+
+
+def same_round_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median over rounds of ``ours / theirs`` measured in the same round."""
+    return statistics.median(a / b for a, b in zip(ours, theirs, strict=True))
 
 
 def host_spread(rows: list[dict[str, object]], key: str) -> dict[str, float]:
