@@ -52,7 +52,11 @@ from veloxquant_mlx.memory.block_pool import BlockPoolExhaustedError
 from veloxquant_mlx.memory.block_table import DeviceBlockTable
 from veloxquant_mlx.memory.deferred_release import deferred_releases_for
 from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache
-from veloxquant_mlx.memory.mlx_lm_protocol import kv_bits_of_generation, kv_bits_refusal
+from veloxquant_mlx.memory.mlx_lm_protocol import (
+    causal_mask,
+    kv_bits_of_generation,
+    kv_bits_refusal,
+)
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage, dtype_name, require_arrays
 from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
 from veloxquant_mlx.memory.stream_supply import require_supply
@@ -467,9 +471,7 @@ def _causal_mask(n_new: int, longest_before: int, padding: mx.array) -> mx.array
     """``(B, 1, n_new, longest_before + n_new)``: query ``i`` of row ``b`` sees key ``j``
     iff ``padding[b] <= j <= longest_before + i``."""
     keys = mx.arange(longest_before + n_new)
-    queries = mx.arange(longest_before, longest_before + n_new)[:, None]
-    causal = queries >= keys[None]
-    return causal & (padding[:, None, None, None] <= keys)
+    return causal_mask(n_new, longest_before) & (padding[:, None, None, None] <= keys)
 
 
 def _left_padded(arrays: list[mx.array]) -> mx.array:
