@@ -171,12 +171,13 @@ def make_pool(
 
 
 def leave_free(pool: CheckedBlockPool[Block], n_free: int, owner: int = 999) -> list[Block]:
-    """Check out blocks of each stream to ``owner`` until at most ``n_free`` are left in
-    it; returns the blocks taken."""
+    """Check out blocks of each stream to ``owner`` until ``n_free`` are left in it (a
+    pool that already has fewer is a test set up wrong); returns the blocks taken."""
     taken: list[Block] = []
     for stream in ("k", "v"):
         n_taken = pool.n_free(stream) - n_free
-        if n_taken > 0:
+        assert n_taken >= 0, f"stream {stream} has {pool.n_free(stream)} free, below {n_free}"
+        if n_taken:
             taken += pool.allocate(stream, n_taken * pool.config.block_size, owner)
     return taken
 

@@ -14,14 +14,14 @@ far."""
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import mlx.core as mx
 import pytest
-from conftest import leave_free, pool_unchanged
+from conftest import assert_only_exhaustion_recorded, leave_free, observe, pool_unchanged
 from mlx.nn.layers.base import Module
 from mlx_lm.models.cache import KVCache
+from threads import in_thread
 from tiny_models import greedy, prompt, tiny_model
 
 from veloxquant_mlx.memory import CheckedBlockPool
@@ -175,9 +175,15 @@ def test_the_hook_attends_by_rows_only_for_the_batch_s_own_mask() -> None:
         finally:
             PooledBatchLayer.attend_rows = original  # type: ignore[method-assign]
         assert answered == [True] * N_LAYERS
+        # Both layers hold fresh reads: only the batch's own mask is answered.
+        token = mx.zeros((len(LENGTHS), N_KV_HEADS, 1, HEAD_DIM))
         queries = mx.zeros((len(LENGTHS), 2 * N_KV_HEADS, 1, HEAD_DIM))
+        own = batch[0].make_mask(1)
         foreign = mx.ones((len(LENGTHS), 1, 1, LENGTHS[-1] + 2), dtype=mx.bool_)
+        batch[0].update_and_fetch(token, token)
         assert batch[0].attend_rows(queries, 1.0, foreign) is None
+        batch[1].update_and_fetch(token, token)
+        assert batch[1].attend_rows(queries, 1.0, own) is not None
         rows.release()
     finally:
         uninstall_paged_attention(built)
@@ -196,6 +202,9 @@ def test_offset_and_masks_follow_the_rules() -> None:
     expected_row_0 = [[False] * 3 + [True] * 3 + [False], [False] * 3 + [True] * 4]
     expected_row_1 = [[True] * 6 + [False], [True] * 7]
     assert mask[:, 0].tolist() == [expected_row_0, expected_row_1]
+    decode_mask = layer.make_mask(1)  # a decode step hides the padding too
+    assert isinstance(decode_mask, mx.array)
+    assert decode_mask[:, 0].tolist() == [[[False] * 3 + [True] * 3], [[True] * 6]]
     twin = rows.ours[1].fork()
     equal = batch_caches([rows.ours[1], twin])
     assert equal[0].make_mask(1) is None
@@ -236,6 +245,9 @@ def test_bad_keys_are_refused_before_any_row_changes(
         layer.update_and_fetch(keys, keys)
     with pytest.raises(TypeError, match=r"must be mlx\.core\.array"):
         layer.update_and_fetch([1], keys)  # type: ignore[arg-type]
+    good = mx.zeros((len(LENGTHS), N_KV_HEADS, 1, HEAD_DIM))
+    with pytest.raises(TypeError, match=r"store's dtype float32, got float32 and float16"):
+        layer.update_and_fetch(good, good.astype(mx.float16))
     assert _pool_and_rows(store.pool, rows.ours) == before
     rows.release()
 
@@ -245,20 +257,22 @@ def test_a_step_that_grows_two_rows_with_one_free_block_changes_nothing() -> Non
     store = _store(n_blocks=8)
     rows = Rows(_model(), store, (4, 4, 3))
     pool = store.pool
-    taken = leave_free(pool, 1)
+    leave_free(pool, 1)  # the rows hold 3 of the 4 blocks per stream: takes none
     assert (pool.n_free("k"), pool.n_free("v")) == (1, 1)
     [layer, _] = batch_caches(rows.ours)
     before = _pool_and_rows(store.pool, rows.ours)
     next_key_id = _next_ids(pool)
     token = mx.zeros((3, N_KV_HEADS, 1, HEAD_DIM))
+    assert isinstance(pool, BlockPoolAllocator)
+    owners = [row.book.owner for row in rows.ours]
+    observed = observe(pool, owners)
     with pytest.raises(BlockPoolExhaustedError):
         layer.update_and_fetch(token, token)  # row 0 alone could grow, not rows 0 and 1
+    assert_only_exhaustion_recorded(observed, observe(pool, owners))
     assert _pool_and_rows(store.pool, rows.ours) == before
     assert _next_ids(pool) == next_key_id  # the pool hands out the same ids next
     for cache in rows.ours:
         cache.book.check_invariants()
-    if taken:
-        pool.free(taken)
     rows.release()
     pool.check_invariants()
 
@@ -324,13 +338,45 @@ def test_a_step_the_pool_cannot_supply_is_refused_before_any_row_changes(case: s
     layer = batch_caches(rows)[0]  # type: ignore[arg-type]
     before = _pool_and_rows(pool, rows)  # type: ignore[arg-type]
     token = mx.zeros((len(rows), N_KV_HEADS, 1, HEAD_DIM))
+    assert isinstance(pool, BlockPoolAllocator)
+    owners = [row.book.owner for row in rows if row is not None]
+    observed = observe(pool, owners)
     with pytest.raises(BlockPoolExhaustedError, match=r"a batched step of \d requests"):
         layer.update_and_fetch(token, token)
+    assert_only_exhaustion_recorded(observed, observe(pool, owners))
     assert _pool_and_rows(pool, rows) == before  # type: ignore[arg-type]
     model(mx.array([[3]]), cache=full)  # the row that had room alone still has it
     for cache in (first, twin, full):
         if cache is not None:
             cache.release()
+
+
+@pytest.mark.parametrize("forks", ["a row and its fork", "two forks outside the batch"])
+@pytest.mark.parametrize("spare", [0, -1], ids=["exactly enough", "one block short"])
+def test_a_shared_last_block_is_copied_once_per_holder_but_its_last(forks: str, spare: int) -> None:
+    # A 6-position request's half-full last block is shared: the step copies it once for
+    # the rows that grow into it, however many of them, but never for its last holder
+    # (min(k, r - 1) copies), and the 4-position row takes one new block: 2 per stream.
+    model, store = _model(), _store(n_blocks=16)
+    pool = store.pool
+    first = make_pool_backed_cache(model, store)
+    model(prompt(1, 6, VOCAB)[None], cache=first)
+    twins = [first.fork() for _ in range(1 if forks == "a row and its fork" else 2)]
+    full = make_pool_backed_cache(model, store)
+    model(prompt(2, 4, VOCAB)[None], cache=full)
+    rows = [first, twins[0], full] if forks == "a row and its fork" else [first, full]
+    leave_free(pool, 2 + spare)
+    token = mx.zeros((len(rows), N_KV_HEADS, 1, HEAD_DIM))
+    if spare:
+        with pytest.raises(BlockPoolExhaustedError, match=r"a batched step"):
+            batch_caches(rows)[0].update_and_fetch(token, token)
+    else:
+        for layer in batch_caches(rows):
+            layer.update_and_fetch(token, token)
+        assert [row[0].offset for row in rows] == [7] * (len(rows) - 1) + [5]
+    pool.check_invariants()
+    for cache in (first, *twins, full):
+        cache.release()
 
 
 def _pool_and_rows(
@@ -349,16 +395,23 @@ def _pool_and_rows(
 @pytest.mark.parametrize("stale_row", [0, 2])
 def test_a_row_with_a_stale_block_is_refused_before_any_row_changes(stale_row: int) -> None:
     store = _store()
-    rows = Rows(_model(), store, LENGTHS)
+    lengths = (4, 9, 14)  # row 0 takes a block at the step: a claim undone would show
+    rows = Rows(_model(), store, lengths)
     stale = rows.ours[stale_row].book.key_blocks[0]
-    store.pool.free([stale])  # behind the book's back
+    pool = store.pool
+    pool.free([stale])  # behind the book's back
     [layer, _] = batch_caches(rows.ours)
     before = [cache[0].offset for cache in rows.ours]
-    token = mx.zeros((len(LENGTHS), N_KV_HEADS, 1, HEAD_DIM))
-    with pytest.raises(StaleBlockTableError, match=rf"block_id={stale.block_id}\b"):
+    token = mx.zeros((len(lengths), N_KV_HEADS, 1, HEAD_DIM))
+    assert isinstance(pool, BlockPoolAllocator)
+    owners = [row.book.owner for row in rows.ours]
+    with (
+        pool_unchanged(pool, owners),
+        pytest.raises(StaleBlockTableError, match=rf"block_id={stale.block_id}\b"),
+    ):
         layer.update_and_fetch(token, token)
     assert [cache[0].offset for cache in rows.ours] == before
-    healthy = [row for row in range(len(LENGTHS)) if row != stale_row]
+    healthy = [row for row in range(len(lengths)) if row != stale_row]
     pair = batch_caches([rows.ours[row] for row in healthy])  # they go on, as if nothing happened
     for _ in range(2):
         rows.step_both(pair, healthy)
@@ -394,6 +447,7 @@ def test_layers_out_of_step_are_refused_before_any_row_changes(model: Module) ->
     rows.step_both(pair, in_step)
     with pytest.raises(ValueError, match=r"call the batch's layers in order"):
         pair[1].update_and_fetch(*(mx.zeros((2, N_KV_HEADS, 1, HEAD_DIM)),) * 2)
+    assert [[layer.offset for layer in rows.ours[row]] for row in in_step] == [[4, 4], [15, 15]]
     rows.release()
 
 
@@ -471,20 +525,10 @@ def test_another_thread_is_refused_before_the_pool_is_asked() -> None:
     batch = batch_caches(rows.ours)
     token = mx.zeros((2, N_KV_HEADS, 1, HEAD_DIM))
     exhausted = store.pool.stats.n_exhausted
-    errors: list[BaseException] = []
-    worker = threading.Thread(target=_catch, args=(errors, batch[0].update_and_fetch, token))
-    worker.start()
-    worker.join()
-    assert [type(error) for error in errors] == [RuntimeError]
-    assert "lazy_writes" in str(errors[0])
+    error = in_thread("other", lambda: batch[0].update_and_fetch(token, token))
+    assert type(error) is RuntimeError
+    assert "lazy_writes" in str(error)
     assert store.pool.stats.n_exhausted == exhausted
-
-
-def _catch(errors: list[BaseException], call: Callable[..., object], token: mx.array) -> None:
-    try:
-        call(token, token)
-    except BaseException as error:
-        errors.append(error)
 
 
 def test_without_the_hook_one_layer_at_most_holds_reads() -> None:

@@ -21,13 +21,15 @@ pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash
 
 
 def fake_interpreter(tmp_path: Path, device: str, tests: int = 0, bench: int = 0) -> Path:
-    """An executable that prints ``device`` for ``-c``, exits ``tests`` as ``-m pytest``
-    and ``bench`` as the benchmark; every call's arguments go to ``calls.txt``."""
+    """An executable that prints ``device`` for ``-c`` (fails to import MLX if it is
+    ``"none"``), exits ``tests`` as ``-m pytest`` and ``bench`` as the benchmark; every
+    call's arguments go to ``calls.txt``."""
     script = tmp_path / "fake-python"
+    imports = "exit 1" if device == "none" else f'echo "0.32.4 Device({device}, 0)"; exit 0'
     script.write_text(
         "#!/usr/bin/env bash\n"
         f'echo "$*" >> {tmp_path / "calls.txt"}\n'
-        f'if [[ $1 == -c ]]; then echo "0.32.4 Device({device}, 0)"; exit 0; fi\n'
+        f"if [[ $1 == -c ]]; then {imports}; fi\n"
         f'if [[ $2 == pytest ]]; then echo "13 passed"; exit {tests}; fi\n'
         'echo "{}"; echo "decode: done" >&2\n'
         f"exit {bench}\n"
@@ -58,6 +60,15 @@ def test_without_a_gpu_it_refuses_in_one_line_and_writes_nothing(tmp_path: Path)
     assert not out.exists()
 
 
+def test_without_mlx_it_refuses_in_one_line_and_writes_nothing(tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    python = fake_interpreter(tmp_path, "none")
+    done = run(python, str(out))
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines() == [f"on_a_gpu.sh: MLX does not import with {python}"]
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("args", [["a", "b"], ["--full"], ["--quick", "a", "b"]])
 def test_bad_arguments_are_refused_in_one_line(tmp_path: Path, args: list[str]) -> None:
     done = run(fake_interpreter(tmp_path, "gpu"), *args)
@@ -76,7 +87,7 @@ def test_on_a_gpu_every_output_lands_in_the_folder(tmp_path: Path) -> None:
     assert (out / "bench_kv_cache.log").read_text() == "decode: done\n"
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     pytest_call = calls[1].split()
-    assert pytest_call[:4] == ["-m", "pytest", "-q", "-p"]
+    assert pytest_call[:5] == ["-m", "pytest", "-q", "-p", "no:cacheprovider"]
     named = pytest_call[5:]
     assert len(named) == 13
     assert all((ROOT / path).is_file() for path in named), named
@@ -88,4 +99,6 @@ def test_a_failure_of_either_fails_the_run(tmp_path: Path, tests: int, bench: in
     out = tmp_path / "out"
     done = run(fake_interpreter(tmp_path, "gpu", tests, bench), str(out))
     assert done.returncode == 1
-    assert (out / "bench_kv_cache.json").exists()  # the benchmark runs after a failed test
+    calls = (tmp_path / "calls.txt").read_text().splitlines()
+    # The benchmark runs after a failed test, at every context without --quick.
+    assert calls[2:] == ["benchmarks/bench_kv_cache.py --skip-memory"]
