@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import pytest
 
@@ -23,6 +24,9 @@ from veloxquant_mlx.memory.block_pool import (
     PoolConfig,
 )
 from veloxquant_mlx.testing.profiles import load_profile_from_environment
+
+if TYPE_CHECKING:
+    from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 from veloxquant_mlx_spec import model
 
 # VELOXQUANT_HYPOTHESIS_PROFILE picks ci (default), nightly or mutation.
@@ -180,6 +184,28 @@ def leave_free(pool: CheckedBlockPool[Block], n_free: int, owner: int = 999) -> 
         if n_taken:
             taken += pool.allocate(stream, n_taken * pool.config.block_size, owner)
     return taken
+
+
+def book_and_pool_state(book: PooledKVCache, pool: CheckedBlockPool[Block]) -> tuple[object, ...]:
+    """What a refused call on ``book`` must leave as it was: its layers' positions, its
+    key and value block ids, its reserved blocks, and the pool's free and used blocks and
+    copy-on-write count."""
+    return (
+        tuple(book.layer_offset(layer) for layer in range(book.n_layers)),
+        [block.block_id for block in book.key_blocks],
+        [block.block_id for block in book.value_blocks],
+        book.reserved_blocks,
+        pool.n_free("k"),
+        pool.n_free("v"),
+        pool.stats.blocks_in_use(),
+        pool.stats.n_copy_on_write,
+    )
+
+
+def reserved_blocks(book: PooledKVCache, pool: CheckedBlockPool[Block]) -> list[Block]:
+    """The owner's blocks that hold no position of ``book``: its reserved ones."""
+    in_table = {id(block) for block in (*book.key_blocks, *book.value_blocks)}
+    return [block for block in pool.blocks_for(book.owner) if id(block) not in in_table]
 
 
 def take_all_free(pool: BlockPoolAllocator, stream: str, owner: int) -> list[int]:

@@ -11,7 +11,7 @@ import gc
 
 import mlx.core as mx
 import pytest
-from conftest import leave_free
+from conftest import book_and_pool_state, leave_free, reserved_blocks
 from mlx_lm.models.cache import KVCache
 from store_reads import recording_reads
 from tiny_models import tiny_model
@@ -37,12 +37,6 @@ def _pool(n_blocks: int = 64) -> BlockPoolAllocator:
 
 def _ids(blocks: tuple[Block, ...]) -> list[int]:
     return [block.block_id for block in blocks]
-
-
-def _reserved(book: PooledKVCache, pool: BlockPoolAllocator) -> list[Block]:
-    """The owner's blocks that hold no position of the book: its reserved ones."""
-    in_table = {id(block) for block in (*book.key_blocks, *book.value_blocks)}
-    return [block for block in pool.blocks_for(book.owner) if id(block) not in in_table]
 
 
 @pytest.mark.parametrize(
@@ -74,7 +68,7 @@ def test_the_first_growth_checks_out_the_whole_reservation_in_one_call_per_strea
         book.append(5)
         assert pool.stats.n_allocations == 2
         assert _ids(book.key_blocks) == [0, 1] and book.reserved_blocks == 8
-        reserved = _reserved(book, pool)
+        reserved = reserved_blocks(book, pool)
         assert sorted(block.block_id for block in reserved if block.block_id < 32) == [
             *range(2, 10)
         ]
@@ -125,7 +119,7 @@ def test_a_trim_keeps_the_blocks_it_frees_reserved_and_the_growth_after_takes_th
         book.append(30)
         book.trim(20)
         assert _ids(book.key_blocks) == [0, 1, 2] and book.reserved_blocks == 7
-        assert all(block.n_used == 0 for block in _reserved(book, pool))
+        assert all(block.n_used == 0 for block in reserved_blocks(book, pool))
         assert pool.stats.blocks_in_use() == 20 and pool.stats.n_frees == 0
         book.check_invariants()
         book.append(20)
@@ -152,7 +146,7 @@ def test_a_fork_shares_only_the_positions_and_holds_no_reservation() -> None:
         with book.fork() as twin:
             assert (twin.reserve_tokens, twin.reserved_blocks) == (0, 0)
             assert pool.stats.n_shares == 4 and pool.stats.shared_blocks() == 4
-            assert not any(pool.is_shared(block.block_id) for block in _reserved(book, pool))
+            assert not any(pool.is_shared(block.block_id) for block in reserved_blocks(book, pool))
             twin.append(3)  # moves the shared last block, then checks out as before
             book.trim(6)
             assert book.reserved_blocks == 8  # the shared blocks went back (to the twin)
@@ -195,7 +189,7 @@ def test_the_invariants_name_a_reserved_block_changed_behind_the_books_back(
     pool = _pool()
     book = PooledKVCache(pool, reserve_tokens=40)
     book.append(5)
-    reserved = sorted(_reserved(book, pool), key=lambda block: block.block_id)
+    reserved = sorted(reserved_blocks(book, pool), key=lambda block: block.block_id)
     first_key, first_value = reserved[0], reserved[8]
     if change == "filled":
         pool.mark_used(first_key, 1)
@@ -234,20 +228,6 @@ def test_requests_growing_side_by_side_are_read_by_slices_with_a_reservation(
         monkeypatch.undo()
 
 
-def _book_and_pool_state(book: PooledKVCache, pool: BlockPoolAllocator) -> tuple[object, ...]:
-    layers = tuple(book.layer_offset(layer) for layer in range(book.n_layers))
-    return (
-        layers,
-        _ids(book.key_blocks),
-        _ids(book.value_blocks),
-        book.reserved_blocks,
-        pool.n_free("k"),
-        pool.n_free("v"),
-        pool.stats.blocks_in_use(),
-        pool.stats.n_copy_on_write,
-    )
-
-
 def test_a_rewrite_after_a_fork_refused_for_the_reservations_top_up_moves_nothing() -> None:
     """RES-USE after a fork: the rewrite must move shared block 0 and grow past the
     reserved blocks, which checks out up to the reservation (3 blocks): 4 of the 2
@@ -260,10 +240,10 @@ def test_a_rewrite_after_a_fork_refused_for_the_reservations_top_up_moves_nothin
     book.trim(12)
     book.trim(4, layer=0)
     leave_free(pool, 2)
-    before = _book_and_pool_state(book, pool)
+    before = book_and_pool_state(book, pool)
     with pytest.raises(BlockPoolExhaustedError):
         book.append(8, layer=0)
-    assert _book_and_pool_state(book, pool) == before
+    assert book_and_pool_state(book, pool) == before
     book.check_invariants()
     twin.release()
     book.release()
@@ -296,10 +276,10 @@ def test_growth_after_a_fork_refused_for_its_new_block_moves_nothing() -> None:
     book.append(6)
     twin = book.fork()
     leave_free(pool, 1)
-    before = _book_and_pool_state(book, pool)
+    before = book_and_pool_state(book, pool)
     with pytest.raises(BlockPoolExhaustedError):
         book.append(4)
-    assert _book_and_pool_state(book, pool) == before
+    assert book_and_pool_state(book, pool) == before
     book.check_invariants()
     twin.release()
     book.release()
@@ -310,12 +290,12 @@ def test_a_reserved_block_shared_behind_the_books_back_refuses_the_growth_unchan
     pool = _pool()
     book = PooledKVCache(pool, reserve_tokens=16)
     book.append(5)
-    reserved = sorted(_reserved(book, pool), key=lambda block: block.block_id)
+    reserved = sorted(reserved_blocks(book, pool), key=lambda block: block.block_id)
     handle = pool.share([reserved[0]], 77)
-    before = _book_and_pool_state(book, pool)
+    before = book_and_pool_state(book, pool)
     with pytest.raises(StaleBlockTableError, match=r"reserved block .* behind the book's back"):
         book.append(20)
-    assert _book_and_pool_state(book, pool) == before
+    assert book_and_pool_state(book, pool) == before
     pool.free(handle)
     book.check_invariants()
     book.release()
@@ -334,11 +314,11 @@ def test_after_a_fork_a_tampered_reserved_block_refuses_the_append_before_any_mo
     twin = book.fork()
     if append != "growth":
         book.trim(4, layer=0)
-    pool.share([sorted(_reserved(book, pool), key=lambda block: block.block_id)[0]], 77)
-    before = _book_and_pool_state(book, pool)
+    pool.share([sorted(reserved_blocks(book, pool), key=lambda block: block.block_id)[0]], 77)
+    before = book_and_pool_state(book, pool)
     with pytest.raises(StaleBlockTableError):
         book.append(8, layer=0)
-    assert _book_and_pool_state(book, pool) == before
+    assert book_and_pool_state(book, pool) == before
     twin.release()
 
 
@@ -356,11 +336,11 @@ def test_a_last_block_shared_behind_the_books_back_refuses_growth_with_nothing_c
     book.append(5)
     last = (book.key_blocks if stream == "k" else book.value_blocks)[-1]
     handle = pool.share([last], 77)
-    before = _book_and_pool_state(book, pool)
+    before = book_and_pool_state(book, pool)
     fills = [block.n_used for block in (*book.key_blocks, *book.value_blocks)]
     with pytest.raises(ValueError, match="shared"):
         book.append(n_new)
-    assert _book_and_pool_state(book, pool) == before
+    assert book_and_pool_state(book, pool) == before
     assert [block.n_used for block in (*book.key_blocks, *book.value_blocks)] == fills
     pool.free(handle)
     book.check_invariants()
