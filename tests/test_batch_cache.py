@@ -162,38 +162,34 @@ def test_requests_leave_and_join_batches(model: Module) -> None:
     rows.release()
 
 
-def test_the_hook_attends_by_rows_only_for_the_batch_s_own_mask() -> None:
-    built = _model()
-    install_paged_attention(built)
-    try:
-        rows = Rows(built, _store(), LENGTHS)
-        batch = batch_caches(rows.ours)
-        answered: list[bool] = []
-        original = PooledBatchLayer.attend_rows
+@pytest.mark.parametrize("attention", ["by rows"])
+def test_the_hook_attends_by_rows_only_for_the_batch_s_own_mask(
+    model: Module, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    rows = Rows(model, _store(), LENGTHS)
+    batch = batch_caches(rows.ours)
+    answered: list[bool] = []
+    original = PooledBatchLayer.attend_rows
 
-        def spy(layer: PooledBatchLayer, *arguments: object) -> mx.array | None:
-            result = original(layer, *arguments)  # type: ignore[arg-type]
-            answered.append(result is not None)
-            return result
+    def spy(layer: PooledBatchLayer, *arguments: object) -> mx.array | None:
+        result = original(layer, *arguments)  # type: ignore[arg-type]
+        answered.append(result is not None)
+        return result
 
-        PooledBatchLayer.attend_rows = spy  # type: ignore[method-assign, assignment]
-        try:
-            rows.step_both(batch, [0, 1, 2])
-        finally:
-            PooledBatchLayer.attend_rows = original  # type: ignore[method-assign]
-        assert answered == [True] * N_LAYERS
-        # Both layers hold fresh reads: only the batch's own mask is answered.
-        token = mx.zeros((len(LENGTHS), N_KV_HEADS, 1, HEAD_DIM))
-        queries = mx.zeros((len(LENGTHS), 2 * N_KV_HEADS, 1, HEAD_DIM))
-        own = batch[0].make_mask(1)
-        foreign = mx.ones((len(LENGTHS), 1, 1, LENGTHS[-1] + 2), dtype=mx.bool_)
-        batch[0].update_and_fetch(token, token)
-        assert batch[0].attend_rows(queries, 1.0, foreign) is None
-        batch[1].update_and_fetch(token, token)
-        assert batch[1].attend_rows(queries, 1.0, own) is not None
-        rows.release()
-    finally:
-        uninstall_paged_attention(built)
+    with monkeypatch.context() as patched:
+        patched.setattr(PooledBatchLayer, "attend_rows", spy)
+        rows.step_both(batch, [0, 1, 2])
+    assert answered == [True] * N_LAYERS
+    # Both layers hold fresh reads: only the batch's own mask is answered.
+    token = mx.zeros((len(LENGTHS), N_KV_HEADS, 1, HEAD_DIM))
+    queries = mx.zeros((len(LENGTHS), 2 * N_KV_HEADS, 1, HEAD_DIM))
+    own = batch[0].make_mask(1)
+    foreign = mx.ones((len(LENGTHS), 1, 1, LENGTHS[-1] + 2), dtype=mx.bool_)
+    batch[0].update_and_fetch(token, token)
+    assert batch[0].attend_rows(queries, 1.0, foreign) is None
+    batch[1].update_and_fetch(token, token)
+    assert batch[1].attend_rows(queries, 1.0, own) is not None
+    rows.release()
 
 
 def test_offset_and_masks_follow_the_rules() -> None:
