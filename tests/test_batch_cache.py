@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from conftest import (
     assert_only_exhaustion_recorded,
@@ -45,6 +46,7 @@ from veloxquant_mlx.memory.block_pool import (
 )
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
+from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
 from veloxquant_mlx.memory.pooled_kv_cache import StaleBlockTableError
 from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
 
@@ -298,6 +300,10 @@ def test_batch_caches_refuses_what_cannot_be_one_batch() -> None:
     )
     released = make_pool_backed_cache(model, store)
     released.release()
+    # A store without the block-table decode path (typed for NumPy dtypes: a misuse).
+    numpy_pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    numpy_store = NumpyBlockStorage(numpy_pool, N_LAYERS, N_KV_HEADS, HEAD_DIM, np.float32)
+    in_numpy = make_pool_backed_cache(model, numpy_store)  # type: ignore[arg-type]
     cases: list[tuple[object, type[Exception], str]] = [
         (first, TypeError, r"must be a PoolBackedPromptCache, got PoolBackedKVCache"),
         ("ab", TypeError, r"got str"),
@@ -308,12 +314,13 @@ def test_batch_caches_refuses_what_cannot_be_one_batch() -> None:
         ([first, released], ValueError, r"requests\[1\] was released"),
         ([first, other_store], ValueError, r"requests\[1\] lives in another store"),
         ([first, three_layers], ValueError, r"requests\[1\] has 3 layers, requests\[0\] 2"),
+        ([in_numpy, first], ValueError, r"requests\[0\] lives in a NumpyBlockStorage; a pooled"),
     ]
     for requests, error, match in cases:
         with pytest.raises(error, match=match):
             batch_caches(requests)  # type: ignore[arg-type]
     assert [cache[0].offset for cache in (first, second)] == [0, 0]
-    for cache in (first, second, other_store, three_layers):
+    for cache in (first, second, other_store, three_layers, in_numpy):
         cache.release()
 
 
