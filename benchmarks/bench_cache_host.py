@@ -5,10 +5,16 @@ on a GPU their host work decides the step (issue 9). This benchmark times
 only those calls, as the calling thread's CPU time (``time.thread_time``:
 MLX's own threads and waits are left out), on a ``lazy_writes`` store of 8
 layers, one request, at each context; the step's evaluation and the freeing
-of its outputs happen outside the timing.
+of its outputs happen outside the timing. With ``--rows N`` (N >= 2) the
+step is a batched one (:func:`~veloxquant_mlx.memory.batch_cache.batch_caches`)
+of N requests, row ``r`` prefilled to the context plus ``r`` positions (so the
+rows are padded); its figures are per step of all N rows, and the first layer
+then also drops the reads the last layer of the step before held (BATCH-ATTEND:
+a hooked model's attention drops them earlier).
 
     python benchmarks/bench_cache_host.py --against e5d3e36      # about two minutes
     python benchmarks/bench_cache_host.py --against main --rounds 9 --contexts 256,4096
+    python benchmarks/bench_cache_host.py --against main --rows 4   # a batch of 4 requests
     git archive aa602e6 | tar -x -C /tmp/base     # where the history is not at hand:
     python benchmarks/bench_cache_host.py --against-tree /tmp/base   # (the GPU machine)
 
@@ -23,7 +29,7 @@ and for each later layer's (the first carries the step's own work: the
 book's growth, the liveness check, the step's rows). Nothing passes or fails.
 
 Thread safety: single-threaded. Complexity: rounds x contexts x 2 worker
-processes, each a prompt of the context and ``--steps`` decode steps.
+processes, each ``--rows`` prompts of the context and ``--steps`` decode steps.
 """
 
 from __future__ import annotations
@@ -34,9 +40,10 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import _against
 
@@ -46,9 +53,9 @@ FIGURES = ("step", "first_layer", "later_layer")
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
-def measure(root: Path, context: int, steps: int) -> dict[str, float]:
+def measure(root: Path, context: int, steps: int, rows: int = 1) -> dict[str, float]:
     """Median host microseconds of one decode step of the tree at ``root``, of its first
-    layer's call and of a later layer's (a worker)."""
+    layer's call and of a later layer's (a worker); ``rows`` >= 2: of a batched step."""
     sys.path[:0] = [str(root), str(root / "spec")]
     import mlx.core as mx  # after the tree is put first on the path
 
@@ -57,13 +64,21 @@ def measure(root: Path, context: int, steps: int) -> dict[str, float]:
     from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
     from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 
-    n_blocks = 2 * ((context + steps) // BLOCK_SIZE + 2)
+    n_blocks = 2 * rows * ((context + rows + steps) // BLOCK_SIZE + 2)
     pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=n_blocks))
     store = MLXBlockStorage(pool, LAYERS, HEADS, HEAD_DIM, mx.float16, lazy_writes=True)
-    cache = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=LAYERS))
-    prompt = mx.zeros((1, HEADS, context, HEAD_DIM), mx.float16)
-    mx.eval([layer.update_and_fetch(prompt, prompt) for layer in cache])
-    token = mx.ones((1, HEADS, 1, HEAD_DIM), mx.float16)
+    requests = []
+    for row in range(rows):
+        request = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=LAYERS))
+        prompt = mx.zeros((1, HEADS, context + row, HEAD_DIM), mx.float16)
+        mx.eval([layer.update_and_fetch(prompt, prompt) for layer in request])
+        requests.append(request)
+    cache: Sequence[Any] = requests[0]
+    if rows > 1:
+        from veloxquant_mlx.memory.batch_cache import batch_caches
+
+        cache = batch_caches(requests)
+    token = mx.ones((rows, HEADS, 1, HEAD_DIM), mx.float16)
     mx.eval(token)
     calls: list[list[float]] = []  # per step, each layer's call in seconds
     for _ in range(steps):
@@ -83,16 +98,18 @@ def measure(root: Path, context: int, steps: int) -> dict[str, float]:
     }
 
 
-def compare(base: Path, contexts: list[int], rounds: int, steps: int) -> dict[str, object]:
+def compare(
+    base: Path, contexts: list[int], rounds: int, steps: int, rows: int = 1
+) -> dict[str, object]:
     """Both trees' medians per context, alternating worker processes."""
     trees = {"base": base, "this": REPO_ROOT}
-    rows = []
+    table = []
     for context in contexts:
         samples: dict[str, list[dict[str, float]]] = {name: [] for name in trees}
         for round_ in range(rounds):
             order = list(trees) if round_ % 2 == 0 else list(reversed(trees))
             for name in order:
-                samples[name].append(_worker(trees[name], context, steps))
+                samples[name].append(_worker(trees[name], context, steps, rows))
         row: dict[str, object] = {"context": context}
         for figure in FIGURES:
             base_us, this_us = (
@@ -111,12 +128,13 @@ def compare(base: Path, contexts: list[int], rounds: int, steps: int) -> dict[st
             name: [{key: round(value, 1) for key, value in s.items()} for s in xs]
             for name, xs in samples.items()
         }
-        rows.append(row)
-    return {"layers": LAYERS, "rounds": rounds, "steps": steps, "rows": rows}
+        table.append(row)
+    return {"layers": LAYERS, "batch_rows": rows, "rounds": rounds, "steps": steps, "rows": table}
 
 
-def _worker(root: Path, context: int, steps: int) -> dict[str, float]:
+def _worker(root: Path, context: int, steps: int, rows: int) -> dict[str, float]:
     command = [sys.executable, __file__, "--worker", str(root), str(context), str(steps)]
+    command += [str(rows)]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no message"])[-1]
@@ -172,13 +190,16 @@ def main(argv: list[str] | None = None) -> int:
         "--contexts", type=contexts_of, default="256,4096", help="comma-separated contexts"
     )
     parser.add_argument(
-        "--worker", nargs=3, metavar=("ROOT", "CONTEXT", "STEPS"), help=argparse.SUPPRESS
+        "--rows", type=positive, default=1, help="requests per step (>= 2: one batched step)"
+    )
+    parser.add_argument(
+        "--worker", nargs=4, metavar=("ROOT", "CONTEXT", "STEPS", "ROWS"), help=argparse.SUPPRESS
     )
     args = parser.parse_args(argv)
     if args.worker is not None:
-        root, context, steps = args.worker
+        root, context, steps, rows = args.worker
         try:
-            figures = measure(Path(root), int(context), int(steps))
+            figures = measure(Path(root), int(context), int(steps), int(rows))
         except MemoryError as error:  # a context this machine cannot hold: bad input
             parser.exit(2, f"{parser.prog}: error: {error} (--contexts {context})\n")
         print(json.dumps(figures))
@@ -193,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         parser.error("--against REV or --against-tree DIR is required")
     with base_tree as base:
-        report = compare(base, args.contexts, args.rounds, args.steps)
+        report = compare(base, args.contexts, args.rounds, args.steps, args.rows)
     print(json.dumps({**label, **report}, indent=2))
     return 0
 

@@ -589,7 +589,7 @@ def test_bench_cache_host_worker_refuses_a_context_too_large_with_status_2(
     main = importlib.import_module("bench_cache_host").main
     root = str(BENCHMARKS.parent)
     with pytest.raises(SystemExit) as ended:
-        main(["--worker", root, "100000000000", "1"])
+        main(["--worker", root, "100000000000", "1", "1"])
     assert ended.value.code == 2
     [line] = capsys.readouterr().err.splitlines()
     assert "a pool of n_blocks=" in line and line.endswith("(--contexts 100000000000)")
