@@ -361,6 +361,30 @@ def test_a_step_the_pool_cannot_supply_is_refused_before_any_row_changes(case: s
             cache.release()
 
 
+def test_a_step_of_copies_alone_the_pool_cannot_supply_changes_nothing() -> None:
+    # Both rows grow into the half-full last block that a third book shares too: the step
+    # takes no new block, but copies it twice per stream (min(k, r - 1) = 2); one is free.
+    model, store = _model(), _store(n_blocks=16)
+    pool = store.pool
+    first = make_pool_backed_cache(model, store)
+    model(prompt(1, 6, VOCAB)[None], cache=first)
+    twin, outside = first.fork(), first.fork()
+    leave_free(pool, 1)
+    layer = batch_caches([first, twin])[0]
+    before = _pool_and_rows(pool, [first, twin, outside])
+    token = mx.zeros((2, N_KV_HEADS, 1, HEAD_DIM))
+    assert isinstance(pool, BlockPoolAllocator)
+    owners = [cache.book.owner for cache in (first, twin, outside)]
+    observed = observe(pool, owners)
+    with pytest.raises(BlockPoolExhaustedError, match=r"a batched step of 2 requests"):
+        layer.update_and_fetch(token, token)
+    assert_only_exhaustion_recorded(observed, observe(pool, owners))
+    assert _pool_and_rows(pool, [first, twin, outside]) == before
+    for cache in (first, twin, outside):
+        cache.release()
+    pool.check_invariants()
+
+
 @pytest.mark.parametrize("forks", ["a row and its fork", "two forks outside the batch"])
 @pytest.mark.parametrize("spare", [0, -1], ids=["exactly enough", "one block short"])
 def test_a_shared_last_block_is_copied_once_per_holder_but_its_last(forks: str, spare: int) -> None:
