@@ -8,9 +8,11 @@ layers, one request, at each context; the step's evaluation and the freeing
 of its outputs happen outside the timing. With ``--rows N`` (N >= 2) the
 step is a batched one (:func:`~veloxquant_mlx.memory.batch_cache.batch_caches`)
 of N requests, row ``r`` prefilled to the context plus ``r`` positions (so the
-rows are padded); its figures are per step of all N rows, and the first layer
-then also drops the reads the last layer of the step before held (BATCH-ATTEND:
-a hooked model's attention drops them earlier).
+rows are padded); its figures are per step of all N rows. After each layer's
+call, outside the timing, its rows' attention is taken from it as a model with
+the attention hook takes it (``attend_rows``, BATCH-ATTEND), so the layer's
+reads are freed with the step's outputs, as one request's are; a batch that
+nothing attends through would free them in the next layer's call instead.
 
     python benchmarks/bench_cache_host.py --against e5d3e36      # about two minutes
     python benchmarks/bench_cache_host.py --against main --rounds 9 --contexts 256,4096
@@ -87,6 +89,8 @@ def measure(root: Path, context: int, steps: int, rows: int = 1) -> dict[str, fl
             start = time.thread_time()
             out.append(layer.update_and_fetch(token, token))
             times.append(time.thread_time() - start)
+            if rows > 1:  # untimed: as the hooked attention does, which uses the reads
+                out.append(layer.attend_rows(token, 1.0, None))
         calls.append(times)
         mx.eval(out)
         del out  # freed here, not inside the next step's timing
