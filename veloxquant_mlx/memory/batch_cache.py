@@ -443,13 +443,14 @@ def _require_supply_of(rows: tuple[PoolBackedKVCache, ...], n_new: int) -> None:
     """Refuse unless the pool can supply, per stream, every row's growth and a copy of
     each shared block a row moves; a block that ``k`` rows move and ``r`` handles hold
     is copied ``min(k, r - 1)`` times (its last holder keeps it)."""
-    moved: dict[str, Counter[int]] = {"k": Counter(), "v": Counter()}
-    growth = 0
-    for row in rows:
-        keys, values, grown = row.book.append_moves(n_new, row.layer)
-        moved["k"].update(keys)
-        moved["v"].update(values)
-        growth += grown
+    moves = [row.book.append_moves(n_new, row.layer) for row in rows]
+    growth = sum(grown for _, _, grown in moves)
+    if not growth and not any(keys or values for keys, values, _ in moves):
+        return  # most decode steps: every row stays in its last block, which it owns
+    moved = {
+        "k": Counter(block_id for keys, _, _ in moves for block_id in keys),
+        "v": Counter(block_id for _, values, _ in moves for block_id in values),
+    }
     book = rows[0].book
     pool = book.pool
     demand = {
