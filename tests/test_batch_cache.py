@@ -15,6 +15,7 @@ far."""
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import NoReturn
 
 import mlx.core as mx
 import numpy as np
@@ -137,10 +138,13 @@ def test_rows_of_different_lengths_decode_as_each_alone(model: Module, lazy_writ
     rows.release()
 
 
-def test_a_chunk_of_positions_per_row_decodes_as_each_alone(model: Module) -> None:
+@pytest.mark.parametrize("n_positions", [2, 3])
+def test_a_chunk_of_positions_per_row_decodes_as_each_alone(
+    model: Module, n_positions: int
+) -> None:
     rows = Rows(model, _store(), LENGTHS)
     batch = batch_caches(rows.ours)
-    chunk = mx.random.randint(0, VOCAB, (len(LENGTHS), 3), key=mx.random.key(5))
+    chunk = mx.random.randint(0, VOCAB, (len(LENGTHS), n_positions), key=mx.random.key(5))
     batched = model(chunk, cache=batch)
     for row, theirs in enumerate(rows.theirs):
         alone = model(chunk[row : row + 1], cache=theirs)
@@ -361,22 +365,27 @@ def test_a_step_the_pool_cannot_supply_is_refused_before_any_row_changes(case: s
             cache.release()
 
 
-def test_a_step_of_copies_alone_the_pool_cannot_supply_changes_nothing() -> None:
+@pytest.mark.parametrize("short", ["k", "v", "both"])
+def test_a_step_of_copies_alone_the_pool_cannot_supply_changes_nothing(short: str) -> None:
     # Both rows grow into the half-full last block that a third book shares too: the step
-    # takes no new block, but copies it twice per stream (min(k, r - 1) = 2); one is free.
+    # takes no new block, but copies it twice per stream (min(k, r - 1) = 2); the short
+    # stream has one free block, any other two.
     model, store = _model(), _store(n_blocks=16)
     pool = store.pool
     first = make_pool_backed_cache(model, store)
     model(prompt(1, 6, VOCAB)[None], cache=first)
     twin, outside = first.fork(), first.fork()
-    leave_free(pool, 1)
+    leave_free(pool, 2)
+    for stream in ("k", "v") if short == "both" else (short,):
+        pool.allocate(stream, BLOCK_SIZE, owner=999)
     layer = batch_caches([first, twin])[0]
     before = _pool_and_rows(pool, [first, twin, outside])
     token = mx.zeros((2, N_KV_HEADS, 1, HEAD_DIM))
     assert isinstance(pool, BlockPoolAllocator)
     owners = [cache.book.owner for cache in (first, twin, outside)]
     observed = observe(pool, owners)
-    with pytest.raises(BlockPoolExhaustedError, match=r"a batched step of 2 requests"):
+    named = rf"a batched step of 2 requests \(owners {owners[0]}, {owners[1]}\) is refused: "
+    with pytest.raises(BlockPoolExhaustedError, match=named + rf"owner {owners[0]} needs 2 k"):
         layer.update_and_fetch(token, token)
     assert_only_exhaustion_recorded(observed, observe(pool, owners))
     assert _pool_and_rows(pool, [first, twin, outside]) == before
@@ -472,7 +481,7 @@ def test_layers_out_of_step_are_refused_before_any_row_changes(model: Module) ->
     in_step = [0, 2]  # the rows in step go on, unchanged by the refusal
     pair = batch_caches([rows.ours[row] for row in in_step])
     rows.step_both(pair, in_step)
-    with pytest.raises(ValueError, match=r"call the batch's layers in order"):
+    with pytest.raises(ValueError, match=r"4 at the first layer; expected 3: call the batch's"):
         pair[1].update_and_fetch(*(mx.zeros((2, N_KV_HEADS, 1, HEAD_DIM)),) * 2)
     assert [[layer.offset for layer in rows.ours[row]] for row in in_step] == [[4, 4], [15, 15]]
     rows.release()
@@ -575,3 +584,62 @@ def test_attend_rows_answers_once_and_only_for_what_was_written() -> None:
     assert second.attend_rows(queries, 1.0, mask) is not None
     assert second.attend_rows(queries, 1.0, mask) is None  # its reads are used once
     rows.release()
+
+
+def test_attend_rows_answers_a_causal_chunk_without_the_batch_s_mask() -> None:
+    # Rows of one length need no array mask: mlx-lm passes "causal" for a chunk.
+    rows = Rows(_model(), _store(), (5, 5))
+    [first, _] = batch_caches(rows.ours)
+    chunk = mx.zeros((2, N_KV_HEADS, 2, HEAD_DIM))
+    first.update_and_fetch(chunk, chunk)
+    assert first.attend_rows(mx.zeros((2, 2 * N_KV_HEADS, 2, HEAD_DIM)), 1.0, "causal") is not None
+    rows.release()
+
+
+@pytest.mark.parametrize(
+    ("shape", "dtype"),
+    [
+        ((len(LENGTHS) - 1, 2 * N_KV_HEADS, 1, HEAD_DIM), mx.float32),  # a row short
+        ((len(LENGTHS), 2 * N_KV_HEADS, HEAD_DIM), mx.float32),  # not (B, heads, n, dim)
+        ((len(LENGTHS), 2 * N_KV_HEADS, 1, HEAD_DIM), mx.float16),  # not the store's dtype
+    ],
+)
+def test_attend_rows_declines_queries_that_do_not_fit_the_rows(
+    shape: tuple[int, ...], dtype: mx.Dtype
+) -> None:
+    rows = Rows(_model(), _store(), LENGTHS)
+    [first, _] = batch_caches(rows.ours)
+    token = mx.zeros((len(LENGTHS), N_KV_HEADS, 1, HEAD_DIM))
+    first.update_and_fetch(token, token)
+    assert first.attend_rows(mx.zeros(shape, dtype=dtype), 1.0, None) is None
+    rows.release()
+
+
+@pytest.mark.parametrize("refused", ["a later row's append", "the store's write"])
+def test_a_refusal_after_the_look_trims_back_every_row_appended(
+    refused: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What the look cannot see (another thread taking the last free block, a store
+    # failing) refuses after rows appended: each is trimmed back, its new block freed.
+    store = _store()
+    rows = Rows(_model(), store, (4, 9, 13))  # row 0 takes a block at the next step
+    [layer, _] = batch_caches(rows.ours)
+    before = _pool_and_rows(store.pool, rows.ours)
+    failure = RuntimeError(f"{refused} failed")
+
+    def fail(*arguments: object, **keywords: object) -> NoReturn:
+        raise failure
+
+    if refused == "the store's write":
+        monkeypatch.setattr(store, "_decode_rows_through_tables", fail)
+    else:
+        monkeypatch.setattr(rows.ours[2].book, "append", fail)
+    token = mx.zeros((3, N_KV_HEADS, 1, HEAD_DIM))
+    with pytest.raises(RuntimeError) as raised:
+        layer.update_and_fetch(token, token)
+    assert raised.value is failure
+    assert _pool_and_rows(store.pool, rows.ours) == before
+    monkeypatch.undo()
+    rows.step_both(batch_caches(rows.ours), [0, 1, 2])  # the rows go on as before
+    rows.release()
+    store.pool.check_invariants()
