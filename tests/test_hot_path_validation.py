@@ -1,9 +1,9 @@
 """The per-token calls validate inline: valid arguments never reach the full validators.
 
 ``allocate``, ``free_all`` and ``mark_used`` run once per token per layer in a
-decode loop. Each tests exact types and ranges inline and hands only what
-that test rejects to the full validators (``resolve_stream``,
-``require_int``, ``require_format``), which raise the errors. An inline test
+decode loop, and so does a book's ``append``. Each tests exact types and ranges
+inline and hands only what that test rejects to the full validators
+(``resolve_stream``, ``require_int``, ``require_format``), which raise the errors. An inline test
 that rejected valid values too would still give every right answer, only
 slower, so no behavioural test sees it (these were the equivalent mutants
 of ``mutation/SURVIVORS.md`` section 1). Here the validators are replaced by
@@ -17,11 +17,13 @@ replacing a module attribute cannot reach them there.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NoReturn
 
 import pytest
 
-from veloxquant_mlx.memory import block_pool
+from veloxquant_mlx.memory import block_pool, pooled_kv_cache
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 
 pytestmark = pytest.mark.skipif(
     block_pool.COMPILED,
@@ -105,3 +107,26 @@ def test_what_the_inline_test_rejects_still_reaches_the_full_validator(
     with pytest.raises(FullValidatorCalledError):
         call(pool)
     assert called == [validator]
+
+
+@pytest.mark.parametrize("n_tokens", [0, 1, BLOCK_SIZE + 1])
+@pytest.mark.parametrize("layer", [0, 1])
+def test_valid_book_appends_never_reach_the_full_validators(
+    monkeypatch: pytest.MonkeyPatch, n_tokens: int, layer: int
+) -> None:
+    # A book's append runs once per layer per decode step and tests inline as well.
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    book = PooledKVCache(pool, n_layers=2)
+    called: list[str] = []
+
+    def failing(*args: object, **kwargs: object) -> NoReturn:
+        called.append("require_int")
+        raise FullValidatorCalledError(f"require_int{args}")
+
+    monkeypatch.setattr(pooled_kv_cache, "require_int", failing)
+    assert book.append(n_tokens, layer=layer) == 0
+    assert (called, book.layer_offset(layer)) == ([], n_tokens)
+    for bad in (-1, True):
+        with pytest.raises(FullValidatorCalledError):
+            book.append(bad, layer=layer)
+    assert called == ["require_int"] * 2

@@ -226,27 +226,42 @@ def test_automatic_owners_are_distinct(pool: BlockPoolAllocator) -> None:
 
 
 @pytest.mark.parametrize(
-    ("call", "error"),
+    ("call", "error", "named"),
     [
-        (lambda book: book.append(-1), ValueError),
-        (lambda book: book.append(True), TypeError),
-        (lambda book: book.append(1, layer=2), ValueError),
-        (lambda book: book.trim(-1), ValueError),
-        (lambda book: book.trim(1, layer=-1), ValueError),
-        (lambda book: book.layer_offset(-1), ValueError),  # read the last layer's
-        (lambda book: book.layer_offset(2), ValueError),  # a bare IndexError
-        (lambda book: book.layer_offset(True), TypeError),  # read layer 1's
-        (lambda book: book.layer_offset("0"), TypeError),
+        (lambda book: book.append(-1), ValueError, "n_tokens must be an int >= 0, got -1"),
+        (lambda book: book.append(True), TypeError, "n_tokens must be an int >= 0, got True"),
+        (lambda book: book.append(1, layer=2), ValueError, "layer must be in 0..1, got 2"),
+        (lambda book: book.append_moves(-1, 0), ValueError, "n_tokens must be an int >= 0"),
+        (lambda book: book.append_moves(1.5, 0), TypeError, "n_tokens must be an int >= 0"),
+        (lambda book: book.append_moves(1, 2), ValueError, "layer must be in 0..1, got 2"),
+        (lambda book: book.trim(-1), ValueError, "n must be an int >= 0, got -1"),
+        (lambda book: book.trim(1, layer=-1), ValueError, "layer must be an int >= 0, got -1"),
+        (lambda book: book.layer_offset(-1), ValueError, "got -1"),  # read the last layer's
+        (lambda book: book.layer_offset(2), ValueError, "in 0..1, got 2"),  # a bare IndexError
+        (lambda book: book.layer_offset(True), TypeError, "got True"),  # read layer 1's
+        (lambda book: book.layer_offset("0"), TypeError, "got '0'"),
     ],
 )
 def test_bad_arguments_raise_and_change_nothing(
-    pool: BlockPoolAllocator, call: object, error: type[Exception]
+    pool: BlockPoolAllocator, call: object, error: type[Exception], named: str
 ) -> None:
     book = PooledKVCache(pool, n_layers=2)
     book.append(3)
-    with pytest.raises(error):
+    with pytest.raises(error, match=re.escape(named)):
         call(book)  # type: ignore[operator]
     assert (book.offset, book.layer_offset(0), len(book.key_blocks)) == (3, 3, 1)
+
+
+def test_appending_no_position_is_a_valid_call_that_changes_nothing(
+    pool: BlockPoolAllocator,
+) -> None:
+    book = PooledKVCache(pool, n_layers=2)
+    book.append(3)
+    assert book.append_moves(0, 1) == (set(), set(), 0)
+    with pool_unchanged(pool, owners=[book.owner]):
+        assert book.append(0, layer=1) == 0
+        assert book.append(0) == 3
+    assert (book.offset, book.layer_offset(1), len(book.key_blocks)) == (3, 0, 1)
 
 
 @given(

@@ -302,6 +302,28 @@ def test_a_reserved_block_shared_behind_the_books_back_refuses_the_growth_unchan
     assert pool.stats.blocks_in_use() == 0
 
 
+def test_growth_looks_only_at_the_reserved_blocks_it_takes() -> None:
+    """RES-USE: a reserved block shared behind the book's back refuses the growth that
+    would take it, not the growth before it."""
+    pool = _pool()
+    book = PooledKVCache(pool, reserve_tokens=16)  # 4 blocks per stream
+    book.append(5)
+    last_reserved = max(
+        (block for block in reserved_blocks(book, pool) if block.stream == "k"),
+        key=lambda block: block.block_id,
+    )
+    handle = pool.share([last_reserved], 77)
+    book.append(7)  # takes the third reserved block, not the fourth
+    assert (book.offset, len(book.key_blocks), book.reserved_blocks) == (12, 3, 1)
+    before = book_and_pool_state(book, pool)
+    with pytest.raises(StaleBlockTableError, match=r"reserved block .* behind the book's back"):
+        book.append(1)
+    assert book_and_pool_state(book, pool) == before
+    pool.free(handle)
+    book.release()
+    assert pool.stats.blocks_in_use() == 0
+
+
 @pytest.mark.parametrize("append", ["growth", "rewrite of a layer"])
 def test_after_a_fork_a_tampered_reserved_block_refuses_the_append_before_any_move(
     append: str,
