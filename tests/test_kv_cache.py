@@ -120,6 +120,17 @@ def test_append_is_all_or_nothing_when_values_run_out() -> None:
         pool.register_owner(5)  # the book still claims its owner
 
 
+def test_growth_refused_leaves_a_partly_filled_last_block_as_it_was() -> None:
+    pool = _pool(n_blocks=5)  # "k" gets 3 blocks, "v" 2
+    book = PooledKVCache(pool, owner=5)
+    book.append(BLOCK_SIZE + 1)  # the last blocks hold 1 position of 4
+    with pytest.raises(BlockPoolExhaustedError):
+        book.append(BLOCK_SIZE)  # growth marks them full first, then is refused
+    assert (book.offset, len(book.key_blocks)) == (BLOCK_SIZE + 1, 2)
+    assert [block.n_used for block in (book.key_blocks[-1], book.value_blocks[-1])] == [1, 1]
+    book.check_invariants()
+
+
 def test_trim_frees_whole_blocks_past_the_new_offset(pool: BlockPoolAllocator) -> None:
     book = PooledKVCache(pool)
     book.append(3 * BLOCK_SIZE)

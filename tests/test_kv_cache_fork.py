@@ -161,6 +161,17 @@ def test_a_book_alone_forks_without_a_store() -> None:
     assert pool.stats.blocks_in_use() == 0
 
 
+def test_a_fork_keeps_the_book_s_format_for_the_blocks_it_takes() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    with PooledKVCache(pool, owner=1, format="int4") as book:
+        book.append(6)
+        with book.fork(owner=2) as twin:
+            assert twin.format == "int4"
+            twin.append(3)  # a copy of the shared last block, and a new block
+            assert {block.format for block in pool.blocks_for(2)} == {"int4"}
+    assert pool.stats.blocks_in_use() == 0
+
+
 def test_a_fork_trimmed_to_nothing_grows_again_on_its_own_blocks() -> None:
     pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
     with PooledKVCache(pool, owner=1) as book, book.fork(owner=2) as twin:
