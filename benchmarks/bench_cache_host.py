@@ -28,7 +28,12 @@ worker measures the tree it is given (its source first on the path). The
 report gives, per context, the median over rounds of each tree's median
 step, and this / base; and the same for the first layer's call of a step
 and for each later layer's (the first carries the step's own work: the
-book's growth, the liveness check, the step's rows). Nothing passes or fails.
+book's growth, the liveness check, the step's rows). Last, each worker counts
+the Python function calls of a step's cache calls, in a separate pass under
+``cProfile``: a figure that neither the machine's load nor its caches move, so
+it shows whether a step's host work grows with the context where times on a
+shared CPU cannot (the device's work there evicts the host's caches, more so
+at long contexts). Nothing passes or fails.
 
 Thread safety: single-threaded. Complexity: rounds x contexts x 2 worker
 processes, each ``--rows`` prompts of the context and ``--steps`` decode steps.
@@ -37,12 +42,14 @@ processes, each ``--rows`` prompts of the context and ``--steps`` decode steps.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import pstats
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, NoReturn
@@ -52,6 +59,8 @@ import _against
 LAYERS, HEADS, HEAD_DIM, BLOCK_SIZE = 8, 2, 64, 16
 #: What a worker reports, in microseconds: a whole step's calls, the first layer's, a later one's.
 FIGURES = ("step", "first_layer", "later_layer")
+#: Steps of the counting pass (cProfile), after the timed ones.
+COUNTED_STEPS = 16
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -82,24 +91,47 @@ def measure(root: Path, context: int, steps: int, rows: int = 1) -> dict[str, fl
         cache = batch_caches(requests)
     token = mx.ones((rows, HEADS, 1, HEAD_DIM), mx.float16)
     mx.eval(token)
-    calls: list[list[float]] = []  # per step, each layer's call in seconds
-    for _ in range(steps):
-        out, times = [], []
-        for layer in cache:
-            start = time.thread_time()
-            out.append(layer.update_and_fetch(token, token))
-            times.append(time.thread_time() - start)
-            if rows > 1:  # untimed: as the hooked attention does, which uses the reads
-                out.append(layer.attend_rows(token, 1.0, None))
-        calls.append(times)
-        mx.eval(out)
-        del out  # freed here, not inside the next step's timing
+    calls = [_timed_step(cache, token, mx.eval) for _ in range(steps)]
     kept = calls[steps // 10 :]  # the first steps warm up
     return {
         "step": statistics.median(sum(times) for times in kept) * 1e6,
         "first_layer": statistics.median(times[0] for times in kept) * 1e6,
         "later_layer": statistics.median(t for times in kept for t in times[1:]) * 1e6,
+        "python_calls": _python_calls_per_step(cache, token, mx.eval),
     }
+
+
+def _timed_step(cache: Sequence[Any], token: Any, evaluate: Callable[..., None]) -> list[float]:
+    """One decode step; each layer's cache call in seconds of this thread's CPU time.
+    A batch's reads are then used as hooked attention uses them, untimed."""
+    out, times = [], []
+    for layer in cache:
+        start = time.thread_time()
+        out.append(layer.update_and_fetch(token, token))
+        times.append(time.thread_time() - start)
+        if hasattr(layer, "attend_rows"):
+            out.append(layer.attend_rows(token, 1.0, None))
+    evaluate(out)
+    del out  # freed here, not inside the next step's timing
+    return times
+
+
+def _python_calls_per_step(
+    cache: Sequence[Any], token: Any, evaluate: Callable[..., None]
+) -> float:
+    """Python function calls (builtins included) a step's cache calls make, counted by
+    ``cProfile`` over ``COUNTED_STEPS`` steps."""
+    profile = cProfile.Profile()
+    for _ in range(COUNTED_STEPS):
+        out = []
+        for layer in cache:
+            profile.enable()
+            out.append(layer.update_and_fetch(token, token))
+            profile.disable()
+            if hasattr(layer, "attend_rows"):
+                out.append(layer.attend_rows(token, 1.0, None))
+        evaluate(out)
+    return pstats.Stats(profile).total_calls / COUNTED_STEPS  # type: ignore[attr-defined, no-any-return]
 
 
 def compare(
@@ -115,6 +147,17 @@ def compare(
             for name in order:
                 samples[name].append(_worker(trees[name], context, steps, rows))
         row: dict[str, object] = {"context": context}
+        base_calls, this_calls = (samples[name][0]["python_calls"] for name in trees)
+        row["base_python_calls_per_step"], row["this_python_calls_per_step"] = (
+            base_calls,
+            this_calls,
+        )
+        print(
+            f"context {context}, Python calls per step: base {base_calls:.0f}, "
+            f"this {this_calls:.0f}",
+            file=sys.stderr,
+            flush=True,
+        )
         for figure in FIGURES:
             base_us, this_us = (
                 statistics.median(sample[figure] for sample in samples[name]) for name in trees
