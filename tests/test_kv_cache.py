@@ -97,7 +97,7 @@ def test_keys_and_values_come_from_their_own_streams(pool: BlockPoolAllocator) -
     book.append(2 * BLOCK_SIZE)
     assert {block.stream for block in book.key_blocks} == {"k"}
     assert {block.stream for block in book.value_blocks} == {"v"}
-    assert {block.format for block in book.key_blocks} == {"int4"}
+    assert {block.format for block in (*book.key_blocks, *book.value_blocks)} == {"int4"}
 
 
 def test_a_shared_kv_pool_serves_both_streams() -> None:
