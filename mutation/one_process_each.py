@@ -1,0 +1,150 @@
+"""Test mutmut's mutants of MLX-backed modules, each in a fresh pytest process.
+
+mutmut 3.8.1 tests each mutant in a child forked from its own process. The
+gate's files (the allocator and the spec) import no MLX, but the caches do,
+and MLX does not survive a fork: every mutant of ``batch_cache.py`` then
+timed out. This script runs mutants that mutmut has generated under
+``mutants/`` one ``python -m pytest -x`` process each, in ``mutants/``, with
+mutmut's own switch (``MUTANT_UNDER_TEST``) and the derandomised ``mutation``
+Hypothesis profile, so nothing is forked.
+
+It is a measurement beside the gate, not the gate: it has no statistics run,
+so every mutant runs every test file named (fastest killer first is up to
+the order given), and its verdicts are kept in a JSON file of their own
+(``--results``, read again to go on after a stop). mutation/README.md says
+how to generate the mutants.
+
+    python mutation/one_process_each.py mutants veloxquant_mlx/memory/batch_cache.py \\
+        --tests tests/test_batch_cache.py --results batch.json
+
+Exit status: 0 when every mutant has a verdict (killed, survived or timeout);
+3 when some were left untried (Ctrl-C): inconclusive; 2 for bad input.
+Complexity: one pytest process per mutant, ``--workers`` at a time. Thread
+safety: the worker threads only wait on their processes; the main thread
+writes the results.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import NoReturn
+
+#: A mutant's verdict: pytest's exit status, or "timeout".
+Verdict = int | str
+#: Results are written, and progress printed, every this many mutants.
+REPORT_EVERY = 25
+
+
+def mutant_names(mutants: Path, source: str) -> list[str]:
+    """The mutants mutmut generated for ``source`` (a path below the repository root),
+    from its ``.meta`` file under ``mutants``."""
+    meta = mutants / f"{source}.meta"
+    if not meta.is_file():
+        raise FileNotFoundError(
+            f"{meta} does not exist; expected mutmut to have generated {source}'s mutants"
+        )
+    names: dict[str, object] = json.loads(meta.read_text())["exit_code_by_key"]
+    return list(names)
+
+
+def run_mutant(mutants: Path, name: str, tests: list[str], timeout: float) -> Verdict:
+    """pytest's exit status for ``tests`` with mutant ``name`` switched on (0: it
+    survived), or "timeout"."""
+    environment = dict(os.environ, MUTANT_UNDER_TEST=name, VELOXQUANT_HYPOTHESIS_PROFILE="mutation")
+    command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
+    try:
+        done = subprocess.run(
+            command, check=False, cwd=mutants, env=environment, capture_output=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return "timeout"
+    return done.returncode
+
+
+def run_all(
+    mutants: Path, names: list[str], tests: list[str], timeout: float, workers: int
+) -> Iterator[tuple[str, Verdict]]:
+    """Each mutant's verdict, ``workers`` processes at a time, in the order given; a
+    consumer that stops early (Ctrl-C) cancels the mutants not started."""
+    pool = ThreadPoolExecutor(workers)
+    try:
+        yield from zip(
+            names,
+            pool.map(lambda name: run_mutant(mutants, name, tests, timeout), names),
+            strict=True,
+        )
+    finally:
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
+def summary(verdicts: dict[str, Verdict], wanted: list[str]) -> str:
+    """One line: killed, survived, timed out and untried among ``wanted``."""
+    given = [verdicts[name] for name in wanted if name in verdicts]
+    survived = sum(1 for verdict in given if verdict == 0)
+    timeouts = sum(1 for verdict in given if verdict == "timeout")
+    killed = len(given) - survived - timeouts
+    return (
+        f"{killed} killed, {timeouts} timeout, {survived} survived, "
+        f"{len(wanted) - len(given)} untried, of {len(wanted)}"
+    )
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _Parser(description=__doc__.splitlines()[0])
+    parser.add_argument("mutants", type=Path, help="mutmut's mutants/ directory")
+    parser.add_argument("sources", nargs="+", help="mutated files, as mutmut names them")
+    parser.add_argument("--tests", required=True, help="comma-separated test files, in order")
+    parser.add_argument("--results", type=Path, required=True, help="JSON file of verdicts")
+    parser.add_argument("--workers", type=int, default=2, help="processes at a time")
+    parser.add_argument("--timeout", type=float, default=180.0, help="seconds per mutant")
+    args = parser.parse_args(argv)
+    try:
+        wanted = [name for source in args.sources for name in mutant_names(args.mutants, source)]
+        verdicts: dict[str, Verdict] = (
+            json.loads(args.results.read_text()) if args.results.exists() else {}
+        )
+    except (OSError, ValueError, KeyError) as error:
+        parser.error(str(error))
+    if args.workers < 1 or args.timeout <= 0:
+        parser.error(f"--workers {args.workers} and --timeout {args.timeout} must be positive")
+    return _run(args, wanted, verdicts)
+
+
+def _run(args: argparse.Namespace, wanted: list[str], verdicts: dict[str, Verdict]) -> int:
+    untried = [name for name in wanted if name not in verdicts]
+    tests = args.tests.split(",")
+    start = time.monotonic()
+    try:
+        for count, (name, verdict) in enumerate(
+            run_all(args.mutants, untried, tests, args.timeout, args.workers), 1
+        ):
+            verdicts[name] = verdict
+            if count % REPORT_EVERY == 0:
+                args.results.write_text(json.dumps(verdicts, indent=0))
+                elapsed = time.monotonic() - start
+                print(f"{count}/{len(untried)} in {elapsed:.0f} s", file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        print("stopped: the verdicts so far are kept", file=sys.stderr)
+    args.results.write_text(json.dumps(verdicts, indent=0))
+    print(summary(verdicts, wanted))
+    complete = all(name in verdicts for name in wanted)
+    if not complete:
+        print("inconclusive: some mutants were not tried", file=sys.stderr)
+    return 0 if complete else 3
+
+
+if __name__ == "__main__":
+    sys.exit(main())
