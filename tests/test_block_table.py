@@ -195,9 +195,14 @@ def test_a_block_freed_behind_the_cache_is_never_written_or_read(how: str) -> No
     assert mx.array_equal(store.gather(0, thief, BLOCK_SIZE * 4), before)
 
 
-def test_a_block_moved_behind_the_cache_by_make_writable_is_never_written() -> None:
+@pytest.mark.parametrize("frees_elsewhere", [0, 2])
+def test_a_block_moved_behind_the_cache_by_make_writable_is_never_written(
+    frees_elsewhere: int,
+) -> None:
     # Once only a free made the table look again: a fork whose shared blocks another
     # caller moved to copies wrote its next position into the block its parent holds.
+    # Two frees elsewhere move the pool's free count as far as the two moves move its
+    # copy-on-write count: the table must count both, not their difference.
     store = _store()
     parent = PoolBackedPromptCache(store, PooledKVCache(store.pool, n_layers=N_LAYERS))
     _decode(parent, 2)
@@ -206,6 +211,10 @@ def test_a_block_moved_behind_the_cache_by_make_writable_is_never_written() -> N
     pool, book = store.pool, child.book
     pool.make_writable(book.key_blocks[-1])
     pool.make_writable(book.value_blocks[-1])
+    for _ in range(frees_elsewhere):
+        pool.free(pool.allocate("k", 1, 99))
+    with pytest.raises(StaleBlockTableError, match="make_writable"):
+        mx.eval(child[0].state[0])  # a read: the book does not look, the table does
     before = parent[0].state[0]
     mx.eval(before)
     keys = mx.full((1, HEADS, 1, HEAD_DIM), 7.0)
