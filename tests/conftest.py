@@ -9,9 +9,12 @@ that two points in time can be compared by.
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING
 
 import pytest
@@ -334,3 +337,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
         terminalreporter.section("exhaustive check coverage")
         for line in sorted(_EXHAUSTIVE_COVERAGE):
             terminalreporter.write_line(line)
+
+
+def load_mutation_script(name: str) -> ModuleType:
+    """``mutation/<name>.py`` loaded as module ``mutation_<name>`` (the directory is no
+    package: its scripts run from the repository root)."""
+    path = Path(__file__).resolve().parent.parent / "mutation" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"mutation_{name}", path)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

@@ -3,30 +3,20 @@ every other reordering, and nothing else changes."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from conftest import load_mutation_script
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 
 
-def load_plugin() -> ModuleType:
-    path = REPOSITORY / "mutation" / "fastest_first.py"
-    spec = importlib.util.spec_from_file_location("mutation_fastest_first", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-plugin = load_plugin()
+plugin = load_mutation_script("fastest_first")
 
 DURATIONS = {
     "tests/test_a.py::slow": 9.0,

@@ -3,29 +3,20 @@ partial run reports."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from conftest import load_mutation_script
 from mutmut.mutation.file_mutation import compute_function_hashes
 
 MUTATION = Path(__file__).resolve().parent.parent / "mutation"
 
 
-def load_script(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"mutation_{name}", MUTATION / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-ledger_module = load_script("ledger")
-score_module = load_script("score")
+ledger_module = load_mutation_script("ledger")
+score_module = load_mutation_script("score")
 
 POOL = "veloxquant_mlx/memory/block_pool.py"
 PREFIX = "veloxquant_mlx.memory.block_pool."

@@ -3,14 +3,12 @@ and a run with mutants left untried is inconclusive."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from conftest import load_mutation_script
 
-REPOSITORY = Path(__file__).resolve().parent.parent
 NAMES = [f"pkg.x_f__mutmut_{index}" for index in (1, 2, 3)]
 #: Mutant 1 fails a test (killed), 2 passes (survived), 3 hangs (timeout).
 FAKE_TEST = """
@@ -25,16 +23,7 @@ def test_the_mutant_under_test():
 """
 
 
-def load_driver() -> ModuleType:
-    path = REPOSITORY / "mutation" / "one_process_each.py"
-    spec = importlib.util.spec_from_file_location("mutation_one_process_each", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-driver = load_driver()
+driver = load_mutation_script("one_process_each")
 
 
 @pytest.fixture
