@@ -643,3 +643,33 @@ def test_a_refusal_after_the_look_trims_back_every_row_appended(
     rows.step_both(batch_caches(rows.ours), [0, 1, 2])  # the rows go on as before
     rows.release()
     store.pool.check_invariants()
+
+
+def test_a_trim_that_fails_in_the_undo_does_not_stop_the_other_rows_undo(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The undo trims the newest row first; a trim that fails there (the step's own error
+    # is what the caller re-raises) must not leave the earlier rows appended.
+    store = _store()
+    rows = Rows(_model(), store, (4, 9, 13))  # row 0 takes a block at the next step
+    [layer, _] = batch_caches(rows.ours)
+    before = _pool_and_rows(store.pool, rows.ours)
+    failure = RuntimeError("the store's write failed")
+
+    def fail_write(*arguments: object, **keywords: object) -> NoReturn:
+        raise failure
+
+    def fail_trim(*arguments: object, **keywords: object) -> NoReturn:
+        raise RuntimeError("the newest row's trim failed")
+
+    monkeypatch.setattr(store, "_decode_rows_through_tables", fail_write)
+    monkeypatch.setattr(rows.ours[2].book, "trim", fail_trim)
+    token = mx.zeros((3, N_KV_HEADS, 1, HEAD_DIM))
+    with pytest.raises(RuntimeError) as raised:
+        layer.update_and_fetch(token, token)
+    assert raised.value is failure
+    assert _pool_and_rows(store.pool, rows.ours)[:2] == before[:2]
+    assert rows.ours[2][0].offset == 14  # its own trim failed: it alone keeps the position
+    monkeypatch.undo()
+    rows.release()
+    store.pool.check_invariants()
