@@ -301,19 +301,27 @@ def test_growth_refused_for_a_block_freed_behind_the_cache_grows_neither_pool_no
     assert cache[0].offset == 4
 
 
-def test_a_state_set_over_a_block_shared_behind_the_book_is_refused_unchanged() -> None:
+@pytest.mark.parametrize(
+    ("shared_index", "n_set"),
+    [(0, 8), (0, 1), (1, 5)],  # the set's first, only, or last position in the shared block
+)
+def test_a_state_set_over_a_block_shared_behind_the_book_is_refused_unchanged(
+    shared_index: int, n_set: int
+) -> None:
     """The setter trims its layer, then appends the new positions: the append's look
     refused, after the trim had emptied the layer (and freed its blocks, had it been
     the longest)."""
     pool, _, cache = _cache_of_eight_ones()
-    shared = cache.book.key_blocks[0]
+    shared = cache.book.key_blocks[shared_index]
     pool.share([shared], OTHER)
     before = _book_state(cache.book)
     with (
         pool_unchanged(pool, owners=[BOOK, OTHER]),
-        pytest.raises(ValueError, match=re.escape(f"block {shared!r} of owner {BOOK}'s book")),
+        pytest.raises(
+            ValueError, match=_named(shared) + ".*: its positions cannot be written again \\("
+        ),
     ):
-        cache[0].state = (_tokens(8, 7.0), _tokens(8, 7.0), 8)
+        cache[0].state = (_tokens(n_set, 7.0), _tokens(n_set, 7.0), n_set)
     assert _book_state(cache.book) == before
     assert mx.array_equal(cache[0].state[0], _tokens(8, 1.0))
 
@@ -330,6 +338,36 @@ def test_a_state_set_writes_no_held_block_past_the_other_layers_so_it_is_not_ref
     cache[0].state = (_tokens(8, 7.0), _tokens(8, 7.0), 8)
     assert mx.array_equal(cache[0].state[0], _tokens(8, 7.0))
     assert store.gather(0, [theirs], BLOCK_SIZE).tolist() == [[[1.0] * 4]] * BLOCK_SIZE
+
+
+def test_a_layer_trimmed_twice_alone_still_refuses_writing_again_into_a_shared_block() -> None:
+    """Each trim of one layer alone keeps how far the layer had written, the furthest
+    of them: a second, shorter trim must not forget the positions the first dropped,
+    or the write goes into a block another owner reads."""
+    pool, store, cache = _cache_of_eight_ones()
+    cache[0].trim(4)
+    cache[0].trim(2)  # layer 1 still holds all 8: no block goes back
+    shared = cache.book.key_blocks[1]  # positions 4 .. 7, dropped by the first trim
+    [theirs] = pool.share([shared], OTHER)
+    with pytest.raises(ValueError, match=_named(shared)):
+        cache[0].update_and_fetch(_tokens(6, 7.0), _tokens(6, 7.0))
+    assert cache[0].offset == 2
+    assert store.gather(0, [theirs], BLOCK_SIZE).tolist() == [[[1.0] * 4]] * BLOCK_SIZE
+
+
+def test_a_state_set_within_the_other_layers_takes_no_reserved_block_so_is_not_refused() -> None:
+    """Reserved blocks are looked at only when the set reaches past what the other layers
+    hold: within it, the append takes none, so one shared behind the back is no matter."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=32))
+    store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
+    book = PooledKVCache(pool, BOOK, n_layers=2, reserve_tokens=16)
+    cache = PoolBackedPromptCache(store, book)
+    for layer in cache:
+        layer.update_and_fetch(_tokens(4, 1.0), _tokens(4, 1.0))
+    held = {id(block) for block in (*book.key_blocks, *book.value_blocks)}
+    pool.share([b for b in pool.blocks_for(BOOK) if id(b) not in held][:1], OTHER)
+    cache[0].state = (_tokens(4, 7.0), _tokens(4, 7.0), 4)  # as far as layer 1 holds
+    assert mx.array_equal(cache[0].state[0], _tokens(4, 7.0))
 
 
 @pytest.mark.parametrize("fault", ["a held block freed", "a reserved block shared"])

@@ -251,6 +251,9 @@ def test_automatic_owners_are_distinct(pool: BlockPoolAllocator) -> None:
         (lambda book: book.layer_offset(2), ValueError, "in 0..1, got 2"),  # a bare IndexError
         (lambda book: book.layer_offset(True), TypeError, "got True"),  # read layer 1's
         (lambda book: book.layer_offset("0"), TypeError, "got '0'"),
+        (lambda book: book.require_rewritable(0, -1), ValueError, "end must be an int >= 0"),
+        (lambda book: book.require_rewritable(0, 2.0), TypeError, "end must be an int >= 0"),
+        (lambda book: book.require_rewritable(2, 1), ValueError, "layer must be in 0..1, got 2"),
     ],
 )
 def test_bad_arguments_raise_and_change_nothing(
@@ -272,6 +275,7 @@ def test_appending_no_position_is_a_valid_call_that_changes_nothing(
     with pool_unchanged(pool, owners=[book.owner]):
         assert book.append(0, layer=1) == 0
         assert book.append(0) == 3
+        book.require_rewritable(0, 0)  # replacing a layer by no position is a valid ask
     assert (book.offset, book.layer_offset(1), len(book.key_blocks)) == (3, 0, 1)
 
 
