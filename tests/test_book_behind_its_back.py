@@ -355,6 +355,29 @@ def test_a_layer_trimmed_twice_alone_still_refuses_writing_again_into_a_shared_b
     assert store.gather(0, [theirs], BLOCK_SIZE).tolist() == [[[1.0] * 4]] * BLOCK_SIZE
 
 
+def test_the_look_refuses_growth_into_a_last_block_a_trim_copied_then_shared_behind() -> None:
+    """After a fork, growth to a private block, and a trim back into a block the fork
+    shares (its fill changes, so the trim copies it), the last block is private but
+    still counted among those a fork may share. The look skipped it as one that moves
+    first; without a rewrite it does not move, and the append's mark was refused
+    after the look had let a batch go on."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    book = PooledKVCache(pool, BOOK, n_layers=1)
+    book.append(8)
+    twin = book.fork(TWIN)
+    book.append(1)  # a new last block, the book's own
+    book.trim(6)  # to 3 positions: the twin's block 0 gets a new fill, so a copy
+    copied = book.key_blocks[-1]
+    assert copied.block_id not in {block.block_id for block in twin.key_blocks}
+    pool.share([copied], OTHER)
+    before = _book_state(book)
+    with pytest.raises(ValueError, match=_named(copied) + ".*growth cannot fill it"):
+        book.append_moves(1, 0)
+    with pool_unchanged(pool, owners=[BOOK, TWIN, OTHER]), pytest.raises(ValueError):
+        book.append(1)
+    assert _book_state(book) == before
+
+
 def test_a_state_set_within_the_other_layers_takes_no_reserved_block_so_is_not_refused() -> None:
     """Reserved blocks are looked at only when the set reaches past what the other layers
     hold: within it, the append takes none, so one shared behind the back is no matter."""

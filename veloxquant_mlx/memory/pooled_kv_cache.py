@@ -413,7 +413,7 @@ class PooledKVCache:
             self._require_rewrite_private(layer, start, end)
         if start < self._maybe_shared * self._block_size and start < self._n_tokens and n_tokens:
             if end > self._n_tokens:  # the growth's mark must not be refused after the moves
-                self._require_last_markable()
+                self._require_last_markable(rewrites=True)
             self._own_rewritten(start, end)  # after a fork only
         if end > self._n_tokens:
             self._grow_to(end)
@@ -455,10 +455,13 @@ class PooledKVCache:
                 self._require_reserved_intact(n_taken)
         if self._rewrites and n_tokens:
             self._require_rewrite_private(layer, start, end)
+        rewrites = (
+            n_tokens > 0 and start < self._maybe_shared * block_size and start < self._n_tokens
+        )
         if end > self._n_tokens and self._key_blocks:
-            self._require_last_markable()
+            self._require_last_markable(rewrites=rewrites)
         moved: set[int] = set()
-        if n_tokens and start < self._maybe_shared * block_size and start < self._n_tokens:
+        if rewrites:
             moved.update(self._rewritten_range(start, end))
         growth = 0
         if end > self._n_tokens:
@@ -972,18 +975,21 @@ class PooledKVCache:
         for index in range(first, (end - 1) // block_size + 1):
             self._require_unshared(index, "its positions cannot be written again")
 
-    def _require_last_markable(self) -> None:
-        """Before a rewrite that also grows moves a block: the last blocks, whose fill the
-        growth marks, are not shared behind the book's back, or the pool would refuse the
-        mark with the moves made. Blocks the rewrite or the growth moves first (below
-        ``_maybe_shared``, or the last one after a fork) and a full last block need no look.
+    def _require_last_markable(self, *, rewrites: bool) -> None:
+        """Before growth marks the last blocks' fill: they are not shared behind the
+        book's back, or the pool would refuse the mark (after a rewrite's moves, were
+        there any). Blocks moved first need no look: the last one when a fork may share
+        it, and, if the append ``rewrites`` held positions, the last one if it is below
+        ``_maybe_shared`` (the rewrite reaches it). Nor does a full last block. Without a
+        rewrite, a last block below ``_maybe_shared`` is marked where it is (a trim after
+        a fork's growth copied it: private, unless shared behind the back since).
         """
         index = len(self._key_blocks) - 1
         last_key = self._key_blocks[index]
         if (
             self._last_may_be_shared
             or last_key.n_used == self._block_size
-            or index < self._maybe_shared
+            or (rewrites and index < self._maybe_shared)
         ):
             return
         self._require_unshared(index, "growth cannot fill it")
