@@ -69,6 +69,39 @@ def test_a_dropped_book_holds_its_blocks_until_a_drain(pool: BlockPoolAllocator)
     pool.register_owner(7)  # the owner id is released too
 
 
+def test_a_drain_counts_every_dropped_book_once(pool: BlockPoolAllocator) -> None:
+    books = [PooledKVCache(pool, owner) for owner in (7, 8, 9)]  # a book drains when built
+    for book in books:
+        book.append(1)
+    del book, books
+    assert reclaim_dropped_caches(pool) == 3
+    assert pool.stats.blocks_in_use() == 0
+
+
+def test_a_dropped_book_holding_no_block_gives_its_owner_id_back(pool: BlockPoolAllocator) -> None:
+    _dropped_book(pool, owner=7, n_tokens=0)  # a registration alone
+    assert reclaim_dropped_caches(pool) == 1
+    pool.register_owner(7)
+
+
+def test_a_dropped_book_whose_blocks_went_behind_its_back_still_counts_its_claim(
+    pool: BlockPoolAllocator,
+) -> None:
+    # Nothing of it was live; its claim was still current, so the drain released that.
+    book = PooledKVCache(pool, owner=7)
+    book.append(3)
+    pool.free_all(7)
+    del book
+    assert reclaim_dropped_caches(pool) == 1
+
+
+def test_an_automatic_owner_skips_an_id_that_is_already_active(pool: BlockPoolAllocator) -> None:
+    probe = PooledKVCache(pool)
+    probe.release()
+    pool.register_owner(probe.owner + 1)  # the next id the books would try
+    assert PooledKVCache(pool).owner == probe.owner + 2
+
+
 def test_a_dropped_owner_id_can_be_claimed_again_at_once(pool: BlockPoolAllocator) -> None:
     _dropped_book(pool, owner=7, n_tokens=1)
     reused = PooledKVCache(pool, owner=7)  # construction drains before claiming
@@ -351,8 +384,11 @@ def test_a_rewrite_after_a_fork_that_cannot_also_grow_moves_nothing(
 
 
 def test_reclaim_dropped_caches_refuses_a_non_pool() -> None:
-    with pytest.raises(TypeError, match="BlockPoolAllocator"):
+    expected = "pool must be a BlockPoolAllocator, got str"
+    with pytest.raises(TypeError, match=expected):
         reclaim_dropped_caches("pool")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=expected):
+        deferred_releases_for("pool")  # type: ignore[arg-type]
 
 
 def test_a_dropped_cache_list_comes_back_at_another_cache_s_next_update() -> None:

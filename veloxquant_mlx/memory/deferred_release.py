@@ -242,10 +242,6 @@ class DeferredReleases:
         """Queue ``book`` for release. Safe in a finaliser: takes no lock, never raises."""
         self._dropped.put(book)
 
-    def pending(self) -> bool:
-        """Whether a dropped book waits for a drain (a snapshot; O(1), no lock)."""
-        return not self._dropped.empty()
-
     def drain(self) -> int:
         """Release every queued book. Never call it from a finaliser.
 
