@@ -18,8 +18,10 @@ from tiny_models import prompt, tiny_model
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
+from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.model_kv_layout import make_pool_backed_storage
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
 
 BLOCK_SIZE = 4
 N_BLOCKS = 64
@@ -184,3 +186,25 @@ def test_a_fork_trimmed_to_nothing_grows_again_on_its_own_blocks() -> None:
         book.check_invariants()
         fork.release()
     assert pool.stats.blocks_in_use() == 0
+
+
+def test_a_fork_takes_the_owner_asked_for_and_keeps_the_attention_mode() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    store = MLXBlockStorage(pool, 2, 1, 4, mx.float32)
+    root = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=2), attention="fused")
+    with root, root.fork(owner=42) as twin:
+        assert twin.book.owner == 42
+        assert [cache.attention for cache in twin] == ["fused", "fused"]
+
+
+class _StoreThatCannotCopy(MLXBlockStorage):
+    copy_block = None  # type: ignore[assignment]  # storage.CopiesBlocks: not implemented
+
+
+def test_a_list_over_a_store_that_cannot_copy_refuses_to_fork_naming_it() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=16))
+    store = _StoreThatCannotCopy(pool, 1, 1, 4, mx.float32)
+    with PoolBackedPromptCache(store, PooledKVCache(pool)) as root:
+        with pytest.raises(TypeError, match=r"^fork needs a store with copy_block, got _StoreThat"):
+            root.fork()
+        assert pool.stats.blocks_in_use() == 0
