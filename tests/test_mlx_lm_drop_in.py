@@ -35,7 +35,11 @@ from mlx_lm.models.cache import (
 )
 from tiny_models import Decode, greedy, prompt, tiny_model
 
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.block_pool import (
+    BlockPoolAllocator,
+    BlockPoolExhaustedError,
+    PoolConfig,
+)
 from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache, make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_lm_protocol import register_for_loading
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
@@ -346,6 +350,20 @@ def test_copy_from_fills_only_an_empty_list() -> None:
         cache.copy_from(_filled(model, 5))
         with pool_unchanged(pool, owners=[3]), pytest.raises(ValueError, match="holds 5"):
             cache.copy_from(_filled(model, 2))
+
+
+def test_copy_from_a_pool_cannot_hold_leaves_the_list_empty() -> None:
+    # The first layer fits, the second's longer state does not: the first is undone.
+    model = tiny_model("llama", 10)
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=4))
+    short, long = _filled(model, BLOCK_SIZE), _filled(model, 3 * BLOCK_SIZE)
+    with make_pool_backed_cache(
+        model, make_pool_backed_storage(model, pool), owner=3, attention="gather"
+    ) as cache:
+        with pytest.raises(BlockPoolExhaustedError):
+            cache.copy_from([short[0], long[1]])
+        assert cache.book.empty()
+        assert pool.stats.blocks_in_use() == 0
 
 
 def test_a_state_of_another_dtype_leaves_the_layer_as_it_was() -> None:
