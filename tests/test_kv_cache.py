@@ -536,7 +536,11 @@ def _tiny_llama(**overrides: object) -> llama.Model:
 
 
 def test_make_pool_backed_cache_refuses_what_is_no_store(pool: BlockPoolAllocator) -> None:
-    with pytest.raises(TypeError, match=r"must be a block store .*, got BlockPoolAllocator"):
+    with pytest.raises(
+        TypeError,
+        match=r"^storage must be a block store of the pool \(make_pool_backed_storage\(model, "
+        r".*, got BlockPoolAllocator$",
+    ):
         make_pool_backed_cache(_tiny_llama(), pool)  # type: ignore[arg-type]
     assert (pool.stats.n_allocations, pool.stats.blocks_in_use()) == (0, 0)
 
@@ -550,6 +554,8 @@ def test_make_pool_backed_cache_builds_one_cache_per_layer(pool: BlockPoolAlloca
         caches[0].update_and_fetch(_tokens(1, 0), _tokens(1, 1))
         assert pool.blocks_for(42) != []
     assert pool.blocks_for(42) == []
+    with make_pool_backed_cache(_tiny_llama(), _storage(pool), format="fp32-tagged") as tagged:
+        assert tagged.book.format == "fp32-tagged"
 
 
 def test_make_pool_backed_cache_refuses_sliding_window_layers(pool: BlockPoolAllocator) -> None:
@@ -559,7 +565,7 @@ def test_make_pool_backed_cache_refuses_sliding_window_layers(pool: BlockPoolAll
 
 
 def test_make_pool_backed_cache_needs_a_slab_per_layer(pool: BlockPoolAllocator) -> None:
-    with pytest.raises(ValueError, match="layers"):
+    with pytest.raises(ValueError, match="but the storage only 2; expected a storage with a slab"):
         make_pool_backed_cache(_tiny_llama(num_hidden_layers=3), _storage(pool))
 
 
