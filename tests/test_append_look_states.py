@@ -13,6 +13,7 @@ blocks in use, independently of the look's code.
 
 from __future__ import annotations
 
+from conftest import book_and_pool_state
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
@@ -63,11 +64,7 @@ class LookAgreesWithAppend(RuleBasedStateMachine):
         return self.books[choice % len(self.books)]
 
     def _state(self, book: PooledKVCache) -> tuple[object, ...]:
-        """What a refused call must leave as it was: the book's and the pool's."""
-        offsets = tuple(book.layer_offset(layer) for layer in range(N_LAYERS))
-        pool = self.pool
-        counts = (pool.n_free("k"), pool.n_free("v"), pool.stats.blocks_in_use())
-        return (offsets, book.key_blocks, book.value_blocks, book.reserved_blocks, counts)
+        return book_and_pool_state(book, self.pool)
 
     @precondition(lambda self: len(self.books) < MOST_BOOKS)
     @rule(reserve_tokens=reservations)
@@ -115,8 +112,9 @@ class LookAgreesWithAppend(RuleBasedStateMachine):
         except BlockPoolExhaustedError:  # not the look's to foresee
             assert self._state(book) == before
             return
-        moved_keys, moved_values = _moved(keys, _ids(book.key_blocks)), _moved(
-            values, _ids(book.value_blocks)
+        moved_keys, moved_values = (
+            _moved(keys, _ids(book.key_blocks)),
+            _moved(values, _ids(book.value_blocks)),
         )
         checked_out = len(book.key_blocks) + book.reserved_blocks - held
         assert look == (moved_keys, moved_values, checked_out)

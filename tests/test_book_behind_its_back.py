@@ -378,17 +378,29 @@ def test_the_look_refuses_growth_into_a_last_block_a_trim_copied_then_shared_beh
     assert _book_state(book) == before
 
 
-def test_a_state_set_within_the_other_layers_takes_no_reserved_block_so_is_not_refused() -> None:
-    """Reserved blocks are looked at only when the set reaches past what the other layers
-    hold: within it, the append takes none, so one shared behind the back is no matter."""
+def _two_layers_of_four_ones_reserving_more() -> tuple[
+    BlockPoolAllocator, PooledKVCache, PoolBackedPromptCache
+]:
+    """A request of two layers holding 4 positions of ones, reserving 16."""
     pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=32))
     store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
     book = PooledKVCache(pool, BOOK, n_layers=2, reserve_tokens=16)
     cache = PoolBackedPromptCache(store, book)
     for layer in cache:
         layer.update_and_fetch(_tokens(4, 1.0), _tokens(4, 1.0))
+    return pool, book, cache
+
+
+def _share_a_reserved_block(pool: BlockPoolAllocator, book: PooledKVCache) -> None:
     held = {id(block) for block in (*book.key_blocks, *book.value_blocks)}
     pool.share([b for b in pool.blocks_for(BOOK) if id(b) not in held][:1], OTHER)
+
+
+def test_a_state_set_within_the_other_layers_takes_no_reserved_block_so_is_not_refused() -> None:
+    """Reserved blocks are looked at only when the set reaches past what the other layers
+    hold: within it, the append takes none, so one shared behind the back is no matter."""
+    pool, book, cache = _two_layers_of_four_ones_reserving_more()
+    _share_a_reserved_block(pool, book)
     cache[0].state = (_tokens(4, 7.0), _tokens(4, 7.0), 4)  # as far as layer 1 holds
     assert mx.array_equal(cache[0].state[0], _tokens(4, 7.0))
 
@@ -398,17 +410,11 @@ def test_a_state_set_that_would_be_refused_after_its_trim_is_refused_before_it(
     fault: str,
 ) -> None:
     """The refusal came from the append, after the trim had emptied the layer."""
-    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=32))
-    store = MLXBlockStorage(pool, 2, 1, 4, mx.float16)
-    book = PooledKVCache(pool, BOOK, n_layers=2, reserve_tokens=16)
-    cache = PoolBackedPromptCache(store, book)
-    for layer in cache:
-        layer.update_and_fetch(_tokens(4, 1.0), _tokens(4, 1.0))
+    pool, book, cache = _two_layers_of_four_ones_reserving_more()
     if fault == "a held block freed":
         pool.free([book.key_blocks[0]])
     else:
-        held = {id(block) for block in (*book.key_blocks, *book.value_blocks)}
-        pool.share([b for b in pool.blocks_for(BOOK) if id(b) not in held][:1], OTHER)
+        _share_a_reserved_block(pool, book)
     before = _book_state(book)
     with pytest.raises(StaleBlockTableError):
         cache[0].state = (_tokens(8, 7.0), _tokens(8, 7.0), 8)
