@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Sequence
+from typing import NoReturn
 
 import mlx.core as mx
 import numpy as np
@@ -28,6 +29,7 @@ from veloxquant_mlx.memory.block_pool import (
     OwnerAlreadyActiveError,
     PoolConfig,
 )
+from veloxquant_mlx.memory.block_table import DeviceBlockTable
 from veloxquant_mlx.memory.kv_cache import (
     GathersHeadMajor,
     PoolBackedKVCache,
@@ -456,15 +458,89 @@ def test_sizes_and_nbytes_are_block_granular(pool: BlockPoolAllocator) -> None:
     cache.book.release()
 
 
-def test_a_wrong_shape_is_refused_before_anything_changes(pool: BlockPoolAllocator) -> None:
+def _positions(shape: tuple[int, ...], dtype: mx.Dtype = mx.float32) -> mx.array:
+    return mx.zeros(shape, dtype=dtype)
+
+
+# Each wrong in one part alone, so the decode path's one fast test must catch each part.
+# n == HEADS where it can be: a mix-up of the positions' and the heads' axes then shows.
+GOOD = (1, HEADS, HEADS, HEAD_DIM)
+WRONG_IN_ONE_PART = {
+    "3-D": (_positions(GOOD[1:]), _positions(GOOD[1:]), ValueError),
+    "5-D": (_positions((*GOOD, 1)), _positions((*GOOD, 1)), ValueError),
+    "values of another length": (_positions(GOOD), _positions((1, HEADS, 3, HEAD_DIM)), ValueError),
+    "another head count": (
+        _positions((1, HEADS + 1, HEADS, HEAD_DIM)),
+        _positions((1, HEADS + 1, HEADS, HEAD_DIM)),
+        ValueError,
+    ),
+    "another head size": (
+        _positions((1, HEADS, 1, HEAD_DIM + 1)),
+        _positions((1, HEADS, 1, HEAD_DIM + 1)),
+        ValueError,
+    ),
+    "a batch of two": (_positions((2, *GOOD[1:])), _positions((2, *GOOD[1:])), ValueError),
+    "keys of another dtype": (_positions(GOOD, mx.float16), _positions(GOOD), TypeError),
+    "values of another dtype": (_positions(GOOD), _positions(GOOD, mx.float16), TypeError),
+    "values no mlx array": (_positions(GOOD), None, TypeError),
+    "keys no mlx array": (None, _positions(GOOD), TypeError),
+}
+
+
+@pytest.mark.parametrize(
+    ("keys", "values", "error"), WRONG_IN_ONE_PART.values(), ids=WRONG_IN_ONE_PART
+)
+def test_keys_and_values_wrong_in_one_part_are_refused_before_anything_changes(
+    pool: BlockPoolAllocator, keys: object, values: object, error: type[Exception]
+) -> None:
     cache = _one_layer(pool)
-    batch_of_two = mx.zeros((2, HEADS, 1, HEAD_DIM))
+    with pytest.raises(error):
+        cache.update_and_fetch(keys, values)  # type: ignore[arg-type]
+    assert (cache.offset, pool.stats.blocks_in_use(), pool.stats.n_allocations) == (0, 0, 0)
+    cache.book.release()
+
+
+def test_a_batch_of_two_is_refused_by_a_store_of_one_head(pool: BlockPoolAllocator) -> None:
+    storage = MLXBlockStorage(pool, 1, 1, HEAD_DIM, mx.float32)  # batch and heads alike
+    [cache] = PoolBackedPromptCache(storage, PooledKVCache(pool))
+    batch_of_two = _positions((2, 1, 1, HEAD_DIM))
     with pytest.raises(ValueError, match="batch size 1"):
         cache.update_and_fetch(batch_of_two, batch_of_two)
-    with pytest.raises(ValueError, match="shape"):
-        cache.update_and_fetch(_tokens(1, 0), mx.zeros((1, HEADS, 2, HEAD_DIM)))
     assert (cache.offset, pool.stats.blocks_in_use()) == (0, 0)
     cache.book.release()
+
+
+def test_a_write_the_store_refuses_gives_the_layer_s_positions_back(
+    pool: BlockPoolAllocator, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    caches = PoolBackedPromptCache(_storage(pool), PooledKVCache(pool, n_layers=2))
+    caches[0].update_and_fetch(_tokens(3, 1), _tokens(3, 2))
+    failure = RuntimeError("the device is gone")
+
+    def fail(*arguments: object) -> NoReturn:
+        raise failure
+
+    monkeypatch.setattr(caches[1], "_update_through_table", fail)
+    with pool_unchanged(pool, owners=[caches.book.owner]), pytest.raises(RuntimeError) as raised:
+        caches[1].update_and_fetch(_tokens(3, 3), _tokens(3, 4))
+    assert raised.value is failure
+    assert (caches[0].offset, caches[1].offset) == (3, 0)  # layer 0 keeps what it wrote
+    assert mx.array_equal(caches[0].state[0], _tokens(3, 1))
+    caches.release()
+
+
+def test_a_layer_cache_built_alone_makes_its_own_table_and_refuses_another_book_s(
+    pool: BlockPoolAllocator,
+) -> None:
+    storage, book, other = _storage(pool, 1), PooledKVCache(pool), PooledKVCache(pool)
+    cache = PoolBackedKVCache(storage, book, 0)
+    assert cache.attention == "gather"
+    keys, _ = cache.update_and_fetch(_tokens(3, 1), _tokens(3, 2))
+    assert mx.array_equal(keys, _tokens(3, 1))
+    with pytest.raises(ValueError, match=r"^table must follow the same book as the cache$"):
+        PoolBackedKVCache(storage, book, 0, table=DeviceBlockTable(other))
+    book.release()
+    other.release()
 
 
 class _LooksLikeAnArray:
@@ -509,11 +585,16 @@ def test_exhaustion_leaves_the_cache_unchanged() -> None:
 
 
 def test_book_and_storage_must_share_a_pool(pool: BlockPoolAllocator) -> None:
-    with pytest.raises(ValueError, match="pool"):
+    with pytest.raises(ValueError, match=r"^book and storage must share one pool; got two diff"):
         PoolBackedKVCache(_storage(_pool()), PooledKVCache(pool), 0)
-    with pytest.raises(ValueError, match="layer"):
+    in_both = re.escape("layer must be in 0..0 (the book's and the storage's layers), got 1")
+    with pytest.raises(ValueError, match=in_both):
         PoolBackedKVCache(_storage(pool, 1), PooledKVCache(pool, n_layers=2), 1)
-    with pytest.raises(TypeError, match=r"layer must be an int, got 0\.0"):  # was a ValueError
+    with pytest.raises(ValueError, match=in_both):
+        PoolBackedKVCache(_storage(pool, 2), PooledKVCache(pool, n_layers=1), 1)
+    with pytest.raises(
+        TypeError, match=r"layer must be an int, got 0\.0 \(float\)"
+    ):  # was a ValueError
         PoolBackedKVCache(_storage(pool, 1), PooledKVCache(pool), 0.0)  # type: ignore[arg-type]
 
 

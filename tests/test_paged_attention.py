@@ -42,6 +42,8 @@ from veloxquant_mlx.memory.paged_attention import (
     gathered_decode_attention,
     shape_unsupported_reason,
 )
+from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.memory.prompt_cache import PoolBackedPromptCache
 
 BLOCK_SIZE = 16
 NO_CUDA = cuda_unavailable_reason()
@@ -262,6 +264,33 @@ def test_fused_mode_decodes_like_kv_cache_and_only_routes_its_own_caches(
     worst = float(mx.max(mx.abs(mx.stack(our_logprobs) - mx.stack(their_logprobs))))
     assert worst < tolerance, f"log-probabilities differ by up to {worst}"
     assert store.pool.stats.blocks_in_use() == 0
+
+
+@pytest.mark.parametrize(
+    "queries",
+    [
+        mx.ones((1, 4, 2, 16)),  # two positions: a prompt chunk, with its mask
+        mx.ones((2, 4, 1, 16)),  # a batch of two
+        mx.ones((1, 4, 1, 16), dtype=mx.float16),  # not the store's dtype
+    ],
+    ids=["chunk", "batch", "dtype"],
+)
+def test_attend_in_place_answers_one_decode_position_of_a_fused_cache_only(
+    queries: mx.array,
+) -> None:
+    store = _store_for(None)
+    fused, gathered = (
+        PoolBackedPromptCache(store, PooledKVCache(store.pool, n_layers=2), attention=mode)[0]
+        for mode in ("fused", "gather")
+    )
+    for cache in (fused, gathered):
+        cache.update_and_fetch(mx.ones((1, 2, 3, 16)), mx.ones((1, 2, 3, 16)))
+    one = mx.ones((1, 4, 1, 16))
+    assert fused.attend_in_place(one, 0.25) is not None
+    assert gathered.attend_in_place(one, 0.25) is None  # its model reads the returned arrays
+    assert fused.attend_in_place(queries, 0.25) is None
+    fused.book.release()
+    gathered.book.release()
 
 
 def test_the_hook_is_idempotent_and_comes_out_cleanly() -> None:
