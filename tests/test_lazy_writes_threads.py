@@ -112,7 +112,9 @@ def test_a_new_request_on_a_second_thread_is_refused_before_it_takes_a_block() -
     other.book.release()
 
 
-@pytest.mark.parametrize("change", ["trim", "state", "book trim", "book's fork's trim"])
+@pytest.mark.parametrize(
+    "change", ["trim", "state", "book trim", "book's fork's trim", "book growth past a copy"]
+)
 def test_a_forks_trim_or_state_on_a_second_thread_is_refused_before_it_moves_a_block(
     change: str,
 ) -> None:
@@ -133,6 +135,8 @@ def test_a_forks_trim_or_state_on_a_second_thread_is_refused_before_it_moves_a_b
         "book trim": lambda: child.book.trim(1),
         # A fork of the book itself: the check goes with copy_block to the twin.
         "book's fork's trim": lambda: twin.trim(1),
+        # Three new blocks and a copy of the shared, partly filled last one.
+        "book growth past a copy": lambda: child.book.append(12),
     }
     owners = [parent.book.owner, child.book.owner, twin.owner]
     with pool_unchanged(pool, owners=owners):
