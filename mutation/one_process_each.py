@@ -17,8 +17,13 @@ how to generate the mutants.
     python mutation/one_process_each.py mutants veloxquant_mlx/memory/batch_cache.py \\
         --tests tests/test_batch_cache.py --results batch.json
 
+The named tests first run once with no mutant switched on; unless they pass,
+no mutant is tried (a failing test, a missing file or no test at all would
+otherwise count every mutant as killed).
+
 Exit status: 0 when every mutant has a verdict (killed, survived or timeout);
-3 when some were left untried (Ctrl-C): inconclusive; 2 for bad input.
+3 when some were left untried (Ctrl-C): inconclusive; 2 for bad input or
+tests that do not pass with no mutant.
 Complexity: one pytest process per mutant, ``--workers`` at a time. Thread
 safety: the worker threads only wait on their processes; the main thread
 writes the results.
@@ -57,7 +62,7 @@ def mutant_names(mutants: Path, source: str) -> list[str]:
 
 def run_mutant(mutants: Path, name: str, tests: list[str], timeout: float) -> Verdict:
     """pytest's exit status for ``tests`` with mutant ``name`` switched on (0: it
-    survived), or "timeout"."""
+    survived), or "timeout". ``name`` ``""`` switches none on (the clean run)."""
     environment = dict(os.environ, MUTANT_UNDER_TEST=name, VELOXQUANT_HYPOTHESIS_PROFILE="mutation")
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
     try:
@@ -126,6 +131,15 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, wanted: list[str], verdicts: dict[str, Verdict]) -> int:
     untried = [name for name in wanted if name not in verdicts]
     tests = args.tests.split(",")
+    if untried:  # else every mutant would count as killed by tests that fail anyway
+        clean = run_mutant(args.mutants, "", tests, args.timeout)
+        if clean != 0:
+            print(
+                f"{Path(sys.argv[0]).name}: the tests do not pass with no mutant switched on "
+                f"(pytest: {clean}); expected a clean run before any verdict",
+                file=sys.stderr,
+            )
+            return 2
     start = time.monotonic()
     try:
         for count, (name, verdict) in enumerate(

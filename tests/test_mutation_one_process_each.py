@@ -63,6 +63,22 @@ def test_mutants_left_untried_make_the_run_inconclusive(
 
 
 @pytest.mark.parametrize(
+    "tests", ["def test_x():\n    raise AssertionError\n", "def helper():\n    pass\n"]
+)
+def test_tests_that_do_not_pass_without_a_mutant_try_no_mutant(
+    mutants: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], tests: str
+) -> None:
+    # A failing test, or none collected, would have counted every mutant as killed.
+    (mutants / "test_fake.py").write_text(tests)
+    results = tmp_path / "verdicts.json"
+    argv = [str(mutants), "pkg.py", "--tests", "test_fake.py", "--results", str(results)]
+    assert driver.main(argv) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "the tests do not pass with no mutant switched on" in line
+    assert not results.exists()
+
+
+@pytest.mark.parametrize(
     ("extra", "named"),
     [
         (["other.py"], "other.py.meta does not exist"),
