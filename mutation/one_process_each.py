@@ -21,21 +21,28 @@ The named tests first run once with no mutant switched on; unless they pass,
 no mutant is tried (a failing test, a missing file or no test at all would
 otherwise count every mutant as killed).
 
+Each pytest runs in a session of its own, so a Ctrl-C reaches only this
+driver: it stops the processes running (their exit would be the stop's, not a
+mutant's) and keeps the verdicts it had.
+
 Exit status: 0 when every mutant has a verdict (killed, survived or timeout);
 3 when some were left untried (Ctrl-C): inconclusive; 2 for bad input or
 tests that do not pass with no mutant.
 Complexity: one pytest process per mutant, ``--workers`` at a time. Thread
-safety: the worker threads only wait on their processes; the main thread
-writes the results.
+safety: the worker threads only wait on their processes (the set of running
+ones is under a lock); the main thread writes the results and stops them.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -60,33 +67,86 @@ def mutant_names(mutants: Path, source: str) -> list[str]:
     return list(names)
 
 
-def run_mutant(mutants: Path, name: str, tests: list[str], timeout: float) -> Verdict:
-    """pytest's exit status for ``tests`` with mutant ``name`` switched on (0: it
-    survived), or "timeout". ``name`` ``""`` switches none on (the clean run)."""
+class RunningTests:
+    """The pytest processes running now, each the leader of a session of its own.
+
+    Invariants: every process in the set was started by :meth:`run` and has not
+    been waited for; after :meth:`stop`, :meth:`run` starts no process.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._processes: set[subprocess.Popen[bytes]] = set()
+        self._stopped = False
+
+    def run(self, mutants: Path, name: str, tests: list[str], timeout: float) -> Verdict:
+        """pytest's exit status for ``tests`` with mutant ``name`` switched on (0: it
+        survived), or "timeout"; ``name`` ``""`` switches none on (the clean run). After
+        :meth:`stop`, the status is that of a killed process, which no one records."""
+        with self._lock:
+            if self._stopped:
+                return -signal.SIGKILL
+            process = _start_pytest(mutants, name, tests)
+            self._processes.add(process)
+        try:
+            return process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            return "timeout"
+        finally:
+            _kill_session(process)
+            with self._lock:
+                self._processes.discard(process)
+
+    def stop(self) -> None:
+        """Kill every process running (and what it started); start none from now on."""
+        with self._lock:
+            self._stopped = True
+            running = list(self._processes)
+        for process in running:
+            _kill_session(process)
+
+
+def _start_pytest(mutants: Path, name: str, tests: list[str]) -> subprocess.Popen[bytes]:
     environment = dict(os.environ, MUTANT_UNDER_TEST=name, VELOXQUANT_HYPOTHESIS_PROFILE="mutation")
     command = [sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", *tests]
-    try:
-        done = subprocess.run(
-            command, check=False, cwd=mutants, env=environment, capture_output=True, timeout=timeout
-        )
-    except subprocess.TimeoutExpired:
-        return "timeout"
-    return done.returncode
+    return subprocess.Popen(
+        command,
+        cwd=mutants,
+        env=environment,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+
+
+def _kill_session(process: subprocess.Popen[bytes]) -> None:
+    """Kill ``process``'s session (its group: it leads both) unless it has ended."""
+    if process.poll() is None:
+        with contextlib.suppress(ProcessLookupError):  # it ended after the poll
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
 
 
 def run_all(
-    mutants: Path, names: list[str], tests: list[str], timeout: float, workers: int
+    running: RunningTests,
+    mutants: Path,
+    names: list[str],
+    tests: list[str],
+    options: tuple[float, int],
 ) -> Iterator[tuple[str, Verdict]]:
-    """Each mutant's verdict, ``workers`` processes at a time, in the order given; a
-    consumer that stops early (Ctrl-C) cancels the mutants not started."""
+    """Each mutant's verdict, in the order given, with ``options`` the timeout per
+    mutant and the processes at a time; a consumer that stops early (Ctrl-C) stops
+    the processes running and starts no other."""
+    timeout, workers = options
     pool = ThreadPoolExecutor(workers)
     try:
         yield from zip(
             names,
-            pool.map(lambda name: run_mutant(mutants, name, tests, timeout), names),
+            pool.map(lambda name: running.run(mutants, name, tests, timeout), names),
             strict=True,
         )
     finally:
+        running.stop()
         pool.shutdown(wait=True, cancel_futures=True)
 
 
@@ -131,8 +191,10 @@ def main(argv: list[str] | None = None) -> int:
 def _run(args: argparse.Namespace, wanted: list[str], verdicts: dict[str, Verdict]) -> int:
     untried = [name for name in wanted if name not in verdicts]
     tests = args.tests.split(",")
-    if untried:  # else every mutant would count as killed by tests that fail anyway
-        clean = run_mutant(args.mutants, "", tests, args.timeout)
+    running = RunningTests()
+    try:
+        # Unless the tests pass alone, every mutant would count as killed by them.
+        clean = running.run(args.mutants, "", tests, args.timeout) if untried else 0
         if clean != 0:
             print(
                 f"{Path(sys.argv[0]).name}: the tests do not pass with no mutant switched on "
@@ -140,17 +202,9 @@ def _run(args: argparse.Namespace, wanted: list[str], verdicts: dict[str, Verdic
                 file=sys.stderr,
             )
             return 2
-    start = time.monotonic()
-    try:
-        for count, (name, verdict) in enumerate(
-            run_all(args.mutants, untried, tests, args.timeout, args.workers), 1
-        ):
-            verdicts[name] = verdict
-            if count % REPORT_EVERY == 0:
-                args.results.write_text(json.dumps(verdicts, indent=0))
-                elapsed = time.monotonic() - start
-                print(f"{count}/{len(untried)} in {elapsed:.0f} s", file=sys.stderr, flush=True)
+        _try_each(args, running, untried, verdicts)
     except KeyboardInterrupt:
+        running.stop()
         print("stopped: the verdicts so far are kept", file=sys.stderr)
     args.results.write_text(json.dumps(verdicts, indent=0))
     print(summary(verdicts, wanted))
@@ -158,6 +212,27 @@ def _run(args: argparse.Namespace, wanted: list[str], verdicts: dict[str, Verdic
     if not complete:
         print("inconclusive: some mutants were not tried", file=sys.stderr)
     return 0 if complete else 3
+
+
+def _try_each(
+    args: argparse.Namespace,
+    running: RunningTests,
+    untried: list[str],
+    verdicts: dict[str, Verdict],
+) -> None:
+    """Record each untried mutant's verdict in ``verdicts``, writing them and printing
+    progress every ``REPORT_EVERY``."""
+    start = time.monotonic()
+    options = (args.timeout, args.workers)
+    tests = args.tests.split(",")
+    for count, (name, verdict) in enumerate(
+        run_all(running, args.mutants, untried, tests, options), 1
+    ):
+        verdicts[name] = verdict
+        if count % REPORT_EVERY == 0:
+            args.results.write_text(json.dumps(verdicts, indent=0))
+            elapsed = time.monotonic() - start
+            print(f"{count}/{len(untried)} in {elapsed:.0f} s", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,11 @@ and a run with mutants left untried is inconclusive."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -22,8 +27,19 @@ def test_the_mutant_under_test():
     assert not name.endswith("_1")
 """
 
+#: The named run (a mutant, or "" for the clean run) writes its pid, then hangs.
+HANGING_TEST = """
+import os, pathlib, time
+
+def test_the_mutant_under_test():
+    name = os.environ["MUTANT_UNDER_TEST"]
+    if name == {hangs!r}:
+        pathlib.Path("hanging.pid").write_text(str(os.getpid()))
+        time.sleep(300)
+"""
 
 driver = load_mutation_script("one_process_each")
+SCRIPT = Path(__file__).resolve().parent.parent / "mutation" / "one_process_each.py"
 
 
 @pytest.fixture
@@ -98,3 +114,55 @@ def test_bad_input_is_one_line_and_status_2(
     assert ended.value.code == 2
     [line] = capsys.readouterr().err.splitlines()
     assert named in line
+
+
+@pytest.mark.parametrize(
+    ("hangs", "to_the_group", "kept"),
+    [
+        (NAMES[1], True, {NAMES[0]: 0}),  # Ctrl-C at a terminal: its whole process group
+        (NAMES[1], False, {NAMES[0]: 0}),  # kill -INT of the driver alone
+        ("", False, {}),  # during the clean run
+    ],
+    ids=["at-a-terminal", "to-the-driver-alone", "during-the-clean-run"],
+)
+def test_ctrl_c_stops_the_tests_running_and_records_no_verdict_for_them(
+    mutants: Path, tmp_path: Path, hangs: str, to_the_group: bool, kept: dict[str, int]
+) -> None:
+    # A pytest reached by the Ctrl-C would exit 2, which would have read as a kill; one
+    # left running would have kept the driver waiting for its timeout.
+    (mutants / "test_fake.py").write_text(HANGING_TEST.format(hangs=hangs))
+    results = tmp_path / "verdicts.json"
+    argv = [str(mutants), "pkg.py", "--tests", "test_fake.py", "--results", str(results)]
+    command = [sys.executable, str(SCRIPT), *argv, "--workers", "1", "--timeout", "250"]
+    run = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        hanging = _pid_written(mutants / "hanging.pid", run)
+        if to_the_group:
+            os.killpg(run.pid, signal.SIGINT)
+        else:
+            run.send_signal(signal.SIGINT)
+        summary, errors = run.communicate(timeout=60)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 3
+    assert summary == f"0 killed, 0 timeout, {len(kept)} survived, {3 - len(kept)} untried, of 3\n"
+    assert errors.splitlines() == [
+        "stopped: the verdicts so far are kept",
+        "inconclusive: some mutants were not tried",
+    ]
+    assert json.loads(results.read_text()) == kept
+    with pytest.raises(ProcessLookupError):
+        os.kill(hanging, 0)
+
+
+def _pid_written(path: Path, run: subprocess.Popen[str]) -> int:
+    """The pid in ``path`` once a test has written it (waits while ``run`` runs)."""
+    deadline = time.monotonic() + 120
+    while not path.exists() or not path.read_text():
+        assert run.poll() is None, "the driver ended before the test hung"
+        assert time.monotonic() < deadline, f"no test wrote {path}"
+        time.sleep(0.05)
+    return int(path.read_text())
