@@ -9,6 +9,7 @@ make sense for one backend (memory really released, no view of a slab).
 from __future__ import annotations
 
 import gc
+import re
 from collections.abc import Iterator
 
 import mlx.core as mx
@@ -137,6 +138,52 @@ def test_a_gather_of_no_sequence_is_a_type_error_naming_blocks(
     expected = r"^blocks must be a sequence of Block handles, got None \(NoneType\)$"
     with pool_unchanged(pool), pytest.raises(TypeError, match=expected):
         getattr(store, method)(0, None, 0)
+
+
+#: A constructor argument gone wrong, and the whole refusal; the other arguments are good.
+BAD_CONSTRUCTION = {
+    "pool a string": (dict(pool="pool"), TypeError, "pool must be a BlockPoolAllocator, got str"),
+    "n_layers 0": (dict(n_layers=0), ValueError, "n_layers must be an int >= 1, got 0"),
+    "n_kv_heads a float": (
+        dict(n_kv_heads=2.0),
+        TypeError,
+        "n_kv_heads must be an int >= 1, got 2.0",
+    ),
+    "head_dim a bool": (dict(head_dim=True), TypeError, "head_dim must be an int >= 1, got True"),
+    "head_dim -1": (dict(head_dim=-1), ValueError, "head_dim must be an int >= 1, got -1"),
+}
+
+
+@pytest.mark.parametrize("store_class", [MLXBlockStorage, NumpyBlockStorage])
+@pytest.mark.parametrize(
+    ("mistake", "error", "message"), BAD_CONSTRUCTION.values(), ids=BAD_CONSTRUCTION.keys()
+)
+def test_a_store_refuses_bad_construction_naming_the_argument_and_value(
+    store_class: type[MLXBlockStorage] | type[NumpyBlockStorage],
+    mistake: dict[str, object],
+    error: type[Exception],
+    message: str,
+) -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=2))
+    arguments: dict[str, object] = dict(pool=pool, n_layers=1, n_kv_heads=1, head_dim=1)
+    with pool_unchanged(pool), pytest.raises(error, match=f"^{re.escape(message)}$"):
+        store_class(**(arguments | mistake))  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "expected"),
+    [
+        ("dtype", "float16", "dtype must be an mlx.core.Dtype, got 'float16'"),
+        ("lazy_writes", 1, "lazy_writes must be a bool, got 1"),
+    ],
+)
+def test_the_mlx_store_refuses_a_dtype_or_lazy_writes_of_another_type(
+    name: str, value: object, expected: str
+) -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=2))
+    arguments: dict[str, object] = {name: value}
+    with pool_unchanged(pool), pytest.raises(TypeError, match=f"^{re.escape(expected)}$"):
+        MLXBlockStorage(pool, 1, 1, 1, **arguments)  # type: ignore[arg-type]
 
 
 def _blocks_then_a_fault(block: Block) -> Iterator[Block]:

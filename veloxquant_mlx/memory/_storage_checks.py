@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, TypeVar
 
-from veloxquant_mlx.memory.block_pool import Block
+from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
 
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
@@ -37,6 +37,22 @@ def next_capacity(capacity: int, id_bound: int) -> int:
     if 2 * id_bound <= capacity:
         return id_bound
     return capacity
+
+
+def require_store_arguments(pool: object, n_layers: int, n_kv_heads: int, head_dim: int) -> None:
+    """A store's constructor arguments: ``pool`` a ``BlockPoolAllocator``, each size an
+    ``int >= 1`` (``TypeError`` for the wrong type, ``ValueError`` below 1)."""
+    if not isinstance(pool, BlockPoolAllocator):
+        raise TypeError(f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
+    for name, value in (
+        ("n_layers", n_layers),
+        ("n_kv_heads", n_kv_heads),
+        ("head_dim", head_dim),
+    ):
+        if type(value) is not int:
+            raise TypeError(f"{name} must be an int >= 1, got {value!r}")
+        if value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value}")
 
 
 def require_token_shape(shape: tuple[int, ...], slot_shape: tuple[int, int]) -> int:

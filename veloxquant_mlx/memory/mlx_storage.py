@@ -119,11 +119,12 @@ from veloxquant_mlx.memory._storage_checks import (
     require_layer,
     require_n_tokens,
     require_slots,
+    require_store_arguments,
     require_token_dtype,
     require_token_shape,
     require_writable,
 )
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import Block
 from veloxquant_mlx.memory.block_table import DeviceBlockTable
 from veloxquant_mlx.memory.paged_attention import (
     PagedKV,
@@ -193,17 +194,7 @@ class MLXBlockStorage:
                 or ``dtype`` not an MLX dtype.
             ValueError: A size is below 1.
         """
-        if not isinstance(pool, BlockPoolAllocator):
-            raise TypeError(f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
-        for name, value in (
-            ("n_layers", n_layers),
-            ("n_kv_heads", n_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if type(value) is not int:
-                raise TypeError(f"{name} must be an int >= 1, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value}")
+        require_store_arguments(pool, n_layers, n_kv_heads, head_dim)
         if not isinstance(dtype, mx.Dtype):
             raise TypeError(f"dtype must be an mlx.core.Dtype, got {dtype!r}")
         if not isinstance(lazy_writes, bool):

@@ -52,11 +52,12 @@ from veloxquant_mlx.memory._storage_checks import (
     require_layer,
     require_n_tokens,
     require_slots,
+    require_store_arguments,
     require_token_dtype,
     require_token_shape,
     require_writable,
 )
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator
+from veloxquant_mlx.memory.block_pool import Block
 
 if TYPE_CHECKING:
     from veloxquant_mlx_spec.operations import CheckedBlockPool
@@ -96,17 +97,7 @@ class NumpyBlockStorage:
             TypeError: ``pool`` is not a ``BlockPoolAllocator`` or a size not an int.
             ValueError: A size is below 1.
         """
-        if not isinstance(pool, BlockPoolAllocator):
-            raise TypeError(f"pool must be a BlockPoolAllocator, got {type(pool).__name__}")
-        for name, value in (
-            ("n_layers", n_layers),
-            ("n_kv_heads", n_kv_heads),
-            ("head_dim", head_dim),
-        ):
-            if type(value) is not int:
-                raise TypeError(f"{name} must be an int >= 1, got {value!r}")
-            if value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value}")
+        require_store_arguments(pool, n_layers, n_kv_heads, head_dim)
         self._pool: Final = pool
         self._block_size: Final = pool.config.block_size
         self._slot_shape: Final = (n_kv_heads, head_dim)
