@@ -1,4 +1,5 @@
-"""Sharing behaviour that mutation testing found unpinned (mutation/SURVIVORS.md#sharing).
+"""Sharing behaviour that mutation testing found unpinned
+(mutation/SURVIVORS.md#3-sharing-issue-12-the-new-code).
 
 Each test pins something a caller or operator sees of share, fork and
 make_writable that ``test_sharing.py`` and the conformance machine left
