@@ -154,3 +154,31 @@ def test_with_lazy_writes_another_thread_is_refused_by_name_and_nothing_changes(
     keys, _ = cache[0].update_and_fetch(second, second)  # still usable from its own thread
     assert mx.array_equal(keys, mx.concatenate([first, second], axis=2))
     cache.release()
+
+
+@pytest.mark.parametrize("lazy_writes", [False, True])
+def test_a_store_write_and_a_block_copy_publish_under_the_lock_unless_lazy(
+    monkeypatch: pytest.MonkeyPatch, lazy_writes: bool
+) -> None:
+    # The writes and copies of prefill and copy-on-write, outside the decode path.
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=4, separate_kv=False))
+    store = MLXBlockStorage(pool, N_LAYERS, HEADS, HEAD_DIM, mx.float32, lazy_writes=lazy_writes)
+    [source, copy] = pool.allocate("kv", 8, owner=1)
+    tokens = mx.random.normal((4, HEADS, HEAD_DIM), key=mx.random.key(0))
+    evaluated: list[tuple[bool, tuple[str, ...]]] = []  # per mx.eval: under the lock? what?
+    real_eval = mx.eval
+
+    def recording_eval(*arrays: mx.array) -> None:
+        named = tuple("tokens" if a is tokens else type(a).__name__ for a in arrays)
+        evaluated.append((store._lock.locked(), named))
+        real_eval(*arrays)
+
+    monkeypatch.setattr(mx, "eval", recording_eval)
+    store.write(1, source, 0, tokens)
+    store.copy_block(None, source.block_id, copy)
+    monkeypatch.undo()
+    # Without lazy_writes: the tokens outside the lock, then each publish twice under it.
+    slab, every_slab = ("array",), ("array",) * N_LAYERS
+    published = [(False, ("tokens",)), (True, slab), (True, slab)] + [(True, every_slab)] * 2
+    assert evaluated == ([] if lazy_writes else published)
+    assert mx.array_equal(store.gather(1, [copy], 4), tokens)

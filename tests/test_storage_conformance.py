@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import gc
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -184,6 +185,66 @@ def test_the_mlx_store_refuses_a_dtype_or_lazy_writes_of_another_type(
     arguments: dict[str, object] = {name: value}
     with pool_unchanged(pool), pytest.raises(TypeError, match=f"^{re.escape(expected)}$"):
         MLXBlockStorage(pool, 1, 1, 1, **arguments)  # type: ignore[arg-type]
+
+
+#: Each reference store's tokens of one slot, and its refusal of a non-array.
+TOKENS_OF: dict[type, tuple[Callable[[], Any], str]] = {
+    MLXBlockStorage: (
+        lambda: mx.ones((1, 1, 1), dtype=mx.float16),
+        "tokens must be an mlx.core.array, got list",
+    ),
+    NumpyBlockStorage: (
+        lambda: np.ones((1, 1, 1), dtype=np.float16),
+        "tokens must be a numpy.ndarray, got list",
+    ),
+}
+READ_ONLY = (
+    "its block is shared by other handles and so read-only "
+    "(docs/CONTRACT.md#c-shared-read-only); expected a block this handle holds alone: "
+    "call pool.make_writable(block) first"
+)
+NOT_LIVE = (
+    "it is not a live handle of this store's pool; expected a block checked out from "
+    "the pool and not yet freed"
+)
+
+
+@pytest.mark.parametrize("store_class", [MLXBlockStorage, NumpyBlockStorage])
+def test_a_store_names_the_call_and_the_block_it_refuses_to_write(
+    store_class: type[MLXBlockStorage] | type[NumpyBlockStorage],
+) -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=3, separate_kv=False))
+    store: Any = store_class(pool, n_layers=1, n_kv_heads=1, head_dim=1)
+    [shared, stale, source] = pool.allocate("kv", 6, owner=1)
+    pool.share([shared], owner=2)
+    pool.free([stale])
+    tokens, not_an_array = TOKENS_OF[store_class]
+    refusals: list[tuple[Callable[[], None], type[Exception], str]] = [
+        (lambda: store.write(0, source, 0, [[[1.0]]]), TypeError, not_an_array),
+        (
+            lambda: store.write(0, shared, 0, tokens()),
+            ValueError,
+            f"cannot write to {shared!r}: {READ_ONLY}",
+        ),
+        (
+            lambda: store.write(0, stale, 0, tokens()),
+            ValueError,
+            f"cannot write to {stale!r}: {NOT_LIVE}",
+        ),
+        (
+            lambda: store.copy_block(0, source.block_id, shared),
+            ValueError,
+            f"cannot copy into {shared!r}: {READ_ONLY}",
+        ),
+        (
+            lambda: store.copy_block(None, source.block_id, stale),
+            ValueError,
+            f"cannot copy into {stale!r}: {NOT_LIVE}",
+        ),
+    ]
+    for call, error, message in refusals:
+        with pool_unchanged(pool), pytest.raises(error, match=f"^{re.escape(message)}$"):
+            call()
 
 
 def _blocks_then_a_fault(block: Block) -> Iterator[Block]:
