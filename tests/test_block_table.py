@@ -10,6 +10,8 @@ written.
 
 from __future__ import annotations
 
+import re
+
 import mlx.core as mx
 import pytest
 from threads import in_thread
@@ -306,6 +308,80 @@ def test_a_start_of_the_wrong_type_or_outside_the_table_is_refused(
     with pytest.raises(error, match="start"):
         store.update_through_table(0, table, start, _tokens(1, 5), _tokens(1, 6))  # type: ignore[arg-type]
     after = store.fetch_through_table(0, table, 3)
+    assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
+    book.release()
+
+
+def _positions(shape: tuple[int, ...], dtype: mx.Dtype = mx.float32) -> mx.array:
+    return mx.ones(shape, dtype=dtype)
+
+
+#: Keys and values of one position, each wrong in one part alone, and the whole refusal.
+GOOD = (1, HEADS, 1, HEAD_DIM)
+SHAPES = f"keys and values must both have shape (1, {HEADS}, n, {HEAD_DIM}), got"
+DTYPES = "tokens must have the store's dtype float32, got float16; a store never casts"
+STORE_WRONG_IN_ONE_PART = {
+    "keys no mlx array": (
+        None,
+        _positions(GOOD),
+        TypeError,
+        "keys and values must be mlx.core.array, got NoneType and array",
+    ),
+    "values no mlx array": (
+        _positions(GOOD),
+        [1.0],
+        TypeError,
+        "keys and values must be mlx.core.array, got array and list",
+    ),
+    "keys of another dtype": (_positions(GOOD, mx.float16), _positions(GOOD), TypeError, DTYPES),
+    "values of another dtype": (_positions(GOOD), _positions(GOOD, mx.float16), TypeError, DTYPES),
+    "values of another length": (
+        _positions(GOOD),
+        _positions((1, HEADS, 2, HEAD_DIM)),
+        ValueError,
+        f"{SHAPES} {GOOD} and (1, {HEADS}, 2, {HEAD_DIM})",
+    ),
+    "3-D": (_positions(GOOD[1:]), _positions(GOOD[1:]), ValueError, f"{SHAPES} {GOOD[1:]}"),
+    "a batch of two": (
+        _positions((2, *GOOD[1:])),
+        _positions((2, *GOOD[1:])),
+        ValueError,
+        f"{SHAPES} {(2, *GOOD[1:])}",
+    ),
+    "another head count": (
+        _positions((1, HEADS + 1, 1, HEAD_DIM)),
+        _positions((1, HEADS + 1, 1, HEAD_DIM)),
+        ValueError,
+        f"{SHAPES} {(1, HEADS + 1, 1, HEAD_DIM)}",
+    ),
+    "another head size": (
+        _positions((1, HEADS, 1, HEAD_DIM + 1)),
+        _positions((1, HEADS, 1, HEAD_DIM + 1)),
+        ValueError,
+        f"{SHAPES} {(1, HEADS, 1, HEAD_DIM + 1)}",
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("keys", "values", "error", "message"),
+    STORE_WRONG_IN_ONE_PART.values(),
+    ids=STORE_WRONG_IN_ONE_PART,
+)
+def test_the_store_refuses_keys_and_values_wrong_in_one_part_and_writes_nothing(
+    keys: object, values: object, error: type[Exception], message: str
+) -> None:
+    # update_through_table's one fast check with any part flipped let such input through
+    # (cast, broadcast or half-written) with no test failing: its callers in the package
+    # check first, so only a direct call reaches it.
+    store = _store()
+    book = PooledKVCache(store.pool, n_layers=N_LAYERS)
+    book.append(2)
+    table = DeviceBlockTable(book)
+    before = store.fetch_through_table(0, table, 2)
+    with pytest.raises(error, match=f"^{re.escape(message)}"):
+        store.update_through_table(0, table, 1, keys, values)  # type: ignore[arg-type]
+    after = store.fetch_through_table(0, table, 2)
     assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
     book.release()
 
