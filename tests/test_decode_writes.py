@@ -10,15 +10,16 @@ a while, let two threads examine one slab at once inside MLX and crash
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 import mlx.core as mx
 import pytest
 from threads import in_thread
 
 from veloxquant_mlx.memory import mlx_storage
+from veloxquant_mlx.memory.batch_cache import PooledBatchLayer, batch_caches
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
-from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache
+from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache, PoolBackedPromptCache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
 
@@ -182,3 +183,44 @@ def test_a_store_write_and_a_block_copy_publish_under_the_lock_unless_lazy(
     published = [(False, ("tokens",)), (True, slab), (True, slab)] + [(True, every_slab)] * 2
     assert evaluated == ([] if lazy_writes else published)
     assert mx.array_equal(store.gather(1, [copy], 4), tokens)
+
+
+@pytest.mark.parametrize("lazy_writes", [False, True])
+@pytest.mark.parametrize("n_rows", [1, 2], ids=["one request", "a batch of two"])
+def test_a_decode_step_evaluates_its_input_outside_the_lock_unless_lazy(
+    monkeypatch: pytest.MonkeyPatch, lazy_writes: bool, n_rows: int
+) -> None:
+    # The forward pass up to a layer is this thread's compute: evaluated under the lock,
+    # it would hold every other thread of the store back for it.
+    pool = BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64))
+    store = MLXBlockStorage(pool, N_LAYERS, HEADS, HEAD_DIM, mx.float32, lazy_writes=lazy_writes)
+    requests = [PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=N_LAYERS))]
+    requests += [PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=N_LAYERS))]
+    for request in requests:
+        for layer in request:
+            mx.eval(layer.update_and_fetch(_tokens(3, 0), _tokens(3, 0)))
+    step: Sequence[PoolBackedKVCache | PooledBatchLayer]
+    step = requests[0] if n_rows == 1 else batch_caches(requests)
+    keys = mx.random.normal((n_rows, HEADS, 1, HEAD_DIM), key=mx.random.key(1))
+    values = keys + 1
+    evaluated: list[tuple[bool, tuple[mx.array, ...]]] = []  # per mx.eval: under the lock?
+    real_eval = mx.eval
+
+    def recording_eval(*arrays: mx.array) -> None:
+        evaluated.append((store._lock.locked(), arrays))
+        real_eval(*arrays)
+
+    monkeypatch.setattr(mx, "eval", recording_eval)
+    for step_layer in step:
+        step_layer.update_and_fetch(keys, values)
+    monkeypatch.undo()
+    if lazy_writes:
+        assert evaluated == []
+        return
+    # Per layer: the rows' keys, then their values, outside the lock; then the publish.
+    assert [locked for locked, _ in evaluated] == [False, True, True] * N_LAYERS
+    expected = [keys[row : row + 1] for row in range(n_rows)]
+    expected += [values[row : row + 1] for row in range(n_rows)]
+    for _, arrays in evaluated[::3]:
+        assert len(arrays) == len(expected)
+        assert all(mx.array_equal(a, b) for a, b in zip(arrays, expected, strict=True))
