@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 from store_reads import recording_reads
 from tiny_models import greedy, prompt, tiny_model
 
-from veloxquant_mlx.memory import block_gather
+from veloxquant_mlx.memory import block_gather, mlx_storage
 from veloxquant_mlx.memory.block_gather import (
     GATHER_SOURCE,
     gather_by_kernel,
@@ -149,29 +149,44 @@ def _consecutive_ids(n_blocks: int, capacity: int) -> mx.array:
     return mx.concatenate([keys, values])
 
 
+def _kernel_stood_in_by_take(
+    slab: mx.array, read_blocks: mx.array, n_tokens: int, block_size: int
+) -> tuple[mx.array, mx.array]:
+    """What the kernel copies, by ``mx.take``: for a store that believes it runs on CUDA."""
+    _, heads, rows, head_dim = slab.shape
+    sizes = {"n_kv_heads": heads, "capacity": rows // block_size, "head_dim": head_dim}
+    return gather_by_take(slab, read_blocks, n_tokens, block_size=block_size, **sizes)
+
+
 @pytest.mark.parametrize("head_dim", [16, 2])
+@pytest.mark.parametrize("device", ["this machine", "a CUDA GPU, the kernel stood in by take"])
 def test_long_decode_reads_go_through_the_kernel_only_where_it_runs_and_decode_like_kv_cache(
-    monkeypatch: pytest.MonkeyPatch, head_dim: int
+    monkeypatch: pytest.MonkeyPatch, head_dim: int, device: str
 ) -> None:
     """With the threshold lowered to 12 positions: on a CUDA GPU, rows of 64 bytes are
-    read by the kernel from 12 on; rows of 8 bytes, and any row elsewhere, by take."""
+    read by the kernel from 12 on; rows of 8 bytes, and any row elsewhere, by take. The
+    stand-in checks that choice on any machine."""
     calls: list[int] = []
+    stood_in = device != "this machine"
+    kernel = _kernel_stood_in_by_take if stood_in else gather_by_kernel
 
     def counting(
         slab: mx.array, read_blocks: mx.array, n_tokens: int, block_size: int
     ) -> tuple[mx.array, mx.array]:
         calls.append(n_tokens)
-        return gather_by_kernel(slab, read_blocks, n_tokens, block_size)
+        return kernel(slab, read_blocks, n_tokens, block_size)
 
     monkeypatch.setattr(block_gather, "KERNEL_MIN_TOKENS", 12)
     monkeypatch.setattr(block_gather, "gather_by_kernel", counting)
+    if stood_in:
+        monkeypatch.setattr(mlx_storage, "cuda_unavailable_reason", lambda: None)
     model = tiny_model("llama", 7, n_layers=2, n_kv_heads=2, head_dim=head_dim)
     pool = hand_out_descending(BlockPoolAllocator(PoolConfig(block_size=4, n_blocks=64)))
     store = MLXBlockStorage(pool, 2, 2, head_dim, mx.float32, lazy_writes=True)
     with make_pool_backed_cache(model, store, attention="gather") as ours:
         our_tokens, our_logprobs = greedy(model, prompt(3, length=5), ours, 16)
     their_tokens, their_logprobs = greedy(model, prompt(3, length=5), make_prompt_cache(model), 16)
-    if NO_CUDA is None and head_dim == 16:
+    if (NO_CUDA is None or stood_in) and head_dim == 16:
         # Reads of 5..11 positions take; from 12 on, both layers' reads are the kernel's.
         assert calls and min(calls) == 12 and max(calls) >= 5 + 15
         assert sorted(calls) == [n for n in range(12, max(calls) + 1) for _ in range(2)]
