@@ -293,6 +293,49 @@ def test_queries_that_are_not_an_array_are_a_type_error_naming_them() -> None:
     book.release()
 
 
+#: Queries of one decode position wrong in one part alone (HEADS = 2 key-value heads).
+QUERIES_WRONG_IN_ONE_PART = {
+    "3-D": (HEADS, 1, HEAD_DIM),
+    "a batch of two": (2, HEADS, 1, HEAD_DIM),
+    "two positions": (1, HEADS, 2, HEAD_DIM),
+    "another head size": (1, HEADS, 1, HEAD_DIM + 1),
+    "heads not a multiple of the store's": (1, HEADS + 1, 1, HEAD_DIM),
+}
+
+
+@pytest.mark.parametrize("shape", QUERIES_WRONG_IN_ONE_PART.values(), ids=QUERIES_WRONG_IN_ONE_PART)
+def test_queries_wrong_in_one_part_are_refused_naming_the_shape_expected(
+    shape: tuple[int, ...],
+) -> None:
+    store = _store()
+    book = PooledKVCache(store.pool, n_layers=N_LAYERS)
+    book.append(3)
+    expected = f"queries must have shape (1, k * {HEADS}, 1, {HEAD_DIM}), got {shape}"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        store.attend_through_table(0, DeviceBlockTable(book), 3, mx.ones(shape), 1.0)
+    book.release()
+
+
+def test_attention_needs_a_position_and_queries_of_the_stores_dtype() -> None:
+    store = _store()
+    book = PooledKVCache(store.pool, n_layers=N_LAYERS)
+    start = book.append(1)
+    table = DeviceBlockTable(book)
+    store.update_through_table(0, table, start, _tokens(1, 5), _tokens(1, 6))
+    queries = mx.ones((1, 2 * HEADS, 1, HEAD_DIM))
+    attended = store.attend_through_table(0, table, 1, queries, 1.0)
+    # One position: every query head reads its group's value of that position.
+    values = mx.repeat(_tokens(1, 6), 2, axis=1)
+    assert mx.allclose(attended, values).item()
+    no_position = "n_tokens must be >= 1: attention needs a position to attend to"
+    with pytest.raises(ValueError, match=f"^{re.escape(no_position)}$"):
+        store.attend_through_table(0, table, 0, queries, 1.0)
+    other_dtype = "queries must have the store's dtype float32, got float16; a store never"
+    with pytest.raises(TypeError, match=f"^{re.escape(other_dtype)}"):
+        store.attend_through_table(0, table, 1, queries.astype(mx.float16), 1.0)
+    book.release()
+
+
 @pytest.mark.parametrize(
     ("start", "error"), [(1.0, TypeError), (True, TypeError), (-1, ValueError), (9, ValueError)]
 )
@@ -319,7 +362,7 @@ def _positions(shape: tuple[int, ...], dtype: mx.Dtype = mx.float32) -> mx.array
 #: Keys and values of one position, each wrong in one part alone, and the whole refusal.
 GOOD = (1, HEADS, 1, HEAD_DIM)
 SHAPES = f"keys and values must both have shape (1, {HEADS}, n, {HEAD_DIM}), got"
-DTYPES = "tokens must have the store's dtype float32, got float16; a store never casts"
+DTYPES = "must have the store's dtype float32, got float16; a store never casts"
 STORE_WRONG_IN_ONE_PART = {
     "keys no mlx array": (
         None,
@@ -333,8 +376,18 @@ STORE_WRONG_IN_ONE_PART = {
         TypeError,
         "keys and values must be mlx.core.array, got array and list",
     ),
-    "keys of another dtype": (_positions(GOOD, mx.float16), _positions(GOOD), TypeError, DTYPES),
-    "values of another dtype": (_positions(GOOD), _positions(GOOD, mx.float16), TypeError, DTYPES),
+    "keys of another dtype": (
+        _positions(GOOD, mx.float16),
+        _positions(GOOD),
+        TypeError,
+        f"keys {DTYPES}",
+    ),
+    "values of another dtype": (
+        _positions(GOOD),
+        _positions(GOOD, mx.float16),
+        TypeError,
+        f"values {DTYPES}",
+    ),
     "values of another length": (
         _positions(GOOD),
         _positions((1, HEADS, 2, HEAD_DIM)),

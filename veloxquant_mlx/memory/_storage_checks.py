@@ -64,8 +64,11 @@ def require_token_shape(shape: tuple[int, ...], slot_shape: tuple[int, int]) -> 
     return shape[0]
 
 
-def require_token_dtype(dtype: DtypeT, store_dtype: DtypeT, name: Callable[[DtypeT], str]) -> None:
-    """Written tokens must already have the store's element type: nothing is cast.
+def require_token_dtype(
+    dtype: DtypeT, store_dtype: DtypeT, name: Callable[[DtypeT], str], what: str = "tokens"
+) -> None:
+    """Written tokens (or keys, values, queries: ``what``) must already have the store's
+    element type: nothing is cast.
 
     A silent cast would change what a model computed (bfloat16 keys in a
     float16 store lose range; 1e6 becomes inf; ints become floats), so a
@@ -74,7 +77,7 @@ def require_token_dtype(dtype: DtypeT, store_dtype: DtypeT, name: Callable[[Dtyp
     """
     if dtype != store_dtype:
         raise TypeError(
-            f"tokens must have the store's dtype {name(store_dtype)}, got {name(dtype)}; a "
+            f"{what} must have the store's dtype {name(store_dtype)}, got {name(dtype)}; a "
             "store never casts (a cast would change the values), so build it with the dtype "
             "its writers produce"
         )

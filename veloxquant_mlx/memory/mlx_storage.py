@@ -552,7 +552,7 @@ class MLXBlockStorage:
             raise ValueError(
                 f"queries must have shape (1, k * {heads}, 1, {head_dim}), got {shape}"
             )
-        require_token_dtype(queries.dtype, self._dtype, dtype_name)
+        require_token_dtype(queries.dtype, self._dtype, dtype_name, "queries")
         with self._lock:
             rows = self._slot_rows_locked(layer, table, this_step=True)
             require_n_tokens(n_tokens, rows.n_slots)
@@ -698,8 +698,8 @@ class MLXBlockStorage:
         require_arrays(keys, values)
         dtype = self._dtype
         if keys.dtype != dtype or values.dtype != dtype:
-            require_token_dtype(keys.dtype, dtype, dtype_name)
-            require_token_dtype(values.dtype, dtype, dtype_name)
+            require_token_dtype(keys.dtype, dtype, dtype_name, "keys")
+            require_token_dtype(values.dtype, dtype, dtype_name, "values")
         shape = keys.shape
         if (
             len(shape) != 4
