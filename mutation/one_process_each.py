@@ -22,15 +22,18 @@ no mutant is tried (a failing test, a missing file or no test at all would
 otherwise count every mutant as killed).
 
 Each pytest runs in a session of its own, so a Ctrl-C reaches only this
-driver: it stops the processes running (their exit would be the stop's, not a
-mutant's) and keeps the verdicts it had.
+driver; a SIGTERM or SIGHUP stops it the same way. It kills the processes
+running (their exit would be the stop's, not a mutant's), records no verdict
+for them, and keeps the verdicts it had (the results file is replaced whole,
+never left half written). A SIGKILL of the driver leaves its tests running.
 
 Exit status: 0 when every mutant has a verdict (killed, survived or timeout);
-3 when some were left untried (Ctrl-C): inconclusive; 2 for bad input or
+3 when some were left untried (stopped): inconclusive; 2 for bad input or
 tests that do not pass with no mutant.
 Complexity: one pytest process per mutant, ``--workers`` at a time. Thread
-safety: the worker threads only wait on their processes (the set of running
-ones is under a lock); the main thread writes the results and stops them.
+safety: the worker threads wait on their processes and kill those that time
+out; the set of running ones is under a lock; the main thread writes the
+results and stops the run.
 """
 
 from __future__ import annotations
@@ -44,13 +47,15 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import NoReturn
+from typing import Final, NoReturn
 
 #: A mutant's verdict: pytest's exit status, or "timeout".
 Verdict = int | str
+#: What a test run stopped by the driver returns: no verdict, never recorded.
+STOPPED: Final = "stopped"
 #: Results are written, and progress printed, every this many mutants.
 REPORT_EVERY = 25
 
@@ -70,8 +75,9 @@ def mutant_names(mutants: Path, source: str) -> list[str]:
 class RunningTests:
     """The pytest processes running now, each the leader of a session of its own.
 
-    Invariants: every process in the set was started by :meth:`run` and has not
-    been waited for; after :meth:`stop`, :meth:`run` starts no process.
+    Invariants: every process in the set was started by :meth:`run` and its worker
+    has not yet returned; after :meth:`stop`, :meth:`run` starts no process and
+    returns :data:`STOPPED` for those it was waiting on.
     """
 
     def __init__(self) -> None:
@@ -81,29 +87,38 @@ class RunningTests:
 
     def run(self, mutants: Path, name: str, tests: list[str], timeout: float) -> Verdict:
         """pytest's exit status for ``tests`` with mutant ``name`` switched on (0: it
-        survived), or "timeout"; ``name`` ``""`` switches none on (the clean run). After
-        :meth:`stop`, the status is that of a killed process, which no one records."""
+        survived), "timeout", or :data:`STOPPED` once :meth:`stop` was called; ``name``
+        ``""`` switches none on (the clean run)."""
         with self._lock:
             if self._stopped:
-                return -signal.SIGKILL
+                return STOPPED
             process = _start_pytest(mutants, name, tests)
             self._processes.add(process)
+        verdict: Verdict
         try:
-            return process.wait(timeout)
+            verdict = process.wait(timeout)
         except subprocess.TimeoutExpired:
-            return "timeout"
-        finally:
             _kill_session(process)
+            verdict = "timeout"
+        finally:
             with self._lock:
                 self._processes.discard(process)
+                stopped = self._stopped
+            if process.returncode is None:  # an error (or a stop) in this thread's wait
+                _kill_session(process)
+        return STOPPED if stopped else verdict
 
     def stop(self) -> None:
-        """Kill every process running (and what it started); start none from now on."""
+        """Kill every process running (and what it started); start none from now on.
+
+        A worker reaps its own process; one that ended after its worker's wait but
+        before this kill is gone, or its id unused again (ids wrap around only after
+        millions of processes), so the kill finds no one."""
         with self._lock:
             self._stopped = True
-            running = list(self._processes)
-        for process in running:
-            _kill_session(process)
+            for process in self._processes:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGKILL)
 
 
 def _start_pytest(mutants: Path, name: str, tests: list[str]) -> subprocess.Popen[bytes]:
@@ -120,11 +135,10 @@ def _start_pytest(mutants: Path, name: str, tests: list[str]) -> subprocess.Pope
 
 
 def _kill_session(process: subprocess.Popen[bytes]) -> None:
-    """Kill ``process``'s session (its group: it leads both) unless it has ended."""
-    if process.poll() is None:
-        with contextlib.suppress(ProcessLookupError):  # it ended after the poll
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
+    """Kill the session ``process`` leads (it and what it started), then reap it."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
 
 
 def run_all(
@@ -132,12 +146,13 @@ def run_all(
     mutants: Path,
     names: list[str],
     tests: list[str],
-    options: tuple[float, int],
+    *,
+    timeout: float,
+    workers: int,
 ) -> Iterator[tuple[str, Verdict]]:
-    """Each mutant's verdict, in the order given, with ``options`` the timeout per
-    mutant and the processes at a time; a consumer that stops early (Ctrl-C) stops
-    the processes running and starts no other."""
-    timeout, workers = options
+    """Each mutant's verdict, in the order given, ``workers`` processes at a time; a
+    consumer that stops early (Ctrl-C) stops the processes running and starts no
+    other (verdicts that ended behind the one awaited are not reported)."""
     pool = ThreadPoolExecutor(workers)
     try:
         yield from zip(
@@ -192,21 +207,26 @@ def _run(args: argparse.Namespace, wanted: list[str], verdicts: dict[str, Verdic
     untried = [name for name in wanted if name not in verdicts]
     tests = args.tests.split(",")
     running = RunningTests()
-    try:
-        # Unless the tests pass alone, every mutant would count as killed by them.
-        clean = running.run(args.mutants, "", tests, args.timeout) if untried else 0
-        if clean != 0:
-            print(
-                f"{Path(sys.argv[0]).name}: the tests do not pass with no mutant switched on "
-                f"(pytest: {clean}); expected a clean run before any verdict",
-                file=sys.stderr,
-            )
-            return 2
-        _try_each(args, running, untried, verdicts)
-    except KeyboardInterrupt:
-        running.stop()
-        print("stopped: the verdicts so far are kept", file=sys.stderr)
-    args.results.write_text(json.dumps(verdicts, indent=0))
+    clean: Verdict | None = None  # None: the clean run did not end
+    with _stopped_by_signals() as ignore_signals:
+        try:
+            # Unless the tests pass alone, every mutant would count as killed by them.
+            clean = running.run(args.mutants, "", tests, args.timeout) if untried else 0
+            if clean != 0:
+                print(
+                    f"{Path(sys.argv[0]).name}: the tests do not pass with no mutant switched "
+                    f"on (pytest: {clean}); expected a clean run before any verdict",
+                    file=sys.stderr,
+                )
+                return 2
+            _try_each(running, args, tests, untried, verdicts)
+        except KeyboardInterrupt:
+            ignore_signals()  # a second Ctrl-C must not cut the stop short
+            print("stopped: the verdicts so far are kept", file=sys.stderr)
+        finally:
+            running.stop()
+            if clean == 0:  # else no verdict was added
+                _write_results(args.results, verdicts)
     print(summary(verdicts, wanted))
     complete = all(name in verdicts for name in wanted)
     if not complete:
@@ -215,24 +235,58 @@ def _run(args: argparse.Namespace, wanted: list[str], verdicts: dict[str, Verdic
 
 
 def _try_each(
-    args: argparse.Namespace,
     running: RunningTests,
+    args: argparse.Namespace,
+    tests: list[str],
     untried: list[str],
     verdicts: dict[str, Verdict],
 ) -> None:
     """Record each untried mutant's verdict in ``verdicts``, writing them and printing
     progress every ``REPORT_EVERY``."""
     start = time.monotonic()
-    options = (args.timeout, args.workers)
-    tests = args.tests.split(",")
-    for count, (name, verdict) in enumerate(
-        run_all(running, args.mutants, untried, tests, options), 1
-    ):
+    mutants = run_all(
+        running, args.mutants, untried, tests, timeout=args.timeout, workers=args.workers
+    )
+    for count, (name, verdict) in enumerate(mutants, 1):
+        if verdict == STOPPED:
+            continue  # (stop() is called only as the run ends)
         verdicts[name] = verdict
         if count % REPORT_EVERY == 0:
-            args.results.write_text(json.dumps(verdicts, indent=0))
+            _write_results(args.results, verdicts)
             elapsed = time.monotonic() - start
             print(f"{count}/{len(untried)} in {elapsed:.0f} s", file=sys.stderr, flush=True)
+
+
+def _write_results(path: Path, verdicts: dict[str, Verdict]) -> None:
+    """Replace ``path`` with ``verdicts`` whole: a stop mid-write leaves the old file."""
+    written = path.with_name(f"{path.name}.writing")
+    written.write_text(json.dumps(verdicts, indent=0))
+    os.replace(written, path)
+
+
+@contextlib.contextmanager
+def _stopped_by_signals() -> Iterator[Callable[[], None]]:
+    """Within it, a SIGTERM or SIGHUP stops the run as a Ctrl-C does; it yields what
+    ignores all three from then on. Every handler is restored on leaving. (Only the
+    main thread can set handlers: elsewhere, this changes nothing.)"""
+    names = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: None
+        return
+    before = {number: signal.getsignal(number) for number in names}
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    signal.signal(signal.SIGHUP, signal.default_int_handler)
+
+    def ignore() -> None:
+        for number in names:
+            signal.signal(number, signal.SIG_IGN)
+
+    try:
+        yield ignore
+    finally:
+        for number, handler in before.items():
+            if handler is not None:  # None: a handler not set from Python, left as is
+                signal.signal(number, handler)
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@ and a run with mutants left untried is inconclusive."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from conftest import load_mutation_script
@@ -27,14 +29,14 @@ def test_the_mutant_under_test():
     assert not name.endswith("_1")
 """
 
-#: The named run (a mutant, or "" for the clean run) writes its pid, then hangs.
+#: The named runs (mutants, or "" for the clean run) each write their pid, then hang.
 HANGING_TEST = """
 import os, pathlib, time
 
 def test_the_mutant_under_test():
     name = os.environ["MUTANT_UNDER_TEST"]
-    if name == {hangs!r}:
-        pathlib.Path("hanging.pid").write_text(str(os.getpid()))
+    if name in {hangs!r}:
+        pathlib.Path(f"hanging-{{name}}.pid").write_text(str(os.getpid()))
         time.sleep(300)
 """
 
@@ -68,7 +70,7 @@ def test_each_mutant_gets_its_verdict_and_a_second_run_reruns_none(
 def test_mutants_left_untried_make_the_run_inconclusive(
     mutants: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def interrupted(*arguments: object) -> object:
+    def interrupted(*arguments: object, **options: object) -> object:
         raise KeyboardInterrupt
 
     monkeypatch.setattr(driver, "run_all", interrupted)
@@ -116,46 +118,69 @@ def test_bad_input_is_one_line_and_status_2(
     assert named in line
 
 
-@pytest.mark.parametrize(
-    ("hangs", "to_the_group", "kept"),
-    [
-        (NAMES[1], True, {NAMES[0]: 0}),  # Ctrl-C at a terminal: its whole process group
-        (NAMES[1], False, {NAMES[0]: 0}),  # kill -INT of the driver alone
-        ("", False, {}),  # during the clean run
-    ],
-    ids=["at-a-terminal", "to-the-driver-alone", "during-the-clean-run"],
-)
-def test_ctrl_c_stops_the_tests_running_and_records_no_verdict_for_them(
-    mutants: Path, tmp_path: Path, hangs: str, to_the_group: bool, kept: dict[str, int]
+class StopCase(NamedTuple):
+    hangs: tuple[str, ...]  # the runs that hang until stopped
+    signal: signal.Signals
+    to_the_group: bool  # to the driver's process group (a terminal's), or the driver alone
+    workers: int
+    kept: dict[str, int] | None  # the verdicts written; None: no results file
+
+
+STOP_CASES = {
+    "ctrl-c at a terminal": StopCase((NAMES[1],), signal.SIGINT, True, 1, {NAMES[0]: 0}),
+    "kill -INT of the driver": StopCase((NAMES[1],), signal.SIGINT, False, 1, {NAMES[0]: 0}),
+    "kill -TERM of the driver": StopCase((NAMES[1],), signal.SIGTERM, False, 1, {NAMES[0]: 0}),
+    "the terminal closed": StopCase((NAMES[1],), signal.SIGHUP, True, 1, {NAMES[0]: 0}),
+    "two hanging at once": StopCase(tuple(NAMES[1:]), signal.SIGINT, False, 2, {NAMES[0]: 0}),
+    "during the clean run": StopCase(("",), signal.SIGINT, False, 1, None),
+}
+
+
+@pytest.mark.slow(seconds=4)
+@pytest.mark.parametrize("case", STOP_CASES.values(), ids=STOP_CASES)
+def test_a_stop_kills_the_tests_running_and_records_no_verdict_for_them(
+    mutants: Path, tmp_path: Path, case: StopCase
 ) -> None:
     # A pytest reached by the Ctrl-C would exit 2, which would have read as a kill; one
-    # left running would have kept the driver waiting for its timeout.
-    (mutants / "test_fake.py").write_text(HANGING_TEST.format(hangs=hangs))
+    # left running would have kept the driver waiting for its timeout (or, after a
+    # SIGTERM or SIGHUP of the driver, run on alone).
+    (mutants / "test_fake.py").write_text(HANGING_TEST.format(hangs=case.hangs))
     results = tmp_path / "verdicts.json"
     argv = [str(mutants), "pkg.py", "--tests", "test_fake.py", "--results", str(results)]
-    command = [sys.executable, str(SCRIPT), *argv, "--workers", "1", "--timeout", "250"]
+    command = [sys.executable, str(SCRIPT), *argv, "--workers", str(case.workers)]
     run = subprocess.Popen(
-        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        [*command, "--timeout", "250"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
     )
+    hanging: list[int] = []
     try:
-        hanging = _pid_written(mutants / "hanging.pid", run)
-        if to_the_group:
-            os.killpg(run.pid, signal.SIGINT)
+        hanging += [_pid_written(mutants / f"hanging-{name}.pid", run) for name in case.hangs]
+        if case.to_the_group:
+            os.killpg(run.pid, case.signal)
         else:
-            run.send_signal(signal.SIGINT)
+            run.send_signal(case.signal)
         summary, errors = run.communicate(timeout=60)
     finally:
-        if run.poll() is None:
-            os.killpg(run.pid, signal.SIGKILL)
-    assert run.returncode == 3
-    assert summary == f"0 killed, 0 timeout, {len(kept)} survived, {3 - len(kept)} untried, of 3\n"
+        for pid in [run.pid, *hanging]:  # whatever a failure left running
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+    assert run.returncode == 3, errors
+    n_kept = len(case.kept or {})
+    assert summary == f"0 killed, 0 timeout, {n_kept} survived, {3 - n_kept} untried, of 3\n"
     assert errors.splitlines() == [
         "stopped: the verdicts so far are kept",
         "inconclusive: some mutants were not tried",
     ]
-    assert json.loads(results.read_text()) == kept
-    with pytest.raises(ProcessLookupError):
-        os.kill(hanging, 0)
+    if case.kept is None:
+        assert not results.exists()
+    else:
+        assert json.loads(results.read_text()) == case.kept
+    for pid in hanging:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
 
 
 def _pid_written(path: Path, run: subprocess.Popen[str]) -> int:
