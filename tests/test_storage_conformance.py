@@ -11,7 +11,6 @@ from __future__ import annotations
 import gc
 import re
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -177,6 +176,7 @@ def test_a_store_refuses_bad_construction_naming_the_argument_and_value(
         ("dtype", "float16", "dtype must be an mlx.core.Dtype, got 'float16'"),
         ("lazy_writes", 1, "lazy_writes must be a bool, got 1"),
     ],
+    ids=["dtype", "lazy_writes"],
 )
 def test_the_mlx_store_refuses_a_dtype_or_lazy_writes_of_another_type(
     name: str, value: object, expected: str
@@ -188,7 +188,7 @@ def test_the_mlx_store_refuses_a_dtype_or_lazy_writes_of_another_type(
 
 
 #: Each reference store's tokens of one slot, and its refusal of a non-array.
-TOKENS_OF: dict[type, tuple[Callable[[], Any], str]] = {
+TOKENS_OF: dict[type, tuple[Callable[[], object], str]] = {
     MLXBlockStorage: (
         lambda: mx.ones((1, 1, 1), dtype=mx.float16),
         "tokens must be an mlx.core.array, got list",
@@ -207,44 +207,46 @@ NOT_LIVE = (
     "it is not a live handle of this store's pool; expected a block checked out from "
     "the pool and not yet freed"
 )
+#: A write or copy refused, as (the call, the handle it names, why).
+REFUSED_WRITES = {
+    "write to a shared block": ("write to", "shared", READ_ONLY),
+    "write to a freed block": ("write to", "freed", NOT_LIVE),
+    "copy into a shared block": ("copy into", "shared", READ_ONLY),
+    "copy into a freed block": ("copy into", "freed", NOT_LIVE),
+}
 
 
 @pytest.mark.parametrize("store_class", [MLXBlockStorage, NumpyBlockStorage])
+@pytest.mark.parametrize(("call", "which", "why"), REFUSED_WRITES.values(), ids=REFUSED_WRITES)
 def test_a_store_names_the_call_and_the_block_it_refuses_to_write(
-    store_class: type[MLXBlockStorage] | type[NumpyBlockStorage],
+    store_class: type[MLXBlockStorage] | type[NumpyBlockStorage], call: str, which: str, why: str
 ) -> None:
     pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=3, separate_kv=False))
-    store: Any = store_class(pool, n_layers=1, n_kv_heads=1, head_dim=1)
-    [shared, stale, source] = pool.allocate("kv", 6, owner=1)
+    store = store_class(pool, n_layers=1, n_kv_heads=1, head_dim=1)
+    [shared, freed, source] = pool.allocate("kv", 6, owner=1)
     pool.share([shared], owner=2)
-    pool.free([stale])
-    tokens, not_an_array = TOKENS_OF[store_class]
-    refusals: list[tuple[Callable[[], None], type[Exception], str]] = [
-        (lambda: store.write(0, source, 0, [[[1.0]]]), TypeError, not_an_array),
-        (
-            lambda: store.write(0, shared, 0, tokens()),
-            ValueError,
-            f"cannot write to {shared!r}: {READ_ONLY}",
-        ),
-        (
-            lambda: store.write(0, stale, 0, tokens()),
-            ValueError,
-            f"cannot write to {stale!r}: {NOT_LIVE}",
-        ),
-        (
-            lambda: store.copy_block(0, source.block_id, shared),
-            ValueError,
-            f"cannot copy into {shared!r}: {READ_ONLY}",
-        ),
-        (
-            lambda: store.copy_block(None, source.block_id, stale),
-            ValueError,
-            f"cannot copy into {stale!r}: {NOT_LIVE}",
-        ),
-    ]
-    for call, error, message in refusals:
-        with pool_unchanged(pool), pytest.raises(error, match=f"^{re.escape(message)}$"):
-            call()
+    pool.free([freed])
+    block = shared if which == "shared" else freed
+    make_tokens, _ = TOKENS_OF[store_class]
+    expected = f"^{re.escape(f'cannot {call} {block!r}: {why}')}$"
+    with pool_unchanged(pool), pytest.raises(ValueError, match=expected):
+        if call == "write to":
+            store.write(0, block, 0, make_tokens())  # type: ignore[arg-type]
+        else:
+            store.copy_block(None, source.block_id, block)
+
+
+@pytest.mark.parametrize("store_class", [MLXBlockStorage, NumpyBlockStorage])
+def test_a_store_refuses_tokens_that_are_no_array_naming_the_type_it_takes(
+    store_class: type[MLXBlockStorage] | type[NumpyBlockStorage],
+) -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=1, separate_kv=False))
+    store = store_class(pool, n_layers=1, n_kv_heads=1, head_dim=1)
+    [block] = pool.allocate("kv", 2, owner=1)
+    _, expected = TOKENS_OF[store_class]
+    refused = pytest.raises(TypeError, match=f"^{re.escape(expected)}$")
+    with pool_unchanged(pool, owners=[1], handles=[block]), refused:
+        store.write(0, block, 0, [[[1.0]]])  # type: ignore[arg-type]
 
 
 def _blocks_then_a_fault(block: Block) -> Iterator[Block]:
