@@ -316,23 +316,41 @@ def test_queries_wrong_in_one_part_are_refused_naming_the_shape_expected(
     book.release()
 
 
-def test_attention_needs_a_position_and_queries_of_the_stores_dtype() -> None:
+def _attending() -> tuple[MLXBlockStorage, PooledKVCache, DeviceBlockTable]:
+    """A store, and a book of one position written in layer 0 (keys of seed 5, values of
+    seed 6), with its table."""
     store = _store()
     book = PooledKVCache(store.pool, n_layers=N_LAYERS)
     start = book.append(1)
     table = DeviceBlockTable(book)
     store.update_through_table(0, table, start, _tokens(1, 5), _tokens(1, 6))
-    queries = mx.ones((1, 2 * HEADS, 1, HEAD_DIM))
-    attended = store.attend_through_table(0, table, 1, queries, 1.0)
-    # One position: every query head reads its group's value of that position.
-    values = mx.repeat(_tokens(1, 6), 2, axis=1)
-    assert mx.allclose(attended, values).item()
-    no_position = "n_tokens must be >= 1: attention needs a position to attend to"
-    with pytest.raises(ValueError, match=f"^{re.escape(no_position)}$"):
-        store.attend_through_table(0, table, 0, queries, 1.0)
-    other_dtype = "queries must have the store's dtype float32, got float16; a store never"
-    with pytest.raises(TypeError, match=f"^{re.escape(other_dtype)}"):
-        store.attend_through_table(0, table, 1, queries.astype(mx.float16), 1.0)
+    return store, book, table
+
+
+QUERIES = mx.ones((1, 2 * HEADS, 1, HEAD_DIM))
+
+
+def test_attention_over_one_position_reads_its_value_in_every_query_head() -> None:
+    store, book, table = _attending()
+    attended = store.attend_through_table(0, table, 1, QUERIES, 1.0)
+    assert mx.allclose(attended, mx.repeat(_tokens(1, 6), 2, axis=1)).item()
+    book.release()
+
+
+@pytest.mark.parametrize("n_tokens", [0, -1, BLOCK_SIZE + 1])
+def test_attention_over_no_position_or_past_the_tables_slots_is_refused(n_tokens: int) -> None:
+    store, book, table = _attending()
+    expected = f"n_tokens must be in 1..{BLOCK_SIZE} (the blocks' slots), got {n_tokens}"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        store.attend_through_table(0, table, n_tokens, QUERIES, 1.0)
+    book.release()
+
+
+def test_queries_of_another_dtype_are_refused_naming_them() -> None:
+    store, book, table = _attending()
+    expected = "queries must have the store's dtype float32, got float16; a store never casts"
+    with pytest.raises(TypeError, match=f"^{re.escape(expected)}"):
+        store.attend_through_table(0, table, 1, QUERIES.astype(mx.float16), 1.0)
     book.release()
 
 

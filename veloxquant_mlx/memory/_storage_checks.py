@@ -1,8 +1,9 @@
 """Argument checks and the sizing rule shared by every backing store.
 
-Both reference stores (MLX and NumPy) validate ``write`` and ``gather``
-arguments the same way and resize their slabs by the same rule; a port to
-another backend can reuse them too. Pure Python: no array library here.
+Both reference stores (MLX and NumPy) validate their constructor's,
+``write``'s and ``gather``'s arguments the same way and resize their slabs by
+the same rule; a port to another backend can reuse them too. Pure Python: no
+array library here.
 
 Complexity: O(1) per check, except ``require_all_live`` (O(k) for k blocks,
 one pool lock). Thread safety: pure functions; the liveness checks take the
@@ -177,9 +178,11 @@ def require_slots(start: int, n_tokens: int, block_size: int) -> None:
         )
 
 
-def require_n_tokens(n_tokens: int, available: int) -> None:
-    """``n_tokens`` must be an int in ``0 .. available``."""
+def require_n_tokens(n_tokens: int, available: int, least: int = 0) -> None:
+    """``n_tokens`` must be an int in ``least .. available``."""
     if type(n_tokens) is not int:
         raise TypeError(f"n_tokens must be an int, got {n_tokens!r}")
-    if not 0 <= n_tokens <= available:
-        raise ValueError(f"n_tokens must be in 0..{available} (the blocks' slots), got {n_tokens}")
+    if not least <= n_tokens <= available:
+        raise ValueError(
+            f"n_tokens must be in {least}..{available} (the blocks' slots), got {n_tokens}"
+        )

@@ -191,7 +191,7 @@ class MLXBlockStorage:
 
         Raises:
             TypeError: ``pool`` is not a ``BlockPoolAllocator``, a size not an int,
-                or ``dtype`` not an MLX dtype.
+                ``dtype`` not an MLX dtype, or ``lazy_writes`` not a bool.
             ValueError: A size is below 1.
         """
         require_store_arguments(pool, n_layers, n_kv_heads, head_dim)
@@ -555,9 +555,7 @@ class MLXBlockStorage:
         require_token_dtype(queries.dtype, self._dtype, dtype_name, "queries")
         with self._lock:
             rows = self._slot_rows_locked(layer, table, this_step=True)
-            require_n_tokens(n_tokens, rows.n_slots)
-            if n_tokens == 0:
-                raise ValueError("n_tokens must be >= 1: attention needs a position to attend to")
+            require_n_tokens(n_tokens, rows.n_slots, least=1)  # a position to attend to
             slab = self._by_block(self._slabs[layer])
         paged = PagedKV(slab, table.key_ids, table.value_ids)
         return paged_decode_attention(queries, paged, n_tokens, scale=scale)
