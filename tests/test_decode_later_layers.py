@@ -18,6 +18,7 @@ from veloxquant_mlx.memory.block_table import DeviceBlockTable
 from veloxquant_mlx.memory.kv_cache import PoolBackedPromptCache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
+from veloxquant_mlx.testing.pool_orders import hand_out_descending
 
 BLOCK_SIZE = 4
 N_LAYERS = 3
@@ -57,17 +58,24 @@ def test_only_the_first_layer_of_a_step_looks_up_the_rows(monkeypatch: pytest.Mo
     cache.release()
 
 
-def test_a_resize_between_two_layers_of_a_step_is_followed() -> None:
+@pytest.mark.parametrize("ids", ["running on", "descending"])
+def test_a_resize_between_two_layers_of_a_step_is_followed(ids: str) -> None:
     # Another request's growth resizes every slab after this request's layer 0 and
-    # before its layer 1: the rows layer 0 found are for the old capacity.
+    # before its layer 1: the rows layer 0 found are for the old capacity. Blocks that
+    # run on are read by slices, the same at any capacity; others by a gather of rows
+    # that move with it.
     pool = BlockPoolAllocator(
-        PoolConfig(block_size=BLOCK_SIZE, n_blocks=2, grow_on_exhaustion=True)
+        PoolConfig(block_size=BLOCK_SIZE, n_blocks=4, grow_on_exhaustion=True)
     )
+    if ids == "descending":
+        hand_out_descending(pool)
     store = _store(pool)
     this = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=N_LAYERS))
     other = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=N_LAYERS))
-    written = [_tokens(3, layer) for layer in range(N_LAYERS)]
+    written = [_tokens(BLOCK_SIZE + 1, layer) for layer in range(N_LAYERS)]
     mx.eval([layer.update_and_fetch(keys, keys) for layer, keys in zip(this, written, strict=True)])
+    key_ids = [block.block_id for block in this.book.key_blocks]
+    assert (key_ids[1] == key_ids[0] + 1) == (ids == "running on")
     capacity = store.capacity()
     step = [_tokens(1, 10 + layer) for layer in range(N_LAYERS)]
     mx.eval(this[0].update_and_fetch(step[0], step[0]))
