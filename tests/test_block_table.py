@@ -354,11 +354,21 @@ def test_queries_of_another_dtype_are_refused_naming_them() -> None:
     book.release()
 
 
+OUTSIDE_THE_SLOTS = "fall outside the table's 4 slots; expected 0 <= start and start + n <= 4"
+
+
 @pytest.mark.parametrize(
-    ("start", "error"), [(1.0, TypeError), (True, TypeError), (-1, ValueError), (9, ValueError)]
+    ("start", "error", "expected"),
+    [
+        (1.0, TypeError, "start must be an int, got 1.0 (float)"),
+        (True, TypeError, "start must be an int, got True (bool)"),
+        (-1, ValueError, f"positions -1..-1+1 {OUTSIDE_THE_SLOTS}"),
+        (BLOCK_SIZE, ValueError, f"positions 4..4+1 {OUTSIDE_THE_SLOTS}"),
+        (9, ValueError, f"positions 9..9+1 {OUTSIDE_THE_SLOTS}"),
+    ],
 )
 def test_a_start_of_the_wrong_type_or_outside_the_table_is_refused(
-    start: object, error: type[Exception]
+    start: object, error: type[Exception], expected: str
 ) -> None:
     # C-TYPE-VS-VALUE: a float start was a ValueError here (store.write: a TypeError).
     store = _store()
@@ -366,7 +376,7 @@ def test_a_start_of_the_wrong_type_or_outside_the_table_is_refused(
     book.append(3)
     table = DeviceBlockTable(book)
     before = store.fetch_through_table(0, table, 3)
-    with pytest.raises(error, match="start"):
+    with pytest.raises(error, match=f"^{re.escape(expected)}$"):
         store.update_through_table(0, table, start, _tokens(1, 5), _tokens(1, 6))  # type: ignore[arg-type]
     after = store.fetch_through_table(0, table, 3)
     assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))

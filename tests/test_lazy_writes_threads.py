@@ -12,6 +12,8 @@ writes or reads data through it; ``capacity()`` and ``resident_bytes()``
 
 from __future__ import annotations
 
+import re
+import threading
 from collections.abc import Callable
 
 import mlx.core as mx
@@ -69,12 +71,23 @@ def test_the_first_thread_to_call_owns_the_store() -> None:
     store = MLXBlockStorage(pool, 1, 1, 2, mx.float32, lazy_writes=True)  # built on main
     [block] = pool.allocate("k", 4, owner=1)
 
+    decoder: list[int | None] = []
+
     def decode_loop() -> None:
+        decoder.append(threading.current_thread().ident)
         store.write(0, block, 0, mx.ones((1, 1, 2)))
         mx.eval(store.gather(0, [block], 1))
 
     assert in_thread("decoder", decode_loop) is None
-    with pytest.raises(RuntimeError, match=r"'decoder'.*'MainThread'"):
+    main = threading.main_thread()
+    expected = (
+        f"this MLXBlockStorage has lazy_writes=True, so it belongs to thread 'decoder' "
+        f"(ident {decoder[0]}), the first to write or read data through it, but it was "
+        f"called from thread 'MainThread' (ident {main.ident}); a lazy write leaves an MLX "
+        "graph on its thread's stream that no other thread can evaluate, so share a store "
+        "between threads with lazy_writes=False"
+    )
+    with pytest.raises(RuntimeError, match=f"^{re.escape(expected)}$"):
         store.sync()
 
 

@@ -691,8 +691,9 @@ class MLXBlockStorage:
             head_dim=head_dim,
         )
 
-    def _require_head_tokens(self, keys: mx.array, values: mx.array) -> int:
-        """``n`` if keys and values are ``(1, n_kv_heads, n, head_dim)`` of the store's dtype."""
+    def _require_head_tokens(self, keys: mx.array, values: mx.array) -> None:
+        """Keys and values must both be ``(1, n_kv_heads, n, head_dim)`` arrays of the
+        store's dtype (``TypeError`` or ``ValueError`` naming what is not)."""
         require_arrays(keys, values)
         dtype = self._dtype
         if keys.dtype != dtype or values.dtype != dtype:
@@ -710,7 +711,6 @@ class MLXBlockStorage:
                 f"keys and values must both have shape (1, {self._heads}, n, "
                 f"{self._head_dim}), got {tuple(shape)} and {tuple(values.shape)}"
             )
-        return int(shape[2])
 
     def _use_data_locked(self) -> None:
         """Bind a lazy_writes store to its first data caller; refuse every other thread."""
