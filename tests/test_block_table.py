@@ -11,6 +11,7 @@ written.
 from __future__ import annotations
 
 import re
+from typing import cast
 
 import mlx.core as mx
 import pytest
@@ -232,31 +233,36 @@ def test_a_table_of_another_pool_is_refused() -> None:
     store, other = _store(), _store()
     book = PooledKVCache(other.pool, n_layers=N_LAYERS)
     book.append(3)
-    with pytest.raises(ValueError, match="another pool"):
+    expected = "^the table's blocks come from another pool than this store's$"
+    with pytest.raises(ValueError, match=expected):
         store.fetch_through_table(0, DeviceBlockTable(book), 3)
     book.release()
 
 
-def _call_without_a_table(store: MLXBlockStorage, method: str) -> object:
-    no_table: DeviceBlockTable = None  # type: ignore[assignment]
+def _call_without_a_table(store: MLXBlockStorage, method: str, no_table: object = None) -> object:
+    wrong = cast(DeviceBlockTable, no_table)  # what the store is handed instead of a table
     if method == "fetch":
-        return store.fetch_through_table(0, no_table, 3)
+        return store.fetch_through_table(0, wrong, 3)
     if method == "update":
-        return store.update_through_table(0, no_table, 0, _tokens(1, 5), _tokens(1, 6))
-    return store.attend_through_table(0, no_table, 3, _tokens(1, 7), 1.0)
+        return store.update_through_table(0, wrong, 0, _tokens(1, 5), _tokens(1, 6))
+    return store.attend_through_table(0, wrong, 3, _tokens(1, 7), 1.0)
 
 
+@pytest.mark.parametrize("no_table", [None, "table"], ids=["None", "a string"])
 @pytest.mark.parametrize("method", ["fetch", "update", "attend"])
-def test_a_table_argument_that_is_no_table_is_a_type_error_naming_it(method: str) -> None:
+def test_a_table_argument_that_is_no_table_is_a_type_error_naming_it(
+    method: str, no_table: object
+) -> None:
     # It used to be a bare AttributeError: 'NoneType' object has no attribute 'require_live'.
     store = _store()
     book = PooledKVCache(store.pool, n_layers=N_LAYERS)
     book.append(3)
     table = DeviceBlockTable(book)
     before = store.fetch_through_table(0, table, 3)
-    expected = r"^table must be a DeviceBlockTable, got None \(NoneType\)$"
+    named = f"{no_table!r} ({type(no_table).__name__})"
+    expected = f"^{re.escape(f'table must be a DeviceBlockTable, got {named}')}$"
     with pytest.raises(TypeError, match=expected):
-        _call_without_a_table(store, method)
+        _call_without_a_table(store, method, no_table)
     after = store.fetch_through_table(0, table, 3)
     assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
     book.release()
@@ -423,6 +429,24 @@ STORE_WRONG_IN_ONE_PART = {
         f"{SHAPES} {GOOD} and (1, {HEADS}, 2, {HEAD_DIM})",
     ),
     "3-D": (_positions(GOOD[1:]), _positions(GOOD[1:]), ValueError, f"{SHAPES} {GOOD[1:]}"),
+    "3-D, one first": (
+        _positions((1, HEADS, HEAD_DIM)),
+        _positions((1, HEADS, HEAD_DIM)),
+        ValueError,
+        f"{SHAPES} (1, {HEADS}, {HEAD_DIM})",
+    ),
+    "5-D": (
+        _positions((*GOOD, 1)),
+        _positions((*GOOD, 1)),
+        ValueError,
+        f"{SHAPES} {(*GOOD, 1)}",
+    ),
+    "another head count, as many positions as heads": (
+        _positions((1, HEADS + 1, HEADS, HEAD_DIM)),
+        _positions((1, HEADS + 1, HEADS, HEAD_DIM)),
+        ValueError,
+        f"{SHAPES} {(1, HEADS + 1, HEADS, HEAD_DIM)}",
+    ),
     "a batch of two": (
         _positions((2, *GOOD[1:])),
         _positions((2, *GOOD[1:])),
@@ -464,6 +488,19 @@ def test_the_store_refuses_keys_and_values_wrong_in_one_part_and_writes_nothing(
         store.update_through_table(0, table, 1, keys, values)  # type: ignore[arg-type]
     after = store.fetch_through_table(0, table, 2)
     assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
+    book.release()
+
+
+def test_a_batch_of_two_is_refused_by_a_store_of_one_head() -> None:
+    # (2, 1, n, d) has the one head in the heads' place: only the batch is wrong.
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=8))
+    store = MLXBlockStorage(pool, 1, 1, HEAD_DIM, mx.float32)
+    book = PooledKVCache(pool)
+    start = book.append(1)
+    batch_of_two = _positions((2, 1, 1, HEAD_DIM))
+    expected = f"keys and values must both have shape (1, 1, n, {HEAD_DIM}), got (2, 1, 1, 8)"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}"):
+        store.update_through_table(0, DeviceBlockTable(book), start, batch_of_two, batch_of_two)
     book.release()
 
 

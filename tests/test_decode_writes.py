@@ -16,7 +16,7 @@ import mlx.core as mx
 import pytest
 from threads import in_thread
 
-from veloxquant_mlx.memory import mlx_storage
+from veloxquant_mlx.memory import block_table, mlx_storage, slot_rows
 from veloxquant_mlx.memory.batch_cache import PooledBatchLayer, batch_caches
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.kv_cache import PoolBackedKVCache, PoolBackedPromptCache
@@ -157,6 +157,33 @@ def test_with_lazy_writes_another_thread_is_refused_by_name_and_nothing_changes(
     cache.release()
 
 
+class _Evaluations:
+    """What a store evaluates while a test runs: the arrays of each ``mx.eval`` made
+    outside its lock, and the layers of the slabs each ``publish`` covers (which must
+    run under the lock, before another thread can take them)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, store: MLXBlockStorage) -> None:
+        self.outside_the_lock: list[tuple[mx.array, ...]] = []
+        self.published: list[list[int]] = []
+        real_eval, real_publish = mx.eval, mlx_storage.publish
+
+        def recording_eval(*arrays: mx.array) -> None:
+            if not store._lock.locked():
+                self.outside_the_lock.append(arrays)
+            real_eval(*arrays)
+
+        def recording_publish(*arrays: mx.array) -> None:
+            assert store._lock.locked()
+            slabs = store._slabs
+            self.published.append(
+                [n for n, slab in enumerate(slabs) if any(slab is a for a in arrays)]
+            )
+            real_publish(*arrays)
+
+        monkeypatch.setattr(mx, "eval", recording_eval)
+        monkeypatch.setattr(mlx_storage, "publish", recording_publish)
+
+
 @pytest.mark.parametrize("lazy_writes", [False, True], ids=["eager", "lazy_writes"])
 def test_a_store_write_and_a_block_copy_publish_under_the_lock_unless_lazy(
     monkeypatch: pytest.MonkeyPatch, lazy_writes: bool
@@ -166,31 +193,16 @@ def test_a_store_write_and_a_block_copy_publish_under_the_lock_unless_lazy(
     store = MLXBlockStorage(pool, N_LAYERS, HEADS, HEAD_DIM, mx.float32, lazy_writes=lazy_writes)
     [source, copy] = pool.allocate("kv", 8, owner=1)
     tokens = mx.random.normal((4, HEADS, HEAD_DIM), key=mx.random.key(0))
-    outside_the_lock: list[tuple[mx.array, ...]] = []
-    published: list[list[int]] = []  # the layers of the slabs each publish evaluated
-    real_eval, real_publish = mx.eval, mlx_storage.publish
-
-    def recording_eval(*arrays: mx.array) -> None:
-        if not store._lock.locked():
-            outside_the_lock.append(arrays)
-        real_eval(*arrays)
-
-    def recording_publish(*arrays: mx.array) -> None:
-        assert store._lock.locked()  # before another thread can take the slabs
-        slabs = store._slabs
-        published.append([n for n, slab in enumerate(slabs) if any(slab is a for a in arrays)])
-        real_publish(*arrays)
-
-    monkeypatch.setattr(mx, "eval", recording_eval)
-    monkeypatch.setattr(mlx_storage, "publish", recording_publish)
+    evaluations = _Evaluations(monkeypatch, store)
     store.write(1, source, 0, tokens)
     store.copy_block(None, source.block_id, copy)
     monkeypatch.undo()
     if lazy_writes:
-        assert (outside_the_lock, published) == ([], [])
+        assert (evaluations.outside_the_lock, evaluations.published) == ([], [])
     else:  # the tokens before the lock; then the slab written, and every slab copied into
-        assert len(outside_the_lock) == 1 and outside_the_lock[0][0] is tokens
-        assert published == [[1], list(range(N_LAYERS))]
+        [(evaluated,)] = evaluations.outside_the_lock
+        assert evaluated is tokens
+        assert evaluations.published == [[1], list(range(N_LAYERS))]
     assert mx.array_equal(store.gather(1, [copy], 4), tokens)
 
 
@@ -212,25 +224,39 @@ def test_a_decode_step_evaluates_its_input_outside_the_lock_unless_lazy(
     step = requests[0] if n_rows == 1 else batch_caches(requests)
     keys = mx.random.normal((n_rows, HEADS, 1, HEAD_DIM), key=mx.random.key(1))
     values = keys + 1
-    evaluated: list[tuple[bool, tuple[mx.array, ...]]] = []  # per mx.eval: under the lock?
-    real_eval = mx.eval
-
-    def recording_eval(*arrays: mx.array) -> None:
-        evaluated.append((store._lock.locked(), arrays))
-        real_eval(*arrays)
-
-    monkeypatch.setattr(mx, "eval", recording_eval)
+    evaluations = _Evaluations(monkeypatch, store)
     for step_layer in step:
         step_layer.update_and_fetch(keys, values)
     monkeypatch.undo()
     if lazy_writes:
-        assert evaluated == []
+        assert (evaluations.outside_the_lock, evaluations.published) == ([], [])
         return
-    # Once per layer, outside the lock: the rows' keys, then their values.
-    outside_the_lock = [arrays for locked, arrays in evaluated if not locked]
-    assert len(outside_the_lock) == N_LAYERS
+    # Once per layer, outside the lock: the rows' keys, then their values; then, under
+    # it, that layer's slab.
+    assert evaluations.published == [[layer] for layer in range(N_LAYERS)]
+    assert len(evaluations.outside_the_lock) == N_LAYERS
     expected = [keys[row : row + 1] for row in range(n_rows)]
     expected += [values[row : row + 1] for row in range(n_rows)]
-    for arrays in outside_the_lock:
+    for arrays in evaluations.outside_the_lock:
         assert len(arrays) == len(expected)
         assert all(mx.array_equal(a, b) for a, b in zip(arrays, expected, strict=True))
+
+
+@pytest.mark.parametrize("lazy_writes", [False, True], ids=["eager", "lazy_writes"])
+def test_slot_rows_are_scheduled_for_other_threads_unless_the_store_is_lazy(
+    monkeypatch: pytest.MonkeyPatch, lazy_writes: bool
+) -> None:
+    # A store without lazy_writes serves any thread: the rows one thread builds are
+    # scheduled, so another can build on them. A lazy store schedules nothing.
+    scheduled: list[int] = []
+
+    def recording_schedule(*arrays: mx.array) -> None:
+        scheduled.append(len(arrays))
+        block_table.schedule(*arrays)  # what slot_rows imports
+
+    monkeypatch.setattr(slot_rows, "schedule", recording_schedule)
+    cache = _cache(lazy_writes)
+    for layer in cache:
+        mx.eval(layer.update_and_fetch(_tokens(3, 0), _tokens(3, 0)))
+    assert (scheduled != []) == (not lazy_writes)
+    cache.release()
