@@ -111,9 +111,10 @@ class RunningTests:
     def stop(self) -> None:
         """Kill every process running (and what it started); start none from now on.
 
-        A worker reaps its own process; one that ended after its worker's wait but
-        before this kill is gone, or its id unused again (ids wrap around only after
-        millions of processes), so the kill finds no one."""
+        A process whose worker has just reaped it (and waits for the lock to take it
+        out of the set) is killed here by its id: that finds no one, or what the
+        process left running, unless the id was given out again, which takes a
+        wrap-around of process ids in that moment."""
         with self._lock:
             self._stopped = True
             for process in self._processes:
