@@ -11,6 +11,8 @@ written.
 from __future__ import annotations
 
 import re
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import cast
 
 import mlx.core as mx
@@ -239,6 +241,17 @@ def test_a_table_of_another_pool_is_refused() -> None:
     book.release()
 
 
+@contextmanager
+def _reads_unchanged(
+    store: MLXBlockStorage, table: DeviceBlockTable, n_tokens: int
+) -> Iterator[None]:
+    """The table's first ``n_tokens`` positions of layer 0 read the same after the block."""
+    before = store.fetch_through_table(0, table, n_tokens)
+    yield
+    after = store.fetch_through_table(0, table, n_tokens)
+    assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
+
+
 def _call_without_a_table(store: MLXBlockStorage, method: str, no_table: object = None) -> object:
     wrong = cast(DeviceBlockTable, no_table)  # what the store is handed instead of a table
     if method == "fetch":
@@ -258,13 +271,10 @@ def test_a_table_argument_that_is_no_table_is_a_type_error_naming_it(
     book = PooledKVCache(store.pool, n_layers=N_LAYERS)
     book.append(3)
     table = DeviceBlockTable(book)
-    before = store.fetch_through_table(0, table, 3)
     named = f"{no_table!r} ({type(no_table).__name__})"
     expected = f"^{re.escape(f'table must be a DeviceBlockTable, got {named}')}$"
-    with pytest.raises(TypeError, match=expected):
+    with _reads_unchanged(store, table, 3), pytest.raises(TypeError, match=expected):
         _call_without_a_table(store, method, no_table)
-    after = store.fetch_through_table(0, table, 3)
-    assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
     book.release()
 
 
@@ -377,15 +387,25 @@ def test_a_start_of_the_wrong_type_or_outside_the_table_is_refused(
     start: object, error: type[Exception], expected: str
 ) -> None:
     # C-TYPE-VS-VALUE: a float start was a ValueError here (store.write: a TypeError).
+    refused = pytest.raises(error, match=f"^{re.escape(expected)}$")
+    _update_refused(3, start, _tokens(1, 5), _tokens(1, 6), refused)
+
+
+def _update_refused(
+    n_held: int,
+    start: object,
+    keys: object,
+    values: object,
+    refused: AbstractContextManager[object],
+) -> None:
+    """``update_through_table`` at ``start`` of a book holding ``n_held`` positions is
+    ``refused`` (a ``pytest.raises``), and every position reads as before."""
     store = _store()
     book = PooledKVCache(store.pool, n_layers=N_LAYERS)
-    book.append(3)
+    book.append(n_held)
     table = DeviceBlockTable(book)
-    before = store.fetch_through_table(0, table, 3)
-    with pytest.raises(error, match=f"^{re.escape(expected)}$"):
-        store.update_through_table(0, table, start, _tokens(1, 5), _tokens(1, 6))  # type: ignore[arg-type]
-    after = store.fetch_through_table(0, table, 3)
-    assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
+    with _reads_unchanged(store, table, n_held), refused:
+        store.update_through_table(0, table, start, keys, values)  # type: ignore[arg-type]
     book.release()
 
 
@@ -479,16 +499,7 @@ def test_the_store_refuses_keys_and_values_wrong_in_one_part_and_writes_nothing(
     # update_through_table's one fast check with any part flipped let such input through
     # (cast, broadcast or half-written) with no test failing: its callers in the package
     # check first, so only a direct call reaches it.
-    store = _store()
-    book = PooledKVCache(store.pool, n_layers=N_LAYERS)
-    book.append(2)
-    table = DeviceBlockTable(book)
-    before = store.fetch_through_table(0, table, 2)
-    with pytest.raises(error, match=f"^{re.escape(message)}"):
-        store.update_through_table(0, table, 1, keys, values)  # type: ignore[arg-type]
-    after = store.fetch_through_table(0, table, 2)
-    assert all(mx.array_equal(old, new) for old, new in zip(before, after, strict=True))
-    book.release()
+    _update_refused(2, 1, keys, values, pytest.raises(error, match=f"^{re.escape(message)}"))
 
 
 def test_a_batch_of_two_is_refused_by_a_store_of_one_head() -> None:
