@@ -18,6 +18,7 @@ from typing import cast
 import mlx.core as mx
 import pytest
 from threads import in_thread
+from wrong_keys_values import wrong_in_one_part
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.block_table import DeviceBlockTable, StaleBlockTableError
@@ -409,96 +410,31 @@ def _update_refused(
     book.release()
 
 
-def _positions(shape: tuple[int, ...], dtype: mx.Dtype = mx.float32) -> mx.array:
-    return mx.ones(shape, dtype=dtype)
-
-
-#: Keys and values of one position, each wrong in one part alone, and the whole refusal.
-GOOD = (1, HEADS, 1, HEAD_DIM)
 SHAPES = f"keys and values must both have shape (1, {HEADS}, n, {HEAD_DIM}), got"
 DTYPES = "must have the store's dtype float32, got float16; a store never casts"
-STORE_WRONG_IN_ONE_PART = {
-    "keys no mlx array": (
-        None,
-        _positions(GOOD),
-        TypeError,
-        "keys and values must be mlx.core.array, got NoneType and array",
-    ),
-    "values no mlx array": (
-        _positions(GOOD),
-        [1.0],
-        TypeError,
-        "keys and values must be mlx.core.array, got array and list",
-    ),
-    "keys of another dtype": (
-        _positions(GOOD, mx.float16),
-        _positions(GOOD),
-        TypeError,
-        f"keys {DTYPES}",
-    ),
-    "values of another dtype": (
-        _positions(GOOD),
-        _positions(GOOD, mx.float16),
-        TypeError,
-        f"values {DTYPES}",
-    ),
-    "values of another length": (
-        _positions(GOOD),
-        _positions((1, HEADS, 2, HEAD_DIM)),
-        ValueError,
-        f"{SHAPES} {GOOD} and (1, {HEADS}, 2, {HEAD_DIM})",
-    ),
-    "3-D": (_positions(GOOD[1:]), _positions(GOOD[1:]), ValueError, f"{SHAPES} {GOOD[1:]}"),
-    "3-D, one first": (
-        _positions((1, HEADS, HEAD_DIM)),
-        _positions((1, HEADS, HEAD_DIM)),
-        ValueError,
-        f"{SHAPES} (1, {HEADS}, {HEAD_DIM})",
-    ),
-    "5-D": (
-        _positions((*GOOD, 1)),
-        _positions((*GOOD, 1)),
-        ValueError,
-        f"{SHAPES} {(*GOOD, 1)}",
-    ),
-    "another head count, as many positions as heads": (
-        _positions((1, HEADS + 1, HEADS, HEAD_DIM)),
-        _positions((1, HEADS + 1, HEADS, HEAD_DIM)),
-        ValueError,
-        f"{SHAPES} {(1, HEADS + 1, HEADS, HEAD_DIM)}",
-    ),
-    "a batch of two": (
-        _positions((2, *GOOD[1:])),
-        _positions((2, *GOOD[1:])),
-        ValueError,
-        f"{SHAPES} {(2, *GOOD[1:])}",
-    ),
-    "another head count": (
-        _positions((1, HEADS + 1, 1, HEAD_DIM)),
-        _positions((1, HEADS + 1, 1, HEAD_DIM)),
-        ValueError,
-        f"{SHAPES} {(1, HEADS + 1, 1, HEAD_DIM)}",
-    ),
-    "another head size": (
-        _positions((1, HEADS, 1, HEAD_DIM + 1)),
-        _positions((1, HEADS, 1, HEAD_DIM + 1)),
-        ValueError,
-        f"{SHAPES} {(1, HEADS, 1, HEAD_DIM + 1)}",
-    ),
+#: The store's refusal of each case that is not about a shape (those name both shapes).
+NOT_ABOUT_A_SHAPE = {
+    "keys of another dtype": f"keys {DTYPES}",
+    "values of another dtype": f"values {DTYPES}",
+    "values no mlx array": "keys and values must be mlx.core.array, got array and NoneType",
+    "keys no mlx array": "keys and values must be mlx.core.array, got NoneType and array",
 }
+WRONG_IN_ONE_PART = wrong_in_one_part(HEADS, HEAD_DIM)
 
 
-@pytest.mark.parametrize(
-    ("keys", "values", "error", "message"),
-    STORE_WRONG_IN_ONE_PART.values(),
-    ids=STORE_WRONG_IN_ONE_PART,
-)
+@pytest.mark.parametrize("case", WRONG_IN_ONE_PART)
 def test_the_store_refuses_keys_and_values_wrong_in_one_part_and_writes_nothing(
-    keys: object, values: object, error: type[Exception], message: str
+    case: str,
 ) -> None:
     # update_through_table's one fast check with any part flipped let such input through
     # (cast, broadcast or half-written) with no test failing: its callers in the package
     # check first, so only a direct call reaches it.
+    keys, values, error = WRONG_IN_ONE_PART[case]
+    if case in NOT_ABOUT_A_SHAPE:
+        message = NOT_ABOUT_A_SHAPE[case]
+    else:
+        shapes = [tuple(cast(mx.array, array).shape) for array in (keys, values)]
+        message = f"{SHAPES} {shapes[0]} and {shapes[1]}"
     _update_refused(2, 1, keys, values, pytest.raises(error, match=f"^{re.escape(message)}"))
 
 
@@ -508,7 +444,7 @@ def test_a_batch_of_two_is_refused_by_a_store_of_one_head() -> None:
     store = MLXBlockStorage(pool, 1, 1, HEAD_DIM, mx.float32)
     book = PooledKVCache(pool)
     start = book.append(1)
-    batch_of_two = _positions((2, 1, 1, HEAD_DIM))
+    batch_of_two = mx.ones((2, 1, 1, HEAD_DIM))
     expected = f"keys and values must both have shape (1, 1, n, {HEAD_DIM}), got (2, 1, 1, 8)"
     with pytest.raises(ValueError, match=f"^{re.escape(expected)}"):
         store.update_through_table(0, DeviceBlockTable(book), start, batch_of_two, batch_of_two)

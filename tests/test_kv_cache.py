@@ -20,6 +20,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 from mlx_lm.models import llama
 from mlx_lm.models.cache import KVCache, create_attention_mask
+from wrong_keys_values import wrong_in_one_part
 
 from veloxquant_mlx.memory.block_pool import (
     Block,
@@ -458,33 +459,7 @@ def test_sizes_and_nbytes_are_block_granular(pool: BlockPoolAllocator) -> None:
     cache.book.release()
 
 
-def _positions(shape: tuple[int, ...], dtype: mx.Dtype = mx.float32) -> mx.array:
-    return mx.zeros(shape, dtype=dtype)
-
-
-# Each wrong in one part alone, so the decode path's one fast test must catch each part.
-# n == HEADS where it can be: a mix-up of the positions' and the heads' axes then shows.
-GOOD = (1, HEADS, HEADS, HEAD_DIM)
-WRONG_IN_ONE_PART = {
-    "3-D": (_positions(GOOD[1:]), _positions(GOOD[1:]), ValueError),
-    "5-D": (_positions((*GOOD, 1)), _positions((*GOOD, 1)), ValueError),
-    "values of another length": (_positions(GOOD), _positions((1, HEADS, 3, HEAD_DIM)), ValueError),
-    "another head count": (
-        _positions((1, HEADS + 1, HEADS, HEAD_DIM)),
-        _positions((1, HEADS + 1, HEADS, HEAD_DIM)),
-        ValueError,
-    ),
-    "another head size": (
-        _positions((1, HEADS, 1, HEAD_DIM + 1)),
-        _positions((1, HEADS, 1, HEAD_DIM + 1)),
-        ValueError,
-    ),
-    "a batch of two": (_positions((2, *GOOD[1:])), _positions((2, *GOOD[1:])), ValueError),
-    "keys of another dtype": (_positions(GOOD, mx.float16), _positions(GOOD), TypeError),
-    "values of another dtype": (_positions(GOOD), _positions(GOOD, mx.float16), TypeError),
-    "values no mlx array": (_positions(GOOD), None, TypeError),
-    "keys no mlx array": (None, _positions(GOOD), TypeError),
-}
+WRONG_IN_ONE_PART = wrong_in_one_part(HEADS, HEAD_DIM)
 
 
 @pytest.mark.parametrize(
@@ -503,7 +478,7 @@ def test_keys_and_values_wrong_in_one_part_are_refused_before_anything_changes(
 def test_a_batch_of_two_is_refused_by_a_store_of_one_head(pool: BlockPoolAllocator) -> None:
     storage = MLXBlockStorage(pool, 1, 1, HEAD_DIM, mx.float32)  # batch and heads alike
     [cache] = PoolBackedPromptCache(storage, PooledKVCache(pool))
-    batch_of_two = _positions((2, 1, 1, HEAD_DIM))
+    batch_of_two = mx.zeros((2, 1, 1, HEAD_DIM))
     with pytest.raises(ValueError, match="batch size 1"):
         cache.update_and_fetch(batch_of_two, batch_of_two)
     assert (cache.offset, pool.stats.blocks_in_use()) == (0, 0)
