@@ -100,9 +100,16 @@ def _read(way: str, slab: mx.array, read_blocks: mx.array, n_tokens: int) -> tup
         return read_by_slices(slab, (BLOCK_SIZE, (n_blocks + 3) * BLOCK_SIZE), n_tokens)
     if way == "kernel":
         return gather_by_kernel(slab, read_blocks, n_tokens, BLOCK_SIZE)
+    return _by_take(slab, read_blocks, n_tokens, BLOCK_SIZE)
+
+
+def _by_take(
+    slab: mx.array, read_blocks: mx.array, n_tokens: int, block_size: int
+) -> tuple[mx.array, mx.array]:
+    """``gather_by_take`` with the sizes read off the slab: what the kernel copies."""
     _, heads, rows, head_dim = slab.shape
-    sizes = {"n_kv_heads": heads, "capacity": rows // BLOCK_SIZE, "head_dim": head_dim}
-    return gather_by_take(slab, read_blocks, n_tokens, block_size=BLOCK_SIZE, **sizes)
+    sizes = {"n_kv_heads": heads, "capacity": rows // block_size, "head_dim": head_dim}
+    return gather_by_take(slab, read_blocks, n_tokens, block_size=block_size, **sizes)
 
 
 @pytest.mark.parametrize(
@@ -149,15 +156,6 @@ def _consecutive_ids(n_blocks: int, capacity: int) -> mx.array:
     return mx.concatenate([keys, values])
 
 
-def _kernel_stood_in_by_take(
-    slab: mx.array, read_blocks: mx.array, n_tokens: int, block_size: int
-) -> tuple[mx.array, mx.array]:
-    """What the kernel copies, by ``mx.take``: for a store that believes it runs on CUDA."""
-    _, heads, rows, head_dim = slab.shape
-    sizes = {"n_kv_heads": heads, "capacity": rows // block_size, "head_dim": head_dim}
-    return gather_by_take(slab, read_blocks, n_tokens, block_size=block_size, **sizes)
-
-
 @pytest.mark.parametrize("head_dim", [16, 2])
 @pytest.mark.parametrize("device", ["this machine", "a CUDA GPU, the kernel stood in by take"])
 def test_long_decode_reads_go_through_the_kernel_only_where_it_runs_and_decode_like_kv_cache(
@@ -168,7 +166,7 @@ def test_long_decode_reads_go_through_the_kernel_only_where_it_runs_and_decode_l
     stand-in checks that choice on any machine."""
     calls: list[int] = []
     stood_in = device != "this machine"
-    kernel = _kernel_stood_in_by_take if stood_in else gather_by_kernel
+    kernel = _by_take if stood_in else gather_by_kernel  # the stand-in copies the same
 
     def counting(
         slab: mx.array, read_blocks: mx.array, n_tokens: int, block_size: int
