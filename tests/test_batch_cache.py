@@ -14,6 +14,7 @@ far."""
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator
 from typing import NoReturn
 
@@ -315,6 +316,13 @@ def test_batch_caches_refuses_what_cannot_be_one_batch() -> None:
         ([], ValueError, r"at least one"),
         ([first, [1]], TypeError, r"requests\[1\] must be a PoolBackedPromptCache, got list"),
         ([first, second, first], ValueError, r"requests\[2\] is requests\[0\] again"),
+        # Another list over the same book is the same request: its layers would append twice.
+        ([first, copy.copy(first)], ValueError, r"requests\[1\] is requests\[0\] again \(the"),
+        (
+            [second, PoolBackedPromptCache(store, second.book)],
+            ValueError,
+            r"\[1\] is requests\[0\]",
+        ),
         ([first, released], ValueError, r"requests\[1\] was released"),
         ([first, other_store], ValueError, r"requests\[1\] lives in another store"),
         ([first, three_layers], ValueError, r"requests\[1\] has 3 layers, requests\[0\] 2"),

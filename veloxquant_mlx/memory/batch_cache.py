@@ -307,9 +307,9 @@ def batch_caches(requests: Sequence[PoolBackedPromptCache]) -> list[PooledBatchL
 
     Raises:
         TypeError: ``requests`` is not a sequence of ``PoolBackedPromptCache``.
-        ValueError: No request, one listed twice, a released one, requests over
-            different stores or with different numbers of layers, or a store other than
-            an ``MLXBlockStorage``. Nothing changes.
+        ValueError: No request, one listed twice (or two over one book), a released
+            one, requests over different stores or with different numbers of layers, or
+            a store other than an ``MLXBlockStorage``. Nothing changes.
     """
     listed = _require_requests(requests)
     first = listed[0]
@@ -345,16 +345,19 @@ def _require_requests(requests: object) -> list[PoolBackedPromptCache]:
     listed = list(requests)
     if not listed:
         raise ValueError("requests must hold at least one PoolBackedPromptCache, got none")
-    seen: dict[int, int] = {}  # id() of each request: its first index
+    # id() of each request's book: its first index. The book, not the list: a copy of a
+    # request, or a second PoolBackedPromptCache over its book, is the same request.
+    seen: dict[int, int] = {}
     for index, request in enumerate(listed):
         if not isinstance(request, PoolBackedPromptCache):
             raise TypeError(
                 f"requests[{index}] must be a PoolBackedPromptCache, got {type(request).__name__}"
             )
-        earlier = seen.setdefault(id(request), index)
+        earlier = seen.setdefault(id(request.book), index)
         if earlier != index:
             raise ValueError(
-                f"requests[{index}] is requests[{earlier}] again; a request is one row"
+                f"requests[{index}] is requests[{earlier}] again (the same book); a request "
+                "is one row"
             )
     return listed
 
