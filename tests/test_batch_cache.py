@@ -594,13 +594,21 @@ def test_attend_rows_answers_once_and_only_for_what_was_written() -> None:
     rows.release()
 
 
-def test_attend_rows_answers_a_causal_chunk_without_the_batch_s_mask() -> None:
-    # Rows of one length need no array mask: mlx-lm passes "causal" for a chunk.
+@pytest.mark.parametrize("mask", ["causal", None])
+def test_attend_rows_answers_a_chunk_as_the_padded_read_does_with_the_same_mask(
+    mask: str | None,
+) -> None:
+    # Rows of one length need no array mask: mlx-lm passes "causal" for a chunk; a
+    # caller that passes None asks for no mask, and gets none row by row either.
     rows = Rows(_model(), _store(), (5, 5))
     [first, _] = batch_caches(rows.ours)
-    chunk = mx.zeros((2, N_KV_HEADS, 2, HEAD_DIM))
-    first.update_and_fetch(chunk, chunk)
-    assert first.attend_rows(mx.zeros((2, 2 * N_KV_HEADS, 2, HEAD_DIM)), 1.0, "causal") is not None
+    chunk = mx.random.normal((2, N_KV_HEADS, 2, HEAD_DIM), key=mx.random.key(1))
+    queries = mx.random.normal((2, 2 * N_KV_HEADS, 2, HEAD_DIM), key=mx.random.key(2))
+    keys, values = first.update_and_fetch(chunk, chunk)
+    padded = mx.fast.scaled_dot_product_attention(queries, keys, values, scale=0.25, mask=mask)
+    by_rows = first.attend_rows(queries, 0.25, mask)
+    assert by_rows is not None
+    assert mx.allclose(by_rows, padded, atol=1e-5).item()
     rows.release()
 
 

@@ -226,6 +226,8 @@ class PooledBatchLayer:
         the last update of this layer wrote ``n`` positions per row and nothing has
         used its reads yet, the queries have ``B`` rows and the store's dtype, and
         ``mask`` is ``None``, ``"causal"`` or the array the batch made for this step.
+        The new positions attend causally among themselves, except under ``None``:
+        then each sees all of them, as with no mask.
         """
         reads, self._reads = self._reads, []
         if self._step.holder is self:
@@ -240,7 +242,9 @@ class PooledBatchLayer:
             or not (mask is None or mask == "causal" or mask is self._step.mask)
         ):
             return None
-        row_mask = None if self._n_written == 1 else "causal"
+        # Causal among the new positions, as the batch's mask and "causal" ask; no mask
+        # asks for none, as scaled_dot_product_attention reads it (one position: the same).
+        row_mask = "causal" if self._n_written > 1 and mask is not None else None
         return mx.concatenate(
             [
                 mx.fast.scaled_dot_product_attention(
