@@ -12,11 +12,12 @@ from collections.abc import Sequence
 
 import mlx.core as mx
 import pytest
+from conftest import assert_only_exhaustion_recorded, leave_free, observe
 from mlx.nn.layers.base import Module
-from mlx_lm.models.cache import make_prompt_cache
+from mlx_lm.models.cache import make_prompt_cache, trim_prompt_cache
 from tiny_models import prompt, tiny_model
 
-from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, PoolConfig
+from veloxquant_mlx.memory.block_pool import BlockPoolAllocator, BlockPoolExhaustedError, PoolConfig
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.model_kv_layout import make_pool_backed_storage
@@ -115,6 +116,39 @@ def test_a_trim_to_a_block_boundary_after_a_fork_keeps_the_full_blocks_shared(cu
             assert mx.array_equal(got, _reference(model, shared[:8], [11])[-1])
             assert mx.array_equal(_logits(model, [12], kept), _reference(model, shared, [12])[-1])
     assert pool.stats.blocks_in_use() == 0
+    pool.check_invariants()
+
+
+def test_mlx_lm_s_layer_by_layer_trim_of_a_fork_is_refused_whole_or_done_whole() -> None:
+    # trim_prompt_cache trims one layer, then the next. The fork's new last block is
+    # shared and its fill changes, so it moves to a private copy: at the first layer's
+    # trim. Made at the last layer's (once), a refusal left the layers at [5, 6], and a
+    # retry at [4, 5]: every later position off by one.
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
+    store = MLXBlockStorage(pool, 2, 2, 8, mx.float32)
+    parent = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=2))
+    tokens = mx.random.normal((1, 2, 6, 8), key=mx.random.key(3))
+    for layer in parent:
+        layer.update_and_fetch(tokens, tokens)
+    fork = parent.fork()
+    taken = leave_free(pool, 0)
+    handles = (*fork.book.key_blocks, *fork.book.value_blocks)
+    before = observe(pool, [fork.book.owner, parent.book.owner], handles)
+    with pytest.raises(BlockPoolExhaustedError):
+        trim_prompt_cache(fork, 1)
+    assert_only_exhaustion_recorded(
+        before, observe(pool, [fork.book.owner, parent.book.owner], handles)
+    )
+    assert [layer.offset for layer in fork] == [6, 6]
+    pool.free(taken)
+    leave_free(pool, 1)  # the one copy per stream the whole trim needs
+    trimmed: object = trim_prompt_cache(fork, 1)  # typed list[Any] by mypy's inference
+    assert trimmed == 1
+    assert [layer.offset for layer in fork] == [5, 5]
+    for layer in fork:
+        keys, values, _ = layer.state
+        assert mx.array_equal(keys, tokens[:, :, :5]) and mx.array_equal(values, tokens[:, :, :5])
+    fork.book.check_invariants()
     pool.check_invariants()
 
 

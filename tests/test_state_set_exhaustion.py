@@ -29,10 +29,10 @@ BLOCK_SIZE, HEADS, HEAD_DIM, N_BLOCKS = 4, 2, 8, 64
 
 @dataclass(frozen=True)
 class SetCase:
-    """A request of ``layers`` layers holding ``held`` positions (forked first if
-    ``fork``; reserving ``reserve`` tokens; its other layers then trimmed by
-    ``others_trimmed`` each), whose layer 0 is set to ``new`` positions, which takes
-    ``need`` blocks per stream from the pool."""
+    """A request of ``layers`` layers holding ``held`` positions (reserving ``reserve``
+    tokens; its other layers then trimmed by ``others_trimmed`` each; then forked if
+    ``fork``), whose layer 0 is set to ``new`` positions, which takes ``need`` blocks
+    per stream from the pool."""
 
     held: int
     new: int
@@ -86,11 +86,12 @@ def _request(pool: BlockPoolAllocator, case: SetCase) -> PoolBackedPromptCache:
 
 
 def _cache_to_set(original: PoolBackedPromptCache, case: SetCase) -> PoolBackedPromptCache:
-    """The cache whose layer 0 is set: ``original`` or its fork."""
-    cache = original.fork() if case.fork else original
-    for layer in list(cache)[1:]:
+    """The cache whose layer 0 is set: ``original`` or its fork, taken after the other
+    layers' trims (a trim of one layer after a fork copies the blocks it ends in at
+    once; before it, the set's own trim of layer 0 is the one that copies)."""
+    for layer in list(original)[1:]:
         layer.trim(case.others_trimmed)
-    return cache
+    return original.fork() if case.fork else original
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())

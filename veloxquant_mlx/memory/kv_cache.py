@@ -365,9 +365,21 @@ class PoolBackedKVCache(KVCacheConventions):
         Returns:
             Positions dropped: ``min(n, offset)``.
 
+        Unlike ``KVCache.trim``, it can be refused: after a fork, the block that
+        becomes this layer's last may be shared, and its fill can change only in a
+        private copy. The copy is made at the first layer trimmed into it, so of a
+        list trimmed layer by layer (``trim_prompt_cache``) either the first layer's
+        trim is refused, with every layer as it was, or none is.
+
+        Returns:
+            Positions dropped: ``min(n, offset)``.
+
         Raises:
             RuntimeError: A ``lazy_writes`` store called from another thread (a trim
                 of a fork may copy blocks in the store); nothing changes.
+            TypeError, ValueError, BlockPoolExhaustedError, StaleBlockTableError: As
+                :meth:`PooledKVCache.trim` (bad ``n``, no block for that copy, a block
+                freed or shared behind the book's back); nothing changes.
         """
         self._require_store_thread()
         return self._book.trim(n, layer=self._layer)

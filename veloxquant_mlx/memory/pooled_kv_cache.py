@@ -577,6 +577,9 @@ class PooledKVCache:
             BlockPoolExhaustedError: The new last blocks are shared with a fork, so
                 their fill can change only in private copies, and the pool has no
                 block for one (after a collection, as ``append``); nothing changes.
+                A trim of one layer that the others still hold past makes that copy of
+                the layer's new last blocks already, so the later layers of a trim
+                layer by layer (as mlx-lm's ``trim_prompt_cache``) need no block.
             StaleBlockTableError: Such a block, or a block the trim gives back or keeps
                 reserved, was freed or moved behind the book's back; nothing changes.
             ValueError: A new last block whose fill changes was shared behind the book's
@@ -598,6 +601,11 @@ class PooledKVCache:
             self._require_trimmable(furthest)  # the steps that may be refused: first
             self._own_blocks_kept_by(furthest)
             self._shrink_to(furthest)
+        elif layer is not None and n:
+            # Other layers still hold these positions. mlx-lm trims a list layer by layer,
+            # so the copy the last layer's shrink would need is made now, at the first:
+            # a refusal there leaves every layer as it was, and the rest need no block.
+            self._own_blocks_kept_by(offsets[layer])
         if layer is not None and n:  # its positions up to here are written again later
             done = min(max(self._rewrites.get(layer, 0), self._offsets[layer]), self._n_tokens)
             if done > offsets[layer]:
