@@ -201,6 +201,19 @@ def test_the_invariants_name_a_reserved_block_changed_behind_the_books_back(
         book.check_invariants()
 
 
+def test_nbytes_counts_the_reserved_blocks_the_request_holds() -> None:
+    """RES-ACCOUNT: what mlx-lm sums as a cache's memory (``nbytes``) counts the reserved
+    blocks, as ``slots_held`` and the pool do: 32 reserved slots, not the 8 written."""
+    store = MLXBlockStorage(_pool(), 2, 2, 8, mx.float32)
+    with make_pool_backed_cache(
+        tiny_model("llama", 11, n_layers=2), store, reserve_tokens=32
+    ) as cache:
+        cache[0].update_and_fetch(mx.zeros((1, 2, 5, 8)), mx.zeros((1, 2, 5, 8)))
+        assert cache.book.reserved_blocks == 6
+        slot_bytes = 2 * 8 * mx.float32.size  # heads, head size
+        assert [layer.nbytes for layer in cache] == [2 * 32 * slot_bytes] * 2
+
+
 def test_requests_growing_side_by_side_are_read_by_slices_with_a_reservation(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -393,9 +393,11 @@ class PoolBackedKVCache(KVCacheConventions):
 
     @property
     def nbytes(self) -> int:
-        """Bytes of this layer's rows of the request's blocks (whole blocks, keys and values)."""
-        slots = len(self._book.key_blocks) + len(self._book.value_blocks)
-        return slots * self._book.block_size * self._heads * self._head_dim * self._dtype.size
+        """Bytes of this layer's rows of the request's blocks, keys and values: whole
+        blocks, the reserved ones included (RES-ACCOUNT), as ``KVCache.nbytes`` counts
+        its buffers' room not yet written."""
+        slots = 2 * self._book.slots_held()  # per stream
+        return slots * self._heads * self._head_dim * self._dtype.size
 
     @property
     def book(self) -> PooledKVCache:
