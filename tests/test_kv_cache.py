@@ -422,6 +422,28 @@ def test_a_state_of_arrays_that_are_not_4d_is_refused_and_changes_nothing(
     cache.book.release()
 
 
+@pytest.mark.parametrize(
+    ("state", "named"),
+    [
+        ((_tokens(3, 3),), r"got a tuple of 1 item \(array\)$"),
+        ([_tokens(3, 3)] * 5, r"got a list of 5 items \(array, array, array, array, \.\.\.\)$"),
+        (7, r"got 7 \(int\)$"),
+    ],
+    ids=["one array", "five arrays", "no sequence"],
+)
+def test_a_state_that_is_no_pair_or_triple_is_refused_naming_its_length_not_its_arrays(
+    pool: BlockPoolAllocator, state: object, named: str
+) -> None:
+    cache = _one_layer(pool)
+    cache.update_and_fetch(_tokens(5, 1), _tokens(5, 2))
+    expected = r"^state must be \(keys, values\) or \(keys, values, offset\), " + named
+    owners, handles = [cache.book.owner], cache.book.key_blocks
+    with pool_unchanged(pool, owners, handles), pytest.raises(ValueError, match=expected):
+        cache.state = state  # type: ignore[assignment]
+    assert cache.offset == 5
+    cache.book.release()
+
+
 @pytest.mark.parametrize(("offset", "error"), [(2.0, TypeError), (9, ValueError)])
 def test_a_state_offset_of_the_wrong_type_or_past_the_arrays_is_refused(
     pool: BlockPoolAllocator, offset: object, error: type[Exception]

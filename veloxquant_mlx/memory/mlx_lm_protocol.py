@@ -96,6 +96,17 @@ def causal_mask(n_queries: int, offset: int, window_size: int | None = None) -> 
     return mask
 
 
+def _outline(state: object) -> str:
+    """``state`` as a refusal names it: a sequence by its length and its items' types
+    (the repr of a layer's arrays runs to pages), anything else by its repr and type."""
+    if isinstance(state, Sequence):
+        kinds = ", ".join(type(item).__name__ for item in state[:4])
+        more = ", ..." if len(state) > 4 else ""
+        items = "item" if len(state) == 1 else "items"
+        return f"a {type(state).__name__} of {len(state)} {items} ({kinds}{more})"
+    return f"{state!r} ({type(state).__name__})"
+
+
 def split_state(state: object) -> tuple[mx.array, mx.array, int]:
     """``(keys, values[, offset])`` as arrays and an offset (their length if absent).
 
@@ -107,7 +118,9 @@ def split_state(state: object) -> tuple[mx.array, mx.array, int]:
             ``(1, heads, n, head_dim)``), or an offset outside ``0 .. n``.
     """
     if not isinstance(state, Sequence) or len(state) not in (2, 3):
-        raise ValueError(f"state must be (keys, values) or (keys, values, offset), got {state!r}")
+        raise ValueError(
+            f"state must be (keys, values) or (keys, values, offset), got {_outline(state)}"
+        )
     keys, values = state[0], state[1]
     if keys is None and values is None:
         empty = mx.zeros((1, 0, 0, 0))
