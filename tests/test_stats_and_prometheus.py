@@ -311,3 +311,37 @@ def test_prometheus_renders_a_str_subclass_prefix_by_its_characters() -> None:
 def test_prometheus_of_an_empty_pool_reports_zero_fragmentation() -> None:
     samples = parse_samples(make_pool(n_blocks=0).stats.to_prometheus())
     assert samples["veloxquant_block_pool_fragmentation_ratio"] == ("gauge", 0.0)
+
+
+@pytest.mark.parametrize(
+    ("stats", "error", "named"),
+    [
+        (AllocationStats(n_blocks=True), TypeError, r"AllocationStats\.n_blocks must be an int"),
+        (AllocationStats(4, n_allocations=-5), ValueError, r"n_allocations must be .*got -5$"),
+        (
+            AllocationStats(4, _fragmented_count=9),
+            ValueError,
+            r"^AllocationStats\._fragmented_count must be at most n_blocks \(4\), got 9: a "
+            r"fragmentation ratio is between 0\.0 and 1\.0$",
+        ),
+    ],
+    ids=["a bool", "a negative counter", "more partly filled than blocks"],
+)
+def test_prometheus_refuses_hand_built_stats_it_would_render_wrong(
+    stats: AllocationStats, error: type[Exception], named: str
+) -> None:
+    # Rendered as given, True printed "..._blocks True", which the parser refuses, and a
+    # fragmentation of 9 partly filled blocks among 4 read 2.25.
+    with pytest.raises(error, match=named):
+        stats.to_prometheus()
+
+
+@pytest.mark.parametrize(
+    "field", [*STATS_COUNTERS, "_fragmented_count", "n_shares", "n_copy_on_write"]
+)
+def test_prometheus_names_the_field_of_hand_built_stats_that_is_negative(field: str) -> None:
+    stats = AllocationStats(**{"n_blocks": 4, field: -1})
+    with pytest.raises(
+        ValueError, match=rf"^AllocationStats\.{field} must be an int >= 0, got -1$"
+    ):
+        stats.to_prometheus()

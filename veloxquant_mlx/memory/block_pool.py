@@ -427,10 +427,39 @@ class AllocationStats:
             Newline-terminated exposition text, ready for a ``/metrics`` response.
 
         Raises:
-            ValueError: ``prefix`` is not a valid metric name.
+            ValueError: ``prefix`` is not a valid metric name; a count is negative, or
+                more blocks are partly filled than there are (stats built by hand).
+            TypeError: A count is not an ``int`` (a ``bool`` included), so its sample
+                would not parse.
         """
         prefix = _prometheus.require_metric_prefix(prefix)
+        self._require_counts()
         return _prometheus.render(prefix, self._metrics())
+
+    def _require_counts(self) -> None:
+        """Refuse stats whose fields are not counts before rendering them: the pool
+        keeps them so, but stats built by hand (say, summed over pools) may not be."""
+        counts = {
+            "n_blocks": self.n_blocks,
+            "n_allocations": self.n_allocations,
+            "n_frees": self.n_frees,
+            "n_reused": self.n_reused,
+            "n_exhausted": self.n_exhausted,
+            "n_grown": self.n_grown,
+            "n_retired": self.n_retired,
+            "peak_blocks_in_use": self.peak_blocks_in_use,
+            "_fragmented_count": self._fragmented_count,
+            "n_shares": self._n_shares,
+            "n_copy_on_write": self._n_copy_on_write,
+        }
+        for name, value in counts.items():
+            require_int(f"AllocationStats.{name}", value, minimum=0)
+        if self._fragmented_count > self.n_blocks:
+            raise ValueError(
+                f"AllocationStats._fragmented_count must be at most n_blocks "
+                f"({self.n_blocks}), got {self._fragmented_count}: a fragmentation "
+                "ratio is between 0.0 and 1.0"
+            )
 
     def _metrics(self) -> list[_prometheus.Metric]:
         metrics = self._reference_metrics()
