@@ -142,3 +142,13 @@ def test_all_live_is_true_only_when_every_item_is_a_live_handle_of_this_pool() -
     assert not pool.all_live([*held, *freed])
     assert not pool.all_live([*held, other.allocate("k", 1, owner=1)[0]])
     assert not pool.all_live([*held, "not a block"])
+
+
+@pytest.mark.parametrize("blocks", [None, 5])
+def test_all_live_refuses_what_is_not_iterable_naming_it(blocks: object) -> None:
+    pool = make_pool()
+    shown = f"{type(blocks).__name__}: {blocks}"
+    with pytest.raises(
+        TypeError, match=f"^blocks must be an iterable of Block handles, got {shown}$"
+    ):
+        pool.all_live(blocks)  # type: ignore[arg-type]

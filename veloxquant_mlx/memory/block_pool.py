@@ -177,6 +177,10 @@ def _items_of(blocks: Iterable[_Item]) -> Sequence[_Item]:
     """
     if type(blocks) is list or type(blocks) is tuple:
         return blocks
+    if not isinstance(blocks, Iterable):  # all_live's; free and share checked the type
+        raise TypeError(
+            f"blocks must be an iterable of Block handles, got {type(blocks).__name__}: {blocks!r}"
+        )
     return tuple(blocks)
 
 
@@ -730,6 +734,9 @@ class BlockPoolAllocator:
 
         The batched form of :meth:`is_live`, for a store that checks a whole
         gather's blocks at once.
+
+        Raises:
+            TypeError: ``blocks`` is not iterable.
         """
         items = _items_of(blocks)  # a caller's iterator runs here, never under the lock
         with self._lock:
