@@ -28,7 +28,13 @@ from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.stress import finaliser_schedules, schedules_command
 from veloxquant_mlx.stress.cli import config_from, memory_estimate
 from veloxquant_mlx.stress.config import OPERATION_KINDS, PROFILES, STORE_KINDS, profile
-from veloxquant_mlx.testing import aliasing, driver_command, exhaustive, exhaustive_command
+from veloxquant_mlx.testing import (
+    aliasing,
+    driver_command,
+    exhaustive,
+    exhaustive_command,
+    replay_command,
+)
 from veloxquant_mlx.testing.exhaustive_command import default_max_states
 from veloxquant_mlx.testing.exhaustive_command import memory_estimate as exhaustive_memory
 from veloxquant_mlx.testing.traces import StoreSpec, Trace, TraceLine, dumps, save
@@ -175,6 +181,20 @@ def test_replay_refuses_a_pool_too_big_for_memory_on_every_backend(
     huge = {**HEADER["pool"], "n_blocks": 100_000_000_000}  # type: ignore[dict-item]
     path.write_text(json.dumps({**HEADER, "version": 2, "pool": huge}) + "\n")
     refused(capsys, cli.main, ["replay", str(path), "--on", backend], "n_blocks=100000000000")
+
+
+def test_replay_refuses_a_stream_with_no_size_once_it_gives_more_than_fits(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A device or a pipe has no size to refuse it by: /dev/zero was read whole (5 GB and
+    # on) until the process was killed. It is now read up to a tenth of the memory.
+    monkeypatch.setattr(replay_command, "physical_memory_bytes", lambda: 10_000)
+    refused(
+        capsys,
+        cli.main,
+        ["replay", "/dev/zero", "--on", "spec"],
+        "/dev/zero: a trace of more than 1,000 bytes needs more memory, once parsed, than",
+    )
 
 
 def test_a_bad_trace_among_good_ones_is_refused_before_any_is_replayed(

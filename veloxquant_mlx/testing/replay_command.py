@@ -43,7 +43,12 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final
 
-from veloxquant_mlx.commandline.bad_input import BadInputError, require_fits_in_memory
+from veloxquant_mlx.commandline.bad_input import (
+    BadInputError,
+    human_bytes,
+    physical_memory_bytes,
+    require_fits_in_memory,
+)
 from veloxquant_mlx.commandline.files import file_argument
 from veloxquant_mlx.commandline.sizes import pool_bytes, slab_bytes
 from veloxquant_mlx.commandline.values import int_at_least
@@ -57,7 +62,7 @@ from veloxquant_mlx.testing.port_options import (
 )
 from veloxquant_mlx.testing.storage_backends import StorageBackend, builtin_backend, mlx_backend
 from veloxquant_mlx.testing.store_operations import Write
-from veloxquant_mlx.testing.traces import Trace, TraceFormatError, load
+from veloxquant_mlx.testing.traces import Trace, TraceFormatError, TraceTooLongError, load
 from veloxquant_mlx_spec.operations import Allocate
 
 __all__ = [
@@ -255,11 +260,19 @@ def load_checked(path: Path, backend: StorageBackend[Any] | None) -> Trace:
             dtype is not one ``backend`` stores, or replaying it would need
             more memory than the machine has. The message names the file.
     """
+    memory = physical_memory_bytes()
+    # Parsed lines take about ten times their text: refuse a file that cannot fit, by its
+    # size if it has one, else (a pipe, a device) once it has given more than that.
+    most = None if memory is None else memory // 10
     try:
         size = path.stat().st_size
-        # Parsed lines take about ten times their text: refuse a file that cannot fit.
         require_fits_in_memory(10 * size, f"{path}: a trace file of {size:,} bytes")
-        trace = load(path)
+        trace = load(path, max_bytes=most)
+    except TraceTooLongError as error:  # read with a limit: the memory is known
+        raise BadInputError(
+            f"{path}: a trace of {error} needs more memory, once parsed, than this "
+            f"machine's {human_bytes(memory or 0)}; expected a smaller trace"
+        ) from None
     except OSError as error:
         raise BadInputError(f"{path}: cannot read the trace: {error.strerror or error}") from None
     except TraceFormatError as error:

@@ -66,6 +66,7 @@ __all__ = [
     "TraceFormatError",
     "TraceLine",
     "TraceRecorder",
+    "TraceTooLongError",
     "decode_line",
     "dumps",
     "encode_header",
@@ -619,15 +620,25 @@ def _one_document(text: str) -> TraceFormatError | None:
     return None
 
 
-def load(path: str | Path) -> Trace:
-    """Read a trace file written by :func:`save`.
+class TraceTooLongError(ValueError):
+    """A trace file holds more than the bytes :func:`load` was allowed to read."""
+
+
+def load(path: str | Path, *, max_bytes: int | None = None) -> Trace:
+    """Read a trace file written by :func:`save`, reading at most ``max_bytes`` + 1 bytes
+    if given (a pipe or a device has no size to check first).
 
     Raises:
         OSError: The file cannot be read (missing, a folder...).
         TraceFormatError: It is not a trace (including text that is not UTF-8).
+        TraceTooLongError: It holds more than ``max_bytes`` bytes.
     """
+    with Path(path).open("rb") as file:
+        data = file.read() if max_bytes is None else file.read(max_bytes + 1)
+    if max_bytes is not None and len(data) > max_bytes:
+        raise TraceTooLongError(f"more than {max_bytes:,} bytes")
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as error:
         raise TraceFormatError(f"not UTF-8 text: {error}") from None
     return loads(text)
