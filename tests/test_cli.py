@@ -249,8 +249,11 @@ def test_no_progress_option_keeps_a_terminal_stderr_clean(
         (["--block-size", "0"], "argument --block-size: expected an int >= 1, got '0'"),
         (["--n-blocks", "-3"], "argument --n-blocks: expected an int >= 0, got '-3'"),
         (["--n-blocks", "many"], "argument --n-blocks: expected an int >= 0, got 'many'"),
-        (["--arrival-rate", "0"], "argument --arrival-rate: expected a number > 0, got '0'"),
-        (["--arrival-rate", "inf"], "argument --arrival-rate: expected a number > 0, got 'inf'"),
+        (["--arrival-rate", "0"], "argument --arrival-rate: expected a finite number > 0, got '0'"),
+        (
+            ["--arrival-rate", "inf"],
+            "argument --arrival-rate: expected a finite number > 0, got 'inf'",
+        ),
         (
             ["--abort-fraction", "1.5"],
             "argument --abort-fraction: expected a number >= 0 and <= 1, got '1.5'",

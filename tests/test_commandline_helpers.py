@@ -178,7 +178,7 @@ HUGE = "1" + "0" * 400  # above any float
         (int_in(1, 1000), "1001", "expected an int from 1 to 1000, got '1001'"),
         (any_int, HUGE, "expected an int from -2**63 to 2**63-1, got '1000"),
         (any_int, "seven", "expected an int, got 'seven'"),
-        (finite_float(0, low_inclusive=False), HUGE, "expected a number > 0, got '1000"),
+        (finite_float(0, low_inclusive=False), HUGE, "expected a finite number > 0, got '1000"),
     ],
 )
 def test_an_option_value_out_of_range_is_refused_naming_it_and_the_range(

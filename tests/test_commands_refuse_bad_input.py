@@ -298,7 +298,7 @@ def test_stress_refuses_a_reused_out_unless_forced_and_then_keeps_no_stale_file(
         (["--search-budget", "10000000000"], "--search-budget 10000000000"),
         (["--threads", "0"], "argument --threads: expected an int from 1 to 1024, got '0'"),
         (["--threads", "100000"], "got '100000'"),
-        (["--check-budget", "0"], "argument --check-budget: expected a number > 0, got '0'"),
+        (["--check-budget", "0"], "argument --check-budget: expected a finite number > 0, got '0'"),
         (["--mix", "allocate=lots"], "allocate=lots"),
         (["--window-ops", "100000000000"], "expected an int from 1 to 1000"),
         # Once accepted: the workers then crashed in random.choices (int too large for a
@@ -401,7 +401,7 @@ def test_stress_replay_refuses_the_run_options_it_would_ignore(
         (driver_command.main, ["--factory", "json"], "expected module:callable, got 'json'"),
         (cli.main, ["stress", "--check-interval", "1e10"], "<= 3600, got '1e10'"),
         # Once a false deadlock: the watchdog looks every 0.1 s.
-        (cli.main, ["stress", "--stall-timeout", "0.05"], "a number >= 1, got '0.05'"),
+        (cli.main, ["stress", "--stall-timeout", "0.05"], "a finite number >= 1, got '0.05'"),
         # Once accepted, and CPython stored 0.0 while the report said 1e+300.
         (cli.main, ["stress", "--switch-interval", "1e300"], "<= 1, got '1e300'"),
         (schedules_command.main, ["--max-preemptions", "-1"], "got '-1'"),

@@ -82,9 +82,11 @@ def finite_float(
     low: float, high: float = math.inf, *, low_inclusive: bool
 ) -> Callable[[str], float]:
     """An argparse type: a finite float above ``low`` (or equal to it) and at most ``high``."""
-    expected = f"a number {'>=' if low_inclusive else '>'} {low:g}"
-    if math.isfinite(high):
-        expected += f" and <= {high:g}"
+    above = f"{'>=' if low_inclusive else '>'} {low:g}"
+    # With no upper bound, "inf" meets every bound the message names: name finiteness.
+    expected = (
+        f"a number {above} and <= {high:g}" if math.isfinite(high) else f"a finite number {above}"
+    )
 
     def parse(text: str) -> float:
         try:
