@@ -362,9 +362,11 @@ def test_stress_replay_refuses_the_run_options_it_would_ignore(
         capsys,
         cli.main,
         [*replay, "--search-budget", "1", "--threads", "8", "--json"],
-        "so --threads, --search-budget, --json would have no effect",
+        "so --threads, --search-budget, --json would have no effect; leave them out (a "
+        "replay's search budget is veloxquant-mlx replay FILE --budget N) (see --help)\n",
     )
-    refused(capsys, cli.main, [*replay, "--seed", "0"], "so --seed would have no effect")
+    # The pointer to replay's --budget comes only with --search-budget.
+    refused(capsys, cli.main, [*replay, "--seed", "0"], "no effect; leave them out (see --help)\n")
     assert cli.main([*replay, "--replay-backend", "numpy", "--no-progress"]) == 0
     assert capsys.readouterr().out == f"{trace}: 1 ops replayed on numpy: ok\n"
 

@@ -324,11 +324,13 @@ def _replay_conflicts(args: argparse.Namespace) -> str | None:
     ]
     if not given:
         return None
-    return (
+    refusal = (
         f"--replay replays a trace and runs nothing, so {', '.join(given)} would have no "
-        "effect; leave them out (a replay's search budget is veloxquant-mlx replay FILE "
-        "--budget N)"
+        "effect; leave them out"
     )
+    if "--search-budget" in given:
+        refusal += " (a replay's search budget is veloxquant-mlx replay FILE --budget N)"
+    return refusal
 
 
 def _option_defaults() -> dict[str, object]:
