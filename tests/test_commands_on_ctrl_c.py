@@ -181,7 +181,7 @@ class Command:
 COMMANDS = {
     "stress": Command(
         ("-m", "stress", "--duration", "120", "--out", "run"),
-        "veloxquant-mlx stress",
+        "python -m stress",
         lambda text: " calls: " in text,
         "a progress line",
     ),
@@ -263,8 +263,8 @@ def test_ctrl_c_in_a_stress_run_leaves_a_partial_report_and_no_temporary_file(
         running.wait_until_printed(lambda text: " calls: " in text, "a progress line")
         running.process.send_signal(signal.SIGINT)
         status, _, err = running.end()
-    line = assert_one_interrupted_line(status, err, "veloxquant-mlx stress")
-    assert line.startswith("veloxquant-mlx stress: interrupted: after ")
+    line = assert_one_interrupted_line(status, err, "python -m stress")
+    assert line.startswith("python -m stress: interrupted: after ")
     report = json.loads((out / "report.json").read_text())
     assert (report["verdict"], report["partial"]) == ("interrupted", True)
     assert not (out / "linearized.jsonl").exists()

@@ -160,6 +160,7 @@ def test_python_dash_m_stress_runs_from_the_repository_root() -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "--profile" in result.stdout
+    assert result.stdout.startswith("usage: python -m stress ")  # its own name, as every alias
 
 
 def test_stress_rejects_a_bad_mix_as_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:

@@ -1,4 +1,5 @@
-"""The ``veloxquant-mlx stress`` subcommand (also ``python -m stress`` from the repository).
+"""The ``veloxquant-mlx stress`` subcommand (also ``python -m stress`` from the repository's
+root, where ``stress/`` is: :func:`main`).
 
 :func:`add_arguments` declares the options, :func:`validate` checks those
 that span several options (and refuses a pool or a search too big for the
@@ -23,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
 
@@ -65,12 +67,12 @@ __all__ = [
     "SUMMARY",
     "add_arguments",
     "config_from",
+    "main",
     "memory_estimate",
     "run",
     "validate",
 ]
 
-PROG: Final = "veloxquant-mlx stress"
 #: More threads than this is a mistake, not a stress test (each has a stack).
 MAX_THREADS: Final = 1024
 #: The shortest stall timeout: ten of the watchdog's looks (watchdog._POLL_SECONDS).
@@ -465,11 +467,11 @@ def run(args: argparse.Namespace) -> int:
         prepare_out_dir(config.out_dir, force=args.force, is_run_file=is_run_file)
     print(start_line(config), file=sys.stderr, flush=True)
     progress = None if args.no_progress else sys.stderr
-    with InterruptRequest(PROG) as interrupt:
+    with InterruptRequest(args.prog) as interrupt:
         report = run_stress(config, progress=progress, interrupt=interrupt.requested)
     if report.verdict is Verdict.INTERRUPTED:
         return report_interrupt(
-            PROG,
+            args.prog,
             f"after {report.wall_seconds:.1f} s of calls, {report.operations:,} calls, "
             f"{report.percent_checked_text()} of them checked, "
             f"{len(report.findings)} violations; partial report in {config.out_dir}",
@@ -504,3 +506,10 @@ def _replay(path: Path, backend: str, *, show_progress: bool) -> int:
 
     on = "spec" if backend == "none" else backend
     return replay_paths([path], on, show_progress=show_progress)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m stress`` (from the repository's root): the ``stress`` subcommand."""
+    from veloxquant_mlx.cli import run_alias  # noqa: PLC0415
+
+    return run_alias("python -m stress", "stress", argv)
