@@ -57,6 +57,9 @@ Prompt lengths are lognormal by default (a long tail of huge prompts), decode
 lengths geometric (a constant chance of stopping at each token). Output is
 deterministic for a seed, apart from the timings (the "timings" key of
 --json, the wall-time row of the table).
+
+Exit status: 0 ok (requests too large for the pool even alone get a warning
+line), 1 an invariant check failed, 2 bad input, 130 interrupted.
 """
 
 
