@@ -245,6 +245,10 @@ def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
             b'{"id": 2, "op": "call", "on": 1, "name": "allocate", "args": ["k", NaN, 7]}',
             "request line 2 cannot be read (NaN is not a JSON value)",
         ),
+        (
+            b'{"id": 2, "op": "call", "on": 1, "name": "allocate", "args": ["k", 1e400, 7]}',
+            "request line 2 cannot be read (a number must be finite, got 1e400)",
+        ),
     ],
     ids=[
         "not-json",
@@ -262,6 +266,7 @@ def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
         "no-id",
         "id-true",
         "nan",
+        "float-past-its-range",
     ],
 )
 def test_the_driver_refuses_a_request_line_the_protocol_has_no_answer_for(

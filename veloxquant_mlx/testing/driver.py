@@ -27,6 +27,7 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one 
     run_program("python -m veloxquant_mlx.testing.driver", "veloxquant_mlx.testing.driver_command")
 
 import json
+import math
 from collections.abc import Iterable, Sequence
 from typing import IO, Any, Final, NoReturn
 
@@ -228,6 +229,15 @@ def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON value")
 
 
+def _finite(text: str) -> float:
+    """A JSON number with a fraction or an exponent, as a float; refused past a float's
+    range (``1e400`` would read as ``inf``, which JSON does not have)."""
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"a number must be finite, got {text}")
+    return value
+
+
 def _request(raw: bytes, number: int) -> dict[str, Any]:
     """Request line ``number`` as a JSON object, or the bad input it is."""
     try:
@@ -237,12 +247,12 @@ def _request(raw: bytes, number: int) -> dict[str, Any]:
         raise BadInputError(why) from None
     shown = repr(text.strip()[:80])
     try:
-        request = json.loads(text, parse_constant=_refuse_constant)
+        request = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
     except RecursionError:
         raise BadInputError(f"request line {number} is nested too deeply to read") from None
     except json.JSONDecodeError as error:
         raise BadInputError(f"request line {number} is not JSON ({error.msg}): {shown}") from None
-    except ValueError as error:  # an int of over 4,300 digits, NaN or Infinity
+    except ValueError as error:  # an int of over 4,300 digits, NaN, Infinity, 1e400
         raise BadInputError(f"request line {number} cannot be read ({error})") from None
     if not isinstance(request, dict):
         raise BadInputError(
