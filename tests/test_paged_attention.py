@@ -23,6 +23,7 @@ from mlx_lm.models.cache import make_prompt_cache
 from tiny_models import greedy, prompt, tiny_model
 
 from veloxquant_mlx.memory import _paged_attention_cuda as cuda_source
+from veloxquant_mlx.memory import paged_attention
 from veloxquant_mlx.memory.attention_hook import (
     install_paged_attention,
     uninstall_paged_attention,
@@ -40,6 +41,7 @@ from veloxquant_mlx.memory.paged_attention import (
     cuda_paged_decode_attention,
     cuda_unavailable_reason,
     gathered_decode_attention,
+    paged_decode_attention,
     shape_unsupported_reason,
 )
 from veloxquant_mlx.memory.pooled_kv_cache import PooledKVCache
@@ -222,6 +224,52 @@ def test_the_fused_kernel_matches_the_gathered_path(
     diff = (fused.astype(mx.float32) - reference).reshape(-1)
     error = mx.linalg.norm(diff) / mx.linalg.norm(reference.reshape(-1))
     assert error.item() < TOLERANCE[dtype], f"relative error {error.item()}"  # type: ignore[operator]
+
+
+# -- which implementation answers (any machine) ----------------------------------------------
+
+
+def test_the_kernel_needs_the_cuda_back_end_then_the_gpu_as_default_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(paged_attention, "_cuda_present", lambda: False)
+    assert cuda_unavailable_reason() == (
+        "MLX's CUDA back-end is not available here (mx.cuda.is_available() is False)"
+    )
+    monkeypatch.setattr(paged_attention, "_cuda_present", lambda: True)
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.cpu))
+    assert cuda_unavailable_reason() == "the default device is Device(cpu, 0), not the GPU"
+    monkeypatch.setattr(mx, "default_device", lambda: mx.Device(mx.gpu))
+    assert cuda_unavailable_reason() is None
+
+
+@pytest.mark.parametrize(
+    ("shape", "kernel"),
+    [
+        ((8, 2, 64, mx.float16), True),
+        ((8, 2, 96, mx.float16), False),  # a head size that is no power of two
+        ((32, 2, 256, mx.float32), False),  # more registers than a thread has
+    ],
+    ids=["fits", "head size", "registers"],
+)
+def test_the_kernel_answers_where_cuda_runs_and_the_shape_fits_the_reference_elsewhere(
+    monkeypatch: pytest.MonkeyPatch, shape: tuple[int, int, int, mx.Dtype], kernel: bool
+) -> None:
+    # The kernel stands in as a recorder, so the routing is checked without a GPU.
+    calls: list[tuple[object, ...]] = []
+
+    def kernel_stand_in(
+        queries: mx.array, paged: PagedKV, n_tokens: int, *, scale: float
+    ) -> mx.array:
+        calls.append((queries, paged, n_tokens, scale))
+        return gathered_decode_attention(queries, paged, n_tokens, scale=scale)
+
+    monkeypatch.setattr(paged_attention, "cuda_unavailable_reason", lambda: None)
+    monkeypatch.setattr(paged_attention, "cuda_paged_decode_attention", kernel_stand_in)
+    queries, paged = _paged(*shape, n_tokens=20, seed=4)
+    got = paged_decode_attention(queries, paged, 20, scale=0.125)
+    assert mx.array_equal(got, gathered_decode_attention(queries, paged, 20, scale=0.125))
+    assert calls == ([(queries, paged, 20, 0.125)] if kernel else [])
 
 
 # -- routing an mlx-lm model's attention ------------------------------------------------------
