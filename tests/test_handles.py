@@ -144,6 +144,24 @@ def test_all_live_is_true_only_when_every_item_is_a_live_handle_of_this_pool() -
     assert not pool.all_live([*held, "not a block"])
 
 
+class _ByIndex:
+    """Iterable through ``__getitem__`` alone, as Python's older protocol allows."""
+
+    def __init__(self, items: list[Block]) -> None:
+        self.items = items
+
+    def __getitem__(self, index: int) -> Block:
+        return self.items[index]
+
+
+def test_all_live_takes_what_iterates_by_index() -> None:
+    pool = make_pool()
+    held = pool.allocate("k", 8, owner=1)
+    assert pool.all_live(_ByIndex(held))  # type: ignore[arg-type]
+    pool.free(held)
+    assert not pool.all_live(_ByIndex(held))  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("blocks", [None, 5])
 def test_all_live_refuses_what_is_not_iterable_naming_it(blocks: object) -> None:
     pool = make_pool()

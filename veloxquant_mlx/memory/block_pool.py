@@ -177,11 +177,13 @@ def _items_of(blocks: Iterable[_Item]) -> Sequence[_Item]:
     """
     if type(blocks) is list or type(blocks) is tuple:
         return blocks
-    if not isinstance(blocks, Iterable):  # all_live's; free and share checked the type
+    try:  # all_live's; free and share checked the type
+        items = iter(blocks)
+    except TypeError:
         raise TypeError(
             f"blocks must be an iterable of Block handles, got {type(blocks).__name__}: {blocks!r}"
-        )
-    return tuple(blocks)
+        ) from None
+    return tuple(items)
 
 
 @mypyc_attr(allow_interpreted_subclasses=True)
