@@ -37,7 +37,7 @@ from veloxquant_mlx.testing import (
 )
 from veloxquant_mlx.testing.exhaustive_command import default_max_states
 from veloxquant_mlx.testing.exhaustive_command import memory_estimate as exhaustive_memory
-from veloxquant_mlx.testing.traces import StoreSpec, Trace, TraceLine, dumps, save
+from veloxquant_mlx.testing.traces import StoreSpec, Trace, TraceLine, dumps, load, save
 from veloxquant_mlx_spec.operations import Allocate, Free
 from veloxquant_mlx_spec.table import Returned, h
 
@@ -195,6 +195,14 @@ def test_replay_refuses_a_stream_with_no_size_once_it_gives_more_than_fits(
         ["replay", "/dev/zero", "--on", "spec"],
         "/dev/zero: a trace of more than 1,000 bytes needs more memory, once parsed, than",
     )
+
+
+def test_a_bounded_load_of_a_small_trace_reserves_only_what_it_reads(tmp_path: Path) -> None:
+    # read(n) reserves n bytes at once: with a bound of a tenth of the memory, every replay
+    # reserved that much (a MemoryError traceback under ulimit -v, for a 235-byte trace).
+    path = tmp_path / "small.jsonl"
+    save(Trace(PoolConfig(block_size=4, n_blocks=8), StoreSpec(1, 1, 2)), path)
+    assert load(path, max_bytes=2**62).pool == PoolConfig(block_size=4, n_blocks=8)
 
 
 def test_a_bad_trace_among_good_ones_is_refused_before_any_is_replayed(

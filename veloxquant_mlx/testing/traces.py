@@ -33,7 +33,7 @@ import sys
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import MISSING, dataclass, field, fields, replace
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, BinaryIO, Final
 
 import veloxquant_mlx.testing.store_operations  # noqa: F401 -- declares the store calls
 from veloxquant_mlx.commandline.files import atomic_write_text
@@ -634,7 +634,7 @@ def load(path: str | Path, *, max_bytes: int | None = None) -> Trace:
         TraceTooLongError: It holds more than ``max_bytes`` bytes.
     """
     with Path(path).open("rb") as file:
-        data = file.read() if max_bytes is None else file.read(max_bytes + 1)
+        data = file.read() if max_bytes is None else _read_at_most(file, max_bytes)
     if max_bytes is not None and len(data) > max_bytes:
         raise TraceTooLongError(f"more than {max_bytes:,} bytes")
     try:
@@ -642,6 +642,24 @@ def load(path: str | Path, *, max_bytes: int | None = None) -> Trace:
     except UnicodeDecodeError as error:
         raise TraceFormatError(f"not UTF-8 text: {error}") from None
     return loads(text)
+
+
+#: Bytes per read of a bounded load: ``read(n)`` reserves all ``n`` bytes at once.
+_CHUNK_BYTES: Final = 1 << 20
+
+
+def _read_at_most(file: BinaryIO, max_bytes: int) -> bytes:
+    """The file's bytes up to its end or one byte past ``max_bytes``, whichever comes
+    first, a chunk at a time (so a small file costs small reads)."""
+    chunks: list[bytes] = []
+    total = 0
+    while total <= max_bytes:
+        chunk = file.read(min(_CHUNK_BYTES, max_bytes + 1 - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+    return b"".join(chunks)
 
 
 # -- recording a live session --------------------------------------------------------------
