@@ -31,8 +31,8 @@ BLOCK_SIZE, HEADS, HEAD_DIM, N_BLOCKS = 4, 2, 8, 64
 class SetCase:
     """A request of ``layers`` layers holding ``held`` positions (reserving ``reserve``
     tokens; its other layers then trimmed by ``others_trimmed`` each; then forked if
-    ``fork``), whose layer 0 is set to ``new`` positions, which takes ``need`` blocks
-    per stream from the pool."""
+    ``fork``, or forked first if ``trims_after_fork``), whose layer 0 is set to ``new``
+    positions, which takes ``need`` blocks per stream from the pool."""
 
     held: int
     new: int
@@ -41,6 +41,7 @@ class SetCase:
     fork: bool = False
     reserve: int = 0
     others_trimmed: int = 0
+    trims_after_fork: bool = False
 
 
 CASES = {
@@ -59,6 +60,12 @@ CASES = {
     ),
     "fork, the trim copies the new last block, then growth": SetCase(
         held=10, new=17, need=5, fork=True, others_trimmed=3
+    ),
+    "fork, the other layers' trims copied the block they end in: none by the set": SetCase(
+        held=10, new=3, need=1, fork=True, others_trimmed=3, trims_after_fork=True
+    ),
+    "fork, the other layers' trims copied the block they end in, then growth": SetCase(
+        held=10, new=17, need=4, fork=True, others_trimmed=3, trims_after_fork=True
     ),
     "fork, the other layers end on a block boundary: no copy by the trim": SetCase(
         held=10, new=3, need=1, fork=True, others_trimmed=2
@@ -86,12 +93,14 @@ def _request(pool: BlockPoolAllocator, case: SetCase) -> PoolBackedPromptCache:
 
 
 def _cache_to_set(original: PoolBackedPromptCache, case: SetCase) -> PoolBackedPromptCache:
-    """The cache whose layer 0 is set: ``original`` or its fork, taken after the other
-    layers' trims (a trim of one layer after a fork copies the blocks it ends in at
-    once; before it, the set's own trim of layer 0 is the one that copies)."""
-    for layer in list(original)[1:]:
+    """The cache whose layer 0 is set: ``original`` or its fork, whose other layers are
+    trimmed before the fork or after it (a trim of one layer after a fork copies the
+    shared block it ends in at once; before it, the set's own trim is the one that
+    copies)."""
+    cache = original.fork() if case.trims_after_fork else original
+    for layer in list(cache)[1:]:
         layer.trim(case.others_trimmed)
-    return original.fork() if case.fork else original
+    return original.fork() if case.fork and not case.trims_after_fork else cache
 
 
 @pytest.mark.parametrize("case", CASES.values(), ids=CASES.keys())

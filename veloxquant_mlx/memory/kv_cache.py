@@ -362,14 +362,13 @@ class PoolBackedKVCache(KVCacheConventions):
     def trim(self, n: int) -> int:
         """Drop the last ``n`` positions of this layer; whole blocks past every layer go back.
 
-        Returns:
-            Positions dropped: ``min(n, offset)``.
-
         Unlike ``KVCache.trim``, it can be refused: after a fork, the block that
         becomes this layer's last may be shared, and its fill can change only in a
         private copy. The copy is made at the first layer trimmed into it, so of a
-        list trimmed layer by layer (``trim_prompt_cache``) either the first layer's
-        trim is refused, with every layer as it was, or none is.
+        list whose layers are in step (as mlx-lm keeps them) trimmed layer by layer
+        (``trim_prompt_cache``), either the first layer's trim is refused, with every
+        layer as it was, or none is. (So a trim of one layer alone may take a block
+        that later trims, ending on a block boundary, would not have needed.)
 
         Returns:
             Positions dropped: ``min(n, offset)``.
@@ -378,8 +377,9 @@ class PoolBackedKVCache(KVCacheConventions):
             RuntimeError: A ``lazy_writes`` store called from another thread (a trim
                 of a fork may copy blocks in the store); nothing changes.
             TypeError, ValueError, BlockPoolExhaustedError, StaleBlockTableError: As
-                :meth:`PooledKVCache.trim` (bad ``n``, no block for that copy, a block
-                freed or shared behind the book's back); nothing changes.
+                :meth:`PooledKVCache.trim`: a bad ``n``; no block for that copy; a block
+                freed or moved behind the book's back (stale), or a new last block
+                shared behind it (``ValueError``); nothing changes.
         """
         self._require_store_thread()
         return self._book.trim(n, layer=self._layer)

@@ -578,8 +578,9 @@ class PooledKVCache:
                 their fill can change only in private copies, and the pool has no
                 block for one (after a collection, as ``append``); nothing changes.
                 A trim of one layer that the others still hold past makes that copy of
-                the layer's new last blocks already, so the later layers of a trim
-                layer by layer (as mlx-lm's ``trim_prompt_cache``) need no block.
+                the layer's new last blocks already, if they are shared, so the later
+                layers of a trim layer by layer (as mlx-lm's ``trim_prompt_cache``)
+                need no block.
             StaleBlockTableError: Such a block, or a block the trim gives back or keeps
                 reserved, was freed or moved behind the book's back; nothing changes.
             ValueError: A new last block whose fill changes was shared behind the book's
@@ -601,11 +602,8 @@ class PooledKVCache:
             self._require_trimmable(furthest)  # the steps that may be refused: first
             self._own_blocks_kept_by(furthest)
             self._shrink_to(furthest)
-        elif layer is not None and n:
-            # Other layers still hold these positions. mlx-lm trims a list layer by layer,
-            # so the copy the last layer's shrink would need is made now, at the first:
-            # a refusal there leaves every layer as it was, and the rest need no block.
-            self._own_blocks_kept_by(offsets[layer])
+        elif layer is not None and n:  # other layers still hold these positions
+            self._own_shared_kept_by(offsets[layer])
         if layer is not None and n:  # its positions up to here are written again later
             done = min(max(self._rewrites.get(layer, 0), self._offsets[layer]), self._n_tokens)
             if done > offsets[layer]:
@@ -1061,6 +1059,18 @@ class PooledKVCache:
         that become the last ones, if their fill changes and they may be shared."""
         if self._trim_marks_last(n_tokens):
             self._own_blocks_reclaiming(-(-n_tokens // self._block_size) - 1)
+
+    def _own_shared_kept_by(self, n_tokens: int) -> None:
+        """A trim of one layer that others still hold past: copy-on-write now the blocks
+        a shrink to ``n_tokens`` would mark, if they are shared. mlx-lm trims a list layer
+        by layer, so the last layer's shrink then needs no block, and a refusal comes at
+        the first, with every layer as it was. Private blocks cost no further look."""
+        if not self._trim_marks_last(n_tokens):
+            return
+        index = -(-n_tokens // self._block_size) - 1
+        pair = (self._key_blocks[index], self._value_blocks[index])
+        if any(self._pool.is_shared(block.block_id) for block in pair):
+            self._own_blocks_reclaiming(index)
 
     def _trim_marks_last(self, n_tokens: int) -> bool:
         """Whether a shrink to ``n_tokens`` positions changes the fill of blocks that
