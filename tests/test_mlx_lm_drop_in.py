@@ -95,13 +95,74 @@ def test_kv_layout_refuses_a_model_with_sliding_window_layers() -> None:
         layer_types=["full_attention", "sliding_attention"],
         sliding_window=8,
     )
-    with pytest.raises(ValueError, match="RotatingKVCache"):
+    refusal = (
+        "layer 1 of the model uses RotatingKVCache; PoolBackedKVCache replaces plain KVCache "
+        "layers only"
+    )
+    with pytest.raises(ValueError, match=f"^{refusal}$"):
         kv_layout(llama.Model(args))
 
 
+class _NotCallable:
+    def __init__(self) -> None:
+        self.layers = [None]
+
+    def __repr__(self) -> str:
+        return "<no model>"
+
+
 def test_kv_layout_refuses_what_is_not_a_model() -> None:
-    with pytest.raises(TypeError, match="list of layers"):
+    with pytest.raises(
+        TypeError, match=r"^model must be an mlx-lm model with a list of layers, got object$"
+    ):
         kv_layout(object())
+    with pytest.raises(
+        TypeError,
+        match=r"^model must be callable as model\(tokens, cache=\.\.\.\), got <no model>$",
+    ):
+        kv_layout(_NotCallable())
+
+
+class _Writes:
+    """A model whose layer ``i`` writes ``heads[i]`` heads of 8 (nothing where it is 0)."""
+
+    def __init__(self, *heads: int) -> None:
+        self.heads = heads
+        self.layers = [None] * len(heads)
+
+    def __call__(self, tokens: mx.array, cache: list[KVCache]) -> None:
+        for layer, heads in zip(cache, self.heads, strict=True):
+            if heads:
+                layer.update_and_fetch(mx.zeros((1, heads, 1, 8)), mx.zeros((1, heads, 1, 8)))  # type: ignore[no-untyped-call]
+
+
+SHAPE_AS = "(shape as (batch, heads, tokens, head_dim), dtype)"
+
+
+@pytest.mark.parametrize(
+    ("model", "wrote"),
+    [
+        (
+            _Writes(2, 3),
+            f"[((1, 2, 1, 8), 'float32'), ((1, 3, 1, 8), 'float32')] {SHAPE_AS}",
+        ),
+        (
+            _Writes(2, 0),
+            f"[((1, 2, 1, 8), 'float32')] {SHAPE_AS} and some layers wrote nothing",
+        ),
+    ],
+    ids=["two shapes", "a layer writes nothing"],
+)
+def test_kv_layout_refuses_layers_that_write_other_shapes_or_nothing(
+    model: _Writes, wrote: str
+) -> None:
+    # A store has one slot shape for every layer.
+    with pytest.raises(ValueError) as refused:
+        kv_layout(model)
+    assert str(refused.value) == (
+        "expected every layer to write keys and values of one shape and dtype; the model wrote "
+        + wrote
+    )
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())

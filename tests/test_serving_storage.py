@@ -15,7 +15,11 @@ from tiny_models import tiny_model
 
 from veloxquant_mlx.memory.block_pool import BlockPoolExhaustedError
 from veloxquant_mlx.memory.kv_cache import make_pool_backed_cache
-from veloxquant_mlx.memory.model_kv_layout import kv_layout, make_serving_storage
+from veloxquant_mlx.memory.model_kv_layout import (
+    kv_layout,
+    make_pool_backed_storage,
+    make_serving_storage,
+)
 
 N_LAYERS = 2
 HEADS = 2
@@ -53,16 +57,63 @@ def test_the_store_never_grows_and_a_full_pool_refuses() -> None:
     cache.release()
 
 
+#: Bytes of one block of 16 slots of the model's two layers (two float32 heads of 16).
+BLOCK_BYTES = N_LAYERS * 16 * HEADS * HEAD_DIM * 4
+TOO_SMALL = (
+    f"blocks of {BLOCK_BYTES} bytes (block_size=16, 2 layers, 2 KV heads of 16 float32); "
+    "expected room for at least one key and one value block"
+)
+
+
 @pytest.mark.parametrize(
-    ("budget", "error", "match"),
+    ("budget", "error", "message"),
     [
-        (1, ValueError, "at least one key and one value block"),
-        (-1, ValueError, "memory_bytes"),
-        (2.5, TypeError, "memory_bytes"),
+        (1, ValueError, f"memory_bytes=1 holds 0 {TOO_SMALL}"),
+        (
+            3 * BLOCK_BYTES // 2,
+            ValueError,
+            f"memory_bytes={3 * BLOCK_BYTES // 2} holds 1 {TOO_SMALL}",
+        ),
+        (-1, ValueError, "memory_bytes must be an int >= 0, got -1"),
+        (2.5, TypeError, "memory_bytes must be an int >= 0, got 2.5 (float)"),
     ],
+    ids=["no block", "one block", "negative", "float"],
 )
 def test_a_budget_too_small_or_not_an_int_is_refused(
-    budget: object, error: type[Exception], match: str
+    budget: object, error: type[Exception], message: str
 ) -> None:
-    with pytest.raises(error, match=match):
+    with pytest.raises(error) as refused:
         make_serving_storage(_model(), budget)  # type: ignore[arg-type]
+    assert str(refused.value) == message
+
+
+@pytest.mark.parametrize(
+    ("block_size", "error", "message"),
+    [
+        (0, ValueError, "block_size must be an int >= 1, got 0"),
+        ("4", TypeError, "block_size must be an int >= 1, got '4' (str)"),
+    ],
+)
+def test_a_block_size_that_is_no_int_above_zero_is_refused(
+    block_size: object, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error) as refused:
+        make_serving_storage(_model(), 64 * BLOCK_BYTES, block_size=block_size)  # type: ignore[arg-type]
+    assert str(refused.value) == message
+
+
+def test_the_serving_default_is_blocks_of_16_slots_and_lazy_writes() -> None:
+    store = make_serving_storage(_model(), 4 * BLOCK_BYTES)
+    assert (store.pool.config.block_size, store.pool.stats.n_blocks, store.lazy_writes) == (
+        16,
+        4,
+        True,
+    )
+
+
+@pytest.mark.parametrize("lazy_writes", [True, False])
+def test_both_stores_made_for_a_model_take_lazy_writes_as_asked(lazy_writes: bool) -> None:
+    model = _model()
+    serving = make_serving_storage(model, 4 * BLOCK_BYTES, lazy_writes=lazy_writes)
+    pooled = make_pool_backed_storage(model, serving.pool, lazy_writes=lazy_writes)
+    assert (serving.lazy_writes, pooled.lazy_writes) == (lazy_writes, lazy_writes)
