@@ -248,10 +248,10 @@ def test_slot_rows_are_scheduled_for_other_threads_unless_the_store_is_lazy(
 ) -> None:
     # A store without lazy_writes serves any thread: the rows one thread builds are
     # scheduled, so another can build on them. A lazy store schedules nothing.
-    scheduled: list[int] = []
+    scheduled: list[object] = []
 
     def recording_schedule(*arrays: mx.array) -> None:
-        scheduled.append(len(arrays))
+        scheduled.extend(arrays)
         block_table.schedule(*arrays)  # what slot_rows imports
 
     monkeypatch.setattr(slot_rows, "schedule", recording_schedule)
@@ -259,4 +259,9 @@ def test_slot_rows_are_scheduled_for_other_threads_unless_the_store_is_lazy(
     for layer in cache:
         mx.eval(layer.update_and_fetch(_tokens(3, 0), _tokens(3, 0)))
     assert (scheduled != []) == (not lazy_writes)
+    # What is scheduled is the rows' block entries: (keys and values, heads, blocks).
+    assert all(
+        isinstance(rows, mx.array) and rows.dtype == mx.int32 and rows.shape[:2] == (2, HEADS)
+        for rows in scheduled
+    )
     cache.release()
