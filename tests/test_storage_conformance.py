@@ -105,6 +105,28 @@ def test_numpy_gather_never_returns_a_view_of_a_slab() -> None:
     assert gathered.base is None or not np.shares_memory(gathered, store._slabs[0])
 
 
+def test_the_numpy_store_refuses_tokens_of_another_dtype_naming_both() -> None:
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=2, separate_kv=False))
+    store = NumpyBlockStorage(pool, n_layers=1, n_kv_heads=1, head_dim=1, dtype=np.float16)
+    [block] = pool.allocate("kv", 2, owner=1)
+    expected = (
+        "tokens must have the store's dtype float16, got float32; a store never casts (a "
+        "cast would change the values), so build it with the dtype its writers produce"
+    )
+    refused = pytest.raises(TypeError, match=f"^{re.escape(expected)}$")
+    with pool_unchanged(pool, owners=[1], handles=[block]), refused:
+        store.write(0, block, 0, np.ones((1, 1, 1), dtype=np.float32))
+
+
+def test_the_numpy_store_reads_in_its_own_dtype_written_or_not() -> None:
+    # Slabs of numpy's default float64 read a float16 store's positions back as float64.
+    pool = BlockPoolAllocator(PoolConfig(block_size=2, n_blocks=2, separate_kv=False))
+    store = NumpyBlockStorage(pool, n_layers=1, n_kv_heads=1, head_dim=1, dtype=np.float16)
+    [written, fresh] = pool.allocate("kv", 4, owner=1)
+    store.write(0, written, 0, np.full((2, 1, 1), 1.5, dtype=np.float16))
+    assert [store.gather(0, [block], 2).dtype for block in (written, fresh)] == [np.float16] * 2
+
+
 # What the store used to cast silently: a bfloat16 model's keys into a float16 store
 # (a logit change), ints, and a float32 value that float16 turns into inf.
 UNCASTABLE = {
