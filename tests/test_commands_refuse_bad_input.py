@@ -46,6 +46,7 @@ LAPTOP_BYTES = 7_800 * 2**20
 #: A driver that answers its start with a line that is not the protocol's hello.
 SAYS_HI = shlex.join([sys.executable, "-c", "print('hi')"])
 #: A driver whose hello nests arrays deeper than the JSON parser recurses.
+SAYS_HI_LATE = shlex.join([sys.executable, "-c", "import time; time.sleep(30)"])
 SAYS_DEEP = shlex.join([sys.executable, "-c", "print('[' * 100_000 + ']' * 100_000)"])
 HUGE = "1" + "0" * 400  # beyond any float: once an OverflowError traceback in every command
 HEADER = {
@@ -404,8 +405,18 @@ def test_stress_replay_refuses_the_run_options_it_would_ignore(
         (exhaustive.main, ["--driver", " "], "--driver: expected a command line, got ' '"),
         (exhaustive.main, ["--driver", "no-such-driver-here"], "cannot start"),
         (exhaustive.main, ["--driver", SAYS_HI], "it wrote b'hi', not a JSON object"),
-        (exhaustive.main, ["--driver", SAYS_DEEP], "[[[', not a JSON object"),
+        (
+            exhaustive.main,
+            ["--driver", SAYS_DEEP],
+            "[[[', nested too deeply to read, for the hello line",
+        ),
         (exhaustive.main, ["--driver", "x", "--factory", "json:dumps"], "not allowed with"),
+        (exhaustive.main, ["--driver-timeout", "5"], "--driver-timeout has no effect without"),
+        (
+            exhaustive.main,
+            ["--driver", SAYS_HI_LATE, "--driver-timeout", "0.3"],
+            "no answer within 0.3 s (waiting for the hello line)",
+        ),
         (exhaustive.main, ["--force"], "--force has no effect without --out"),
         (cli.main, ["driver", "--factory", "nowhere:Pool"], "cannot import 'nowhere'"),
         (driver_command.main, ["--factory", "json"], "expected module:callable, got 'json'"),

@@ -28,7 +28,12 @@ import pytest
 
 from veloxquant_mlx import cli
 from veloxquant_mlx.memory.block_pool import PoolConfig
-from veloxquant_mlx.testing.driven import DriverFailure, DriverProcess, driven_port
+from veloxquant_mlx.testing.driven import (
+    DrivenObjects,
+    DriverFailure,
+    DriverProcess,
+    driven_port,
+)
 from veloxquant_mlx.testing.driver import PROTOCOL, PROTOCOL_VERSION
 from veloxquant_mlx.testing.exhaustive import SCOPES, explore
 from veloxquant_mlx.testing.port import ALL_CALLS
@@ -132,6 +137,12 @@ def _fake(script: str) -> list[str]:
         ),
         # Once a hello without calls stood for no calls.
         (f"print({hello_saying_calls(None)!r}, flush=True)", 10, "expected its calls as a list"),
+        # Its stdout closed, it went on reading stdin: once waited for with no end.
+        (
+            f"import os, time; print({HELLO!r}, flush=True); input(); os.close(1); time.sleep(30)",
+            0.5,
+            "it closed its stdout but did not exit within 0.5 s",
+        ),
     ],
     ids=[
         "dies",
@@ -142,6 +153,7 @@ def _fake(script: str) -> list[str]:
         "no-hello",
         "calls-not-a-list",
         "no-calls",
+        "closes-stdout",
     ],
 )
 def test_a_broken_driver_is_one_clear_failure(script: str, timeout: float, said: str) -> None:
@@ -190,8 +202,18 @@ def test_every_pool_request_carries_all_five_config_fields() -> None:
         ('{"id": ID}', "expected result or error"),
         # The pool request is request 1, and true == 1 in Python.
         ('{"id": true, "result": {"ref": 1}}', "it answered {'id': True, "),
+        # JSON has no NaN; once it was taken as the pool's result.
+        ('{"id": ID, "result": NaN}', "not a JSON object (NaN is not a JSON value)"),
     ],
-    ids=["not-a-ref", "ref-not-an-int", "error-not-an-object", "both", "neither", "id-true"],
+    ids=[
+        "not-a-ref",
+        "ref-not-an-int",
+        "error-not-an-object",
+        "both",
+        "neither",
+        "id-true",
+        "nan",
+    ],
 )
 def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
     response: str, said: str
@@ -199,6 +221,58 @@ def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(
     port = driven_port(_fake(_answering(response)))
     with pytest.raises(DriverFailure, match=re.escape(said)):
         port.build(SCOPES[1].config, 2)
+
+
+@pytest.mark.parametrize(
+    ("response", "said"),
+    [
+        (
+            '{"id": ID, "error": {"class": "ValueError", "message": "unknown ref"}}',
+            "it answered ValueError (unknown ref) to the drop of ref 7",
+        ),
+        ('{"id": ID, "result": 5}', "it answered 5 to the drop of ref 7; expected null"),
+    ],
+    ids=["an error", "a value"],
+)
+def test_an_answer_to_a_drop_other_than_null_is_a_protocol_error(response: str, said: str) -> None:
+    # Once an error answered to a drop was raised as the next request's outcome: a report
+    # blamed the port's config checks for it.
+    driver = DriverProcess(_fake(_answering(response)))
+    driver.dropped.append(7)
+    with pytest.raises(DriverFailure, match=re.escape(said)):
+        driver.request("pool", config={})
+
+
+def test_a_class_name_outside_the_contract_is_named_in_what_is_raised() -> None:
+    error = '{"class": "InvalidFree", "message": "blocks[1] is not live"}'
+    driver = DriverProcess(_fake(_answering(f'{{"id": ID, "error": {error}}}')))
+    with pytest.raises(RuntimeError, match=r"^'InvalidFree', not a class of the contract: blocks"):
+        driver.request("pool", config={})
+
+
+def test_a_name_the_driver_s_object_lacks_reads_as_missing() -> None:
+    # An AttributeError answer is what the kit's name checks (hasattr) read as a name
+    # missing; once it came back as a RuntimeError and the report lost the name.
+    error = '{"class": "AttributeError", "message": "no n_retired"}'
+    driver = DriverProcess(_fake(_answering(f'{{"id": ID, "error": {error}}}')))
+    assert not hasattr(DrivenObjects(driver).proxy(1), "n_retired")
+
+
+def test_a_method_is_asked_for_once_per_object_then_only_called() -> None:
+    port = driven_port(DRIVER)
+    pool = port.factory()
+    driver = pool._objects.driver
+    sent: list[tuple[str, object]] = []
+    request = driver.request
+
+    def recording(op: str, **fields: object) -> object:
+        sent.append((op, fields.get("name")))
+        return request(op, **fields)
+
+    driver.request = recording
+    assert [pool.n_free("k") for _ in range(3)] == [pool.n_free("k")] * 3
+    assert sent.count(("get", "n_free")) == 1
+    assert sent.count(("call", "n_free")) == 4
 
 
 @pytest.mark.parametrize(

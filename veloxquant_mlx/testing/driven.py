@@ -21,7 +21,8 @@ driver must end the run with one clear message instead. The driver's stderr
 goes to a temporary file (a pipe nobody reads would block a driver that
 logs much); the message quotes its last line.
 
-Complexity: one round trip per attribute read or call. Thread safety: none;
+Complexity: one round trip per attribute read or call (a method's name is asked
+once per object: a ``get`` says it is one). Thread safety: none;
 one thread drives one :class:`DriverProcess`.
 """
 
@@ -38,7 +39,7 @@ import weakref
 from collections.abc import Callable, Sequence
 from typing import IO, Any, Final, NoReturn
 
-from veloxquant_mlx.testing.driver import PROTOCOL, PROTOCOL_VERSION
+from veloxquant_mlx.testing.driver import PROTOCOL, PROTOCOL_VERSION, strict_json
 from veloxquant_mlx.testing.port import CONFIG_DEFAULTS, Port
 
 __all__ = [
@@ -90,6 +91,7 @@ ERRORS: Final[dict[str, type[Exception]]] = {
         ValueError,
         AssertionError,
         InvariantViolationError,
+        AttributeError,  # a name the object does not have: what the kit's name checks read
     )
 }
 #: Seconds a driver may take to answer one request.
@@ -140,8 +142,18 @@ class DriverProcess:
     def request(self, op: str, **fields: object) -> object:
         """Send one request; its result, or raise the error it names."""
         while self.dropped:  # told here, never from a finaliser (it may run mid-request)
-            self._send("drop", {"ref": self.dropped.pop()})
+            self._drop(self.dropped.pop())
         return self._send(op, fields)
+
+    def _drop(self, ref: int) -> None:
+        """Tell the driver pool ``ref`` is gone; its answer must be ``null``, or it would be
+        taken for the outcome of the request that follows."""
+        try:
+            answer = self._send("drop", {"ref": ref})
+        except Exception as error:  # a class the driver named: no outcome of a pool call
+            self.fail(f"it answered {type(error).__name__} ({error}) to the drop of ref {ref}")
+        if answer is not None:
+            self.fail(f"it answered {answer!r} to the drop of ref {ref}; expected null")
 
     def _send(self, op: str, fields: dict[str, object]) -> object:
         self._next_id += 1
@@ -166,8 +178,11 @@ class DriverProcess:
                 f"it answered {response!r} to {line.strip()}: expected an error "
                 '{"class": NAME, "message": TEXT}'
             )
-        cls = ERRORS.get(error["class"], RuntimeError)
-        raise cls(str(error.get("message", "")))
+        message = str(error.get("message", ""))
+        cls = ERRORS.get(error["class"])
+        if cls is None:  # the kit reports the wrong class: the name shows what it was
+            raise RuntimeError(f"{error['class']!r}, not a class of the contract: {message}")
+        raise cls(message)
 
     def _read_line(self, what: str) -> dict[str, Any]:
         """One JSON object line, whole within the timeout (a driver that writes it a byte
@@ -180,7 +195,7 @@ class DriverProcess:
             assert self._process.stdout is not None, "piped"
             chunk = os.read(self._process.stdout.fileno(), 65536)
             if not chunk:
-                self.fail(f"it exited (status {self._process.wait()}) before {what}")
+                self.fail(self._why_output_ended(what))
             self._buffer += chunk
             if len(self._buffer) > MAX_LINE_BYTES and b"\n" not in self._buffer:
                 self.fail(
@@ -189,12 +204,23 @@ class DriverProcess:
                 )
         raw, self._buffer = self._buffer.split(b"\n", 1)
         try:
-            record = json.loads(raw)
-        except (ValueError, RecursionError):  # not JSON, or arrays nested past the parser
-            record = None
+            record = strict_json(raw)
+        except RecursionError:
+            self.fail(f"it wrote {raw[:200]!r}, nested too deeply to read, for {what}")
+        except ValueError as error:  # not JSON, or NaN, Infinity, 1e400
+            self.fail(f"it wrote {raw[:200]!r}, not a JSON object ({error}), for {what}")
         if not isinstance(record, dict):
             self.fail(f"it wrote {raw[:200]!r}, not a JSON object, for {what}")
         return dict(record)
+
+    def _why_output_ended(self, what: str) -> str:
+        """Its stdout ended: it exited, or it closed its stdout and went on (then it is
+        waited for no longer than an answer, so a driver stuck on stdin cannot hang us)."""
+        try:
+            status = self._process.wait(timeout=self.timeout)
+        except subprocess.TimeoutExpired:
+            return f"it closed its stdout but did not exit within {self.timeout:g} s ({what})"
+        return f"it exited (status {status}) before {what}"
 
     def fail(self, why: str) -> NoReturn:
         """Stop the driver and raise :class:`DriverFailure` saying ``why`` (and the last
@@ -234,13 +260,18 @@ class RemoteObject:
     def __init__(self, objects: DrivenObjects, ref: int) -> None:
         self._objects = objects
         self._ref = ref
+        self._methods: dict[str, Callable[..., Any]] = {}  # names the driver said are methods
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
+        method = self._methods.get(name)
+        if method is not None:  # a method stays one: no second get before each call
+            return method
         value = self._objects.driver.request("get", on=self._ref, name=name)
         if isinstance(value, dict) and value.get("callable"):
-            return self._objects.method(self._ref, name)
+            method = self._methods[name] = self._objects.method(self._ref, name)
+            return method
         return self._objects.decode(value)
 
     def __repr__(self) -> str:

@@ -35,7 +35,7 @@ from veloxquant_mlx.commandline.bad_input import BadInputError
 from veloxquant_mlx.testing.port import Port
 from veloxquant_mlx.testing.sides import error_outcome
 
-__all__ = ["PROTOCOL", "PROTOCOL_VERSION", "Driver", "serve_lines"]
+__all__ = ["PROTOCOL", "PROTOCOL_VERSION", "Driver", "serve_lines", "strict_json"]
 
 PROTOCOL: Final = "veloxquant-mlx-driver"
 PROTOCOL_VERSION: Final = 1
@@ -224,14 +224,22 @@ def _require_protocol_fields(request: dict[str, Any], number: int) -> None:
         )
 
 
+def strict_json(text: str | bytes) -> Any:
+    """``json.loads`` of JSON alone: ``NaN``, ``Infinity`` and numbers past a float's
+    range (``1e400`` would read as ``inf``) are refused, as JSON does not have them.
+
+    Raises:
+        ValueError: Not JSON (``json.JSONDecodeError``), or one of those values.
+        RecursionError: Arrays or objects nested past the parser.
+    """
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+
+
 def _refuse_constant(name: str) -> NoReturn:
-    """``json.loads`` reads ``NaN`` and ``Infinity``, which JSON does not have."""
     raise ValueError(f"{name} is not a JSON value")
 
 
 def _finite(text: str) -> float:
-    """A JSON number with a fraction or an exponent, as a float; refused past a float's
-    range (``1e400`` would read as ``inf``, which JSON does not have)."""
     value = float(text)
     if not math.isfinite(value):
         raise ValueError(f"a number must be finite, got {text}")
@@ -247,7 +255,7 @@ def _request(raw: bytes, number: int) -> dict[str, Any]:
         raise BadInputError(why) from None
     shown = repr(text.strip()[:80])
     try:
-        request = json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+        request = strict_json(text)
     except RecursionError:
         raise BadInputError(f"request line {number} is nested too deeply to read") from None
     except json.JSONDecodeError as error:

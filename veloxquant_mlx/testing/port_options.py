@@ -1,4 +1,5 @@
-"""The command-line options that name a port: ``--factory MODULE:CALLABLE`` or ``--driver COMMAND``.
+"""The command-line options that name a port: ``--factory MODULE:CALLABLE`` or ``--driver COMMAND``
+(with ``--driver-timeout SECONDS``).
 
 ``veloxquant-mlx exhaustive`` checks the port they name instead of our
 allocator, and ``veloxquant-mlx replay`` replays a trace on it: the same two
@@ -17,7 +18,8 @@ import argparse
 import shlex
 
 from veloxquant_mlx.commandline.bad_input import BadInputError
-from veloxquant_mlx.testing.driven import DriverFailure, driven_port
+from veloxquant_mlx.commandline.values import finite_float
+from veloxquant_mlx.testing.driven import DEFAULT_TIMEOUT, DriverFailure, driven_port
 from veloxquant_mlx.testing.port import Port, port_argument
 
 __all__ = ["add_port_options", "command_line", "port_from_options", "port_refusal"]
@@ -42,6 +44,14 @@ def add_port_options(parser: argparse.ArgumentParser, verb: str) -> None:
         help=f"{verb} the pool this command serves over the driver protocol "
         "(docs/DRIVER_PROTOCOL.md; a port in any language), e.g. 'veloxquant-mlx driver'",
     )
+    parser.add_argument(
+        "--driver-timeout",
+        type=finite_float(0, low_inclusive=False),
+        metavar="SECONDS",
+        help="with --driver: the seconds it may take to say hello and to answer each "
+        f"request (default: {DEFAULT_TIMEOUT:g}); a driver that starts slowly (a GPU "
+        "context) may need more",
+    )
 
 
 def command_line(text: str) -> list[str]:
@@ -63,13 +73,17 @@ def port_from_options(args: argparse.Namespace) -> Port | None:
     """The port ``--factory`` or ``--driver`` names (the driver started); ``None``: ours.
 
     Raises:
-        BadInputError: The driver did not start, or did not say the protocol's hello.
+        BadInputError: The driver did not start, or did not say the protocol's hello;
+            or ``--driver-timeout`` came without ``--driver``.
     """
     if args.driver is None:
+        if args.driver_timeout is not None:
+            raise BadInputError("--driver-timeout has no effect without --driver; leave it out")
         port: Port | None = args.factory
         return port
+    timeout = DEFAULT_TIMEOUT if args.driver_timeout is None else args.driver_timeout
     try:
-        return driven_port(args.driver, name=shlex.join(args.driver))
+        return driven_port(args.driver, timeout=timeout, name=shlex.join(args.driver))
     except DriverFailure as failure:
         raise BadInputError(str(failure)) from None
 
