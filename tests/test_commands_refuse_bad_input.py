@@ -45,8 +45,9 @@ from veloxquant_mlx_spec.table import Returned, h
 LAPTOP_BYTES = 7_800 * 2**20
 #: A driver that answers its start with a line that is not the protocol's hello.
 SAYS_HI = shlex.join([sys.executable, "-c", "print('hi')"])
-#: A driver whose hello nests arrays deeper than the JSON parser recurses.
+#: A driver that says no hello for longer than any timeout a test sets.
 SAYS_HI_LATE = shlex.join([sys.executable, "-c", "import time; time.sleep(30)"])
+#: A driver whose hello nests arrays deeper than the JSON parser recurses.
 SAYS_DEEP = shlex.join([sys.executable, "-c", "print('[' * 100_000 + ']' * 100_000)"])
 HUGE = "1" + "0" * 400  # beyond any float: once an OverflowError traceback in every command
 HEADER = {
@@ -412,6 +413,12 @@ def test_stress_replay_refuses_the_run_options_it_would_ignore(
         ),
         (exhaustive.main, ["--driver", "x", "--factory", "json:dumps"], "not allowed with"),
         (exhaustive.main, ["--driver-timeout", "5"], "--driver-timeout has no effect without"),
+        # Past about 2**31 s, epoll's wait overflowed: a traceback, status 1.
+        (
+            exhaustive.main,
+            ["--driver", "x", "--driver-timeout", "3e6"],
+            "--driver-timeout: expected a number > 0 and <= 86400, got '3e6'",
+        ),
         (
             exhaustive.main,
             ["--driver", SAYS_HI_LATE, "--driver-timeout", "0.3"],

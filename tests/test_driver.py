@@ -202,8 +202,10 @@ def test_every_pool_request_carries_all_five_config_fields() -> None:
         ('{"id": ID}', "expected result or error"),
         # The pool request is request 1, and true == 1 in Python.
         ('{"id": true, "result": {"ref": 1}}', "it answered {'id': True, "),
-        # JSON has no NaN; once it was taken as the pool's result.
+        # JSON has no NaN, no infinity; once each was taken as the pool's result.
         ('{"id": ID, "result": NaN}', "not a JSON object (NaN is not a JSON value)"),
+        ('{"id": ID, "result": -Infinity}', "(-Infinity is not a JSON value)"),
+        ('{"id": ID, "result": 1e400}', "(a number must be finite, got 1e400)"),
     ],
     ids=[
         "not-a-ref",
@@ -213,6 +215,8 @@ def test_every_pool_request_carries_all_five_config_fields() -> None:
         "neither",
         "id-true",
         "nan",
+        "infinity",
+        "past-a-float",
     ],
 )
 def test_a_driver_answer_that_breaks_the_protocol_is_one_clear_failure(

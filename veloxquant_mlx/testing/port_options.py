@@ -16,13 +16,23 @@ from __future__ import annotations
 
 import argparse
 import shlex
+from typing import Final
 
 from veloxquant_mlx.commandline.bad_input import BadInputError
 from veloxquant_mlx.commandline.values import finite_float
 from veloxquant_mlx.testing.driven import DEFAULT_TIMEOUT, DriverFailure, driven_port
 from veloxquant_mlx.testing.port import Port, port_argument
 
-__all__ = ["add_port_options", "command_line", "port_from_options", "port_refusal"]
+__all__ = [
+    "MAX_DRIVER_TIMEOUT",
+    "add_port_options",
+    "command_line",
+    "port_from_options",
+    "port_refusal",
+]
+
+#: The longest --driver-timeout: a day (far past it, the wait on the pipe overflowed).
+MAX_DRIVER_TIMEOUT: Final = 86400.0
 
 
 def add_port_options(parser: argparse.ArgumentParser, verb: str) -> None:
@@ -46,11 +56,11 @@ def add_port_options(parser: argparse.ArgumentParser, verb: str) -> None:
     )
     parser.add_argument(
         "--driver-timeout",
-        type=finite_float(0, low_inclusive=False),
+        type=finite_float(0, MAX_DRIVER_TIMEOUT, low_inclusive=False),
         metavar="SECONDS",
         help="with --driver: the seconds it may take to say hello and to answer each "
-        f"request (default: {DEFAULT_TIMEOUT:g}); a driver that starts slowly (a GPU "
-        "context) may need more",
+        f"request (default: {DEFAULT_TIMEOUT:g}, at most {MAX_DRIVER_TIMEOUT:g}); a driver "
+        "that starts slowly (a GPU context) may need more",
     )
 
 
