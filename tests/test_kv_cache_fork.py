@@ -119,18 +119,26 @@ def test_a_trim_to_a_block_boundary_after_a_fork_keeps_the_full_blocks_shared(cu
     pool.check_invariants()
 
 
+def _forked(
+    *, n_layers: int, n_tokens: int
+) -> tuple[BlockPoolAllocator, PoolBackedPromptCache, PoolBackedPromptCache, mx.array]:
+    """A pool, a request of ``n_layers`` holding ``n_tokens`` random positions (two heads
+    of 8), its fork, and the positions."""
+    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
+    store = MLXBlockStorage(pool, n_layers, 2, 8, mx.float32)
+    parent = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=n_layers))
+    tokens = mx.random.normal((1, 2, n_tokens, 8), key=mx.random.key(n_tokens))
+    for layer in parent:
+        layer.update_and_fetch(tokens, tokens)
+    return pool, parent, parent.fork(), tokens
+
+
 def test_mlx_lm_s_layer_by_layer_trim_of_a_fork_is_refused_whole_or_done_whole() -> None:
     # trim_prompt_cache trims one layer, then the next. The fork's new last block is
     # shared and its fill changes, so it moves to a private copy: at the first layer's
     # trim. Made at the last layer's (once), a refusal left the layers at [5, 6], and a
     # retry at [4, 5]: every later position off by one.
-    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
-    store = MLXBlockStorage(pool, 2, 2, 8, mx.float32)
-    parent = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=2))
-    tokens = mx.random.normal((1, 2, 6, 8), key=mx.random.key(3))
-    for layer in parent:
-        layer.update_and_fetch(tokens, tokens)
-    fork = parent.fork()
+    pool, parent, fork, tokens = _forked(n_layers=2, n_tokens=6)
     taken = leave_free(pool, 0)
     handles = (*fork.book.key_blocks, *fork.book.value_blocks)
     before = observe(pool, [fork.book.owner, parent.book.owner], handles)
@@ -156,13 +164,7 @@ def test_after_the_first_layer_s_copy_the_other_layers_trims_look_at_nothing_mor
     # The copy is asked for only while the block is shared: once the first layer's trim
     # has made it private, the later layers' trims make no table check, drain or supply
     # look (once each did all three: 2.3 ms per rewind of 32 layers at 4K, for 0.2).
-    pool = BlockPoolAllocator(PoolConfig(block_size=BLOCK_SIZE, n_blocks=N_BLOCKS))
-    store = MLXBlockStorage(pool, 4, 2, 8, mx.float32)
-    parent = PoolBackedPromptCache(store, PooledKVCache(pool, n_layers=4))
-    tokens = mx.random.normal((1, 2, 10, 8), key=mx.random.key(5))
-    for layer in parent:
-        layer.update_and_fetch(tokens, tokens)
-    fork = parent.fork()
+    pool, parent, fork, _ = _forked(n_layers=4, n_tokens=10)  # parent held: blocks shared
     book = fork.book
     checks: list[int] = []
     check = book.before_change
@@ -180,6 +182,7 @@ def test_after_the_first_layer_s_copy_the_other_layers_trims_look_at_nothing_mor
     assert made == [1, 1, 1]
     assert pool.stats.n_copy_on_write == 2  # the key block and the value block, once
     fork.book.check_invariants()
+    parent.release()
 
 
 @pytest.mark.parametrize("length", [10, 12], ids=["partial-last-block", "full-blocks"])
