@@ -635,8 +635,6 @@ def load(path: str | Path, *, max_bytes: int | None = None) -> Trace:
     """
     with Path(path).open("rb") as file:
         data = file.read() if max_bytes is None else _read_at_most(file, max_bytes)
-    if max_bytes is not None and len(data) > max_bytes:
-        raise TraceTooLongError(f"more than {max_bytes:,} bytes")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -649,16 +647,18 @@ _CHUNK_BYTES: Final = 1 << 20
 
 
 def _read_at_most(file: BinaryIO, max_bytes: int) -> bytes:
-    """The file's bytes up to its end or one byte past ``max_bytes``, whichever comes
-    first, a chunk at a time (so a small file costs small reads)."""
+    """The file's bytes, a chunk at a time (so a small file costs small reads).
+
+    Raises:
+        TraceTooLongError: It holds more than ``max_bytes`` (one byte past is read).
+    """
     chunks: list[bytes] = []
     total = 0
-    while total <= max_bytes:
-        chunk = file.read(min(_CHUNK_BYTES, max_bytes + 1 - total))
-        if not chunk:
-            break
+    while chunk := file.read(min(_CHUNK_BYTES, max_bytes + 1 - total)):
         chunks.append(chunk)
         total += len(chunk)
+        if total > max_bytes:
+            raise TraceTooLongError(f"more than {max_bytes:,} bytes")
     return b"".join(chunks)
 
 
