@@ -27,13 +27,13 @@ if __name__ == "__main__":  # first: Ctrl-C while the imports below load is one 
     run_program("python -m veloxquant_mlx.testing.driver", "veloxquant_mlx.testing.driver_command")
 
 import json
-import math
 from collections.abc import Iterable, Sequence
 from typing import IO, Any, Final, NoReturn
 
 from veloxquant_mlx.commandline.bad_input import BadInputError
 from veloxquant_mlx.testing.port import Port
 from veloxquant_mlx.testing.sides import error_outcome
+from veloxquant_mlx.testing.traces import finite_json_number
 
 __all__ = ["PROTOCOL", "PROTOCOL_VERSION", "Driver", "serve_lines", "strict_json"]
 
@@ -232,18 +232,11 @@ def strict_json(text: str | bytes) -> Any:
         ValueError: Not JSON (``json.JSONDecodeError``), or one of those values.
         RecursionError: Arrays or objects nested past the parser.
     """
-    return json.loads(text, parse_constant=_refuse_constant, parse_float=_finite)
+    return json.loads(text, parse_constant=_refuse_constant, parse_float=finite_json_number)
 
 
 def _refuse_constant(name: str) -> NoReturn:
     raise ValueError(f"{name} is not a JSON value")
-
-
-def _finite(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"a number must be finite, got {text}")
-    return value
 
 
 def _request(raw: bytes, number: int) -> dict[str, Any]:

@@ -71,6 +71,7 @@ __all__ = [
     "dumps",
     "encode_header",
     "encode_line",
+    "finite_json_number",
     "load",
     "loads",
     "save",
@@ -455,7 +456,7 @@ def _parse_json(text: str, what: str) -> object:
     traceback.
     """
     try:
-        return json.loads(text, parse_float=_finite_float, parse_constant=_finite_float)
+        return json.loads(text, parse_float=finite_json_number, parse_constant=finite_json_number)
     except _NotFiniteError as error:  # JSON, but not a number a trace can hold
         raise TraceFormatError(str(error)) from None
     except RecursionError:
@@ -468,7 +469,13 @@ class _NotFiniteError(ValueError):
     """A number that is not finite, met while parsing."""
 
 
-def _finite_float(text: str) -> float:
+def finite_json_number(text: str) -> float:
+    """A JSON number's text with a fraction or an exponent (or ``NaN``, ``Infinity``) as
+    a float, for ``json.loads``; refused unless finite (``1e400`` reads as ``inf``).
+
+    Raises:
+        ValueError: It is not finite (named, as ``a number must be finite, got TEXT``).
+    """
     value = float(text)
     if not math.isfinite(value):
         raise _NotFiniteError(f"a number must be finite, got {text}")
