@@ -8,13 +8,13 @@ stream's blocks hold consecutive ids, those positions are one run of rows of
 the slab, and :func:`read_by_slices` returns two slices of it, as
 ``KVCache`` reads its buffers: no copy, and on an H200 the step builds and
 launches two ``Slice`` nodes where a gather builds six (most of what the
-paging cost a host-bound decode there: the README's "The decode path"
-section). Otherwise the positions are copied out. MLX's ``mx.take`` of whole
+paging cost a host-bound decode there: ``benchmarks/RESULTS.md``, "Where a
+host-bound step's time goes"). Otherwise the positions are copied out. MLX's ``mx.take`` of whole
 blocks does it anywhere, but its generic gather reaches about a fifth of an
 H200's memory bandwidth: at 32K positions of
 ``benchmarks/bench_kv_cache.py``'s model the 8 layers' reads took 0.89-0.91
 ms, against 0.35-0.39 ms for this kernel
-(``benchmarks/bench_block_gather.py``, two runs; figures in the README).
+(``benchmarks/bench_block_gather.py``, two runs; figures in ``benchmarks/RESULTS.md``).
 Below :data:`KERNEL_MIN_TOKENS` positions the kernel's launch costs more
 than it saves, and ``mx.take`` stays (:func:`gather_by_take`, the store's
 read everywhere else).

@@ -40,10 +40,10 @@ __all__ = [
 #: Whether ``attention="auto"`` takes the fused kernel where it can run. False: on
 #: the H200 the kernel is 2-5x faster than gather + attention per call, but a decode
 #: step through it was slower end to end (0.62-0.76x ``KVCache`` against 0.80-0.98x
-#: gathered; README, "KV cache on a GPU"; measured before the gathered path read a
-#: request whose ids run on by slices, which made it faster still): below 32K the
-#: kernel takes more device time than MLX's attention, and the unused read is still
-#: built on the host.
+#: gathered; ``benchmarks/RESULTS.md``, "The fused paged-attention kernel"; measured
+#: before the gathered path read a request whose ids run on by slices, which made it
+#: faster still): below 32K the kernel takes more device time than MLX's attention,
+#: and the unused read is still built on the host.
 AUTO_PREFERS_FUSED: Final = False
 
 #: How a cache's attention reads its keys and values: ``"gather"`` (``update_and_fetch``
@@ -116,7 +116,7 @@ def resolve_attention(
     ``"auto"`` is ``"fused"`` where the fused CUDA kernel can run (MLX's CUDA
     back-end, the GPU as default device) and the store serves block tables,
     while ``AUTO_PREFERS_FUSED`` says the kernel is the faster path (measured:
-    README, "KV cache on a GPU"); ``"gather"`` otherwise, and always on the CPU.
+    ``benchmarks/RESULTS.md``); ``"gather"`` otherwise, and always on the CPU.
     ``"fused"`` on another back-end reads through the table with the gathered
     reference (for tests).
 
