@@ -281,6 +281,14 @@ def test_no_progress_option_keeps_a_terminal_stderr_clean(
             ["--prompt-mean", "5000"],
             "--prompt-mean must be < --max-seq-len (4096), got 5000",
         ),
+        (  # once a traceback: the mean-keeping mu overflowed and a length came out NaN
+            ["--prompt-sigma", "1e308"],
+            "argument --prompt-sigma: expected a number >= 0 and <= 10, got '1e308'",
+        ),
+        (
+            ["--decode-dist", "lognormal", "--decode-sigma", "11"],
+            "argument --decode-sigma: expected a number >= 0 and <= 10, got '11'",
+        ),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )

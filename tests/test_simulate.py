@@ -32,7 +32,7 @@ from veloxquant_mlx.simulate import (
 )
 from veloxquant_mlx.simulate.metrics import percentile
 from veloxquant_mlx.simulate.runner import Progress, RunTiming
-from veloxquant_mlx.simulate.workload import DecodeDistribution, PromptDistribution
+from veloxquant_mlx.simulate.workload import MAX_SIGMA, DecodeDistribution, PromptDistribution
 
 SMALL_MIX = WorkloadConfig(arrival_rate=0.3, prompt_mean=40, decode_mean=24, max_seq_len=512)
 
@@ -206,6 +206,8 @@ def test_workload_needs_a_bound() -> None:
         ("abort_fraction", 1.5, "abort_fraction must be between 0 and 1, got 1.5"),
         ("max_seq_len", 1, "max_seq_len must be >= 2, got 1"),
         ("prompt_dist", "pareto", "prompt_dist must be one of"),
+        ("prompt_sigma", -0.5, "prompt_sigma must be between 0 and 10, got -0.5"),
+        ("decode_sigma", 10.5, "decode_sigma must be between 0 and 10, got 10.5"),
     ],
 )
 def test_workload_config_rejects_bad_values(
@@ -215,6 +217,15 @@ def test_workload_config_rejects_bad_values(
 ) -> None:
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(WorkloadConfig(), **{field: value})
+
+
+@pytest.mark.parametrize("dist", ["prompt", "decode"])
+def test_the_widest_lognormal_shape_still_draws_lengths_in_bounds(dist: str) -> None:
+    lognormal = WorkloadConfig(prompt_dist="lognormal", decode_dist="lognormal")
+    config = dataclasses.replace(lognormal, **{f"{dist}_sigma": MAX_SIGMA})
+    requests = generate_workload(config, seed=3, max_requests=500)
+    assert all(1 <= r.prompt_len and 1 <= r.decode_len for r in requests)
+    assert all(r.prompt_len + r.decode_len <= config.max_seq_len for r in requests)
 
 
 # -- engine: how it uses the pool ----------------------------------------------------

@@ -24,6 +24,7 @@ from veloxquant_mlx.commandline.values import any_int, finite_float, int_at_leas
 from veloxquant_mlx.memory.block_pool import PoolConfig
 from veloxquant_mlx.simulate.workload import (
     DECODE_DISTRIBUTIONS,
+    MAX_SIGMA,
     PROMPT_DISTRIBUTIONS,
     WorkloadConfig,
 )
@@ -93,10 +94,11 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--prompt-sigma",
-        type=finite_float(0, low_inclusive=True),
+        type=finite_float(0, MAX_SIGMA, low_inclusive=True),
         default=None,  # so that validate() sees it was given: it shapes lognormal lengths only
         metavar="SIGMA",
-        help=f"shape of lognormal prompt lengths (default: {defaults.prompt_sigma})",
+        help=f"shape of lognormal prompt lengths, 0 to {MAX_SIGMA:g} "
+        f"(default: {defaults.prompt_sigma})",
     )
     group.add_argument(
         "--decode-mean",
@@ -113,10 +115,11 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument(
         "--decode-sigma",
-        type=finite_float(0, low_inclusive=True),
+        type=finite_float(0, MAX_SIGMA, low_inclusive=True),
         default=None,  # as --prompt-sigma
         metavar="SIGMA",
-        help=f"shape of lognormal generated lengths (default: {defaults.decode_sigma})",
+        help=f"shape of lognormal generated lengths, 0 to {MAX_SIGMA:g} "
+        f"(default: {defaults.decode_sigma})",
     )
     group.add_argument(
         "--abort-fraction",

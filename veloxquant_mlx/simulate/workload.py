@@ -50,6 +50,12 @@ DecodeDistribution = Literal["geometric", "lognormal", "fixed"]
 PROMPT_DISTRIBUTIONS: tuple[str, ...] = get_args(PromptDistribution)
 DECODE_DISTRIBUTIONS: tuple[str, ...] = get_args(DecodeDistribution)
 
+#: The largest lognormal shape. The mean is kept by ``mu = log(mean) - sigma**2 / 2``,
+#: so at 10 the median length is ``mean * exp(-50)`` and almost every length rounds
+#: to one token (real traces fit shapes of about 0.5 to 2); far above it the draw
+#: overflows to NaN.
+MAX_SIGMA = 10.0
+
 
 @dataclass(frozen=True)
 class WorkloadConfig:
@@ -57,7 +63,7 @@ class WorkloadConfig:
 
     Invariants (checked on construction, ``ValueError`` naming the field):
     ``arrival_rate > 0``; ``1 <= prompt_mean`` and ``1 <= decode_mean``;
-    ``prompt_sigma >= 0`` and ``decode_sigma >= 0``;
+    ``0 <= prompt_sigma <= MAX_SIGMA`` and ``0 <= decode_sigma <= MAX_SIGMA``;
     ``0 <= abort_fraction <= 1``; ``max_seq_len >= 2`` (room for one prompt
     token and one generated token).
     """
@@ -76,8 +82,9 @@ class WorkloadConfig:
         _require(self.arrival_rate > 0, "arrival_rate must be > 0", self.arrival_rate)
         _require(self.prompt_mean >= 1, "prompt_mean must be >= 1", self.prompt_mean)
         _require(self.decode_mean >= 1, "decode_mean must be >= 1", self.decode_mean)
-        _require(self.prompt_sigma >= 0, "prompt_sigma must be >= 0", self.prompt_sigma)
-        _require(self.decode_sigma >= 0, "decode_sigma must be >= 0", self.decode_sigma)
+        for name in ("prompt_sigma", "decode_sigma"):
+            sigma = getattr(self, name)
+            _require(0 <= sigma <= MAX_SIGMA, f"{name} must be between 0 and {MAX_SIGMA:g}", sigma)
         _require(
             0 <= self.abort_fraction <= 1,
             "abort_fraction must be between 0 and 1",
