@@ -364,6 +364,18 @@ class BrokenPool(BlockPoolAllocator):
         raise AssertionError("counters: blocks_in_use 3 != recount 2")
 
 
+class PoolOutOfMemory(BlockPoolAllocator):
+    """Its check runs out of memory at the 3rd call, as a pool too large for the machine did."""
+
+    calls = 0
+
+    def check_invariants(self) -> None:
+        PoolOutOfMemory.calls += 1
+        if PoolOutOfMemory.calls == 3:
+            raise MemoryError
+        super().check_invariants()
+
+
 def test_check_invariants_runs_every_n_steps_and_at_the_end(
     capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -400,6 +412,21 @@ def test_broken_invariant_exits_1_and_says_where(
     assert captured.out == ""
     assert "veloxquant-mlx simulate: error: invariant broken at step" in captured.err
     assert "blocks_in_use 3 != recount 2" in captured.err
+
+
+def test_running_out_of_memory_exits_2_in_one_line_and_is_no_invariant_violation(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(command, "BlockPoolAllocator", PoolOutOfMemory)
+    PoolOutOfMemory.calls = 0
+    assert cli.main([*QUICK, "--check-invariants", "50", "--json"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err == (
+        "veloxquant-mlx simulate: error: out of memory at step 150 with a pool of 1,024 "
+        "blocks: these options need more memory than this machine has (ask for fewer "
+        "--n-blocks, --max-blocks, --duration or --arrival-rate)\n"
+    )
 
 
 def test_pool_is_built_from_the_pool_options(

@@ -6,9 +6,11 @@ terminal, else a line every 10 s for a log), and prints either the sizing table 
 Prometheus text or, with ``--json``, one JSON document on stdout.
 
 Exit codes: 0 on success; 1 if an invariant check failed (the message, on
-stderr, names the step and the broken invariant). Rejected requests (too
-large for the pool even alone) get a warning line on stderr, status still 0:
-the report is what was asked for. Usage errors exit with 2
+stderr, names the step and the broken invariant); 2 if the run ran out of
+memory (one line naming the step and the pool's size: options the memory
+estimate let through, such as a pool that grows without a cap). Rejected
+requests (too large for the pool even alone) get a warning line on stderr,
+status still 0: the report is what was asked for. Usage errors exit with 2
 before :func:`run` is called (see :mod:`veloxquant_mlx.cli`).
 
 Complexity: that of the simulation, O(steps + requests) pool calls.
@@ -22,7 +24,11 @@ import json
 import sys
 
 from veloxquant_mlx.memory.block_pool import BlockPoolAllocator
-from veloxquant_mlx.simulate.engine import ServingEngine, SimulationInvariantError
+from veloxquant_mlx.simulate.engine import (
+    ServingEngine,
+    SimulationInvariantError,
+    SimulationOutOfMemoryError,
+)
 from veloxquant_mlx.simulate.options import (
     DEFAULT_DURATION,
     pool_config_from,
@@ -59,7 +65,8 @@ deterministic for a seed, apart from the timings (the "timings" key of
 --json, the wall-time row of the table).
 
 Exit status: 0 ok (requests too large for the pool even alone get a warning
-line), 1 an invariant check failed, 2 bad input, 130 interrupted.
+line), 1 an invariant check failed, 2 bad input (also options that run the
+machine out of memory), 130 interrupted.
 """
 
 
@@ -86,17 +93,23 @@ def simulate(args: argparse.Namespace, *, show_progress: bool) -> SimulationRepo
 
     Raises:
         SimulationInvariantError: An invariant check failed.
+        SimulationOutOfMemoryError: The machine ran out of memory.
     """
     requests, arrival_steps = _workload(args)
     engine = ServingEngine(BlockPoolAllocator(pool_config_from(args)))
     with live_progress(len(requests), enabled=show_progress, stream=sys.stderr) as progress:
-        timing = run_workload(
-            engine,
-            requests,
-            min_steps=arrival_steps,
-            check_every=args.check_invariants,
-            on_progress=progress,
-        )
+        try:
+            timing = run_workload(
+                engine,
+                requests,
+                min_steps=arrival_steps,
+                check_every=args.check_invariants,
+                on_progress=progress,
+            )
+        except MemoryError:
+            raise SimulationOutOfMemoryError(
+                engine.step_index, engine.pool.stats.n_blocks
+            ) from None
     return build_report(
         engine,
         seed=args.seed,
@@ -116,6 +129,9 @@ def run(args: argparse.Namespace) -> int:
     except SimulationInvariantError as error:
         print(f"veloxquant-mlx simulate: error: {error}", file=sys.stderr)
         return 1
+    except SimulationOutOfMemoryError as error:
+        print(f"veloxquant-mlx simulate: error: {error}", file=sys.stderr)
+        return 2
     if args.json:
         json.dump(report_to_json(report), sys.stdout, indent=2)
         sys.stdout.write("\n")

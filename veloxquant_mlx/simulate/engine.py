@@ -72,6 +72,21 @@ class SimulationInvariantError(RuntimeError):
         self.step = step  # steps simulated when the check failed
 
 
+class SimulationOutOfMemoryError(RuntimeError):
+    """The machine ran out of memory during a run: its options asked for too much.
+
+    Not an invariant violation: no check failed, the pool could not be held.
+    """
+
+    def __init__(self, step: int, pool_blocks: int) -> None:
+        super().__init__(
+            f"out of memory at step {step:,} with a pool of {pool_blocks:,} blocks: these "
+            "options need more memory than this machine has (ask for fewer --n-blocks, "
+            "--max-blocks, --duration or --arrival-rate)"
+        )
+        self.step = step  # steps simulated when memory ran out
+
+
 @dataclass
 class RequestState:
     """A request's progress, whether waiting or running.
@@ -165,6 +180,8 @@ class ServingEngine:
         """
         try:
             self.pool.check_invariants()
+        except MemoryError:
+            raise  # the check could not run: no invariant is known to be broken
         except Exception as error:
             raise SimulationInvariantError(
                 self.step_index, f"pool.check_invariants() raised {error!r}"
