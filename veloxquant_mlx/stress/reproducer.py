@@ -9,14 +9,18 @@ the minimal failing window as timed lines. It needs nothing from the run::
 
 :func:`replay_trace` is that command's engine, for every trace: untimed
 lines apply in order, each checked against what it records; a maximal run
-of timed lines is a concurrent window, linearized on the spec from the
-state reached so far (no valid order: a violation, explained; the search
-budget run out: inconclusive), then applied in that order. ``on`` says
-where: ``spec`` (the executable spec alone), ``pool`` (the allocator beside
-the spec, or a port given instead, whose every observation is compared
-too; store calls are skipped) or a store backend (``numpy``, ``mlx``,
-``mlx-lazy``: the aliasing replay, which also checks the store's data). A
-partial trace that replays clean is inconclusive, never OK.
+of timed lines is a concurrent window, linearized on the spec from every
+state the lines before may end in (no valid order: a violation, explained;
+the search budget run out: inconclusive). Its orders may end in several
+states, and only some may allow the lines after it, so all are carried on
+(:class:`_Orders`), and the target is given the lines in an order that the
+whole trace allows. ``on`` says where: ``spec`` (the executable spec
+alone), ``pool`` (the allocator beside the spec, its outcomes compared call
+by call and everything observable after the last line; or a port given
+instead, whose every observation is compared after every call; store calls
+are skipped) or a store backend (``numpy``, ``mlx``, ``mlx-lazy``: the
+aliasing replay, which also checks the store's data). A partial trace that
+replays clean is inconclusive, never OK.
 
 Complexity: O(lines) spec transitions (stale handles compacted away), plus
 one search per window; on a store, what the aliasing replay costs. Thread
@@ -35,7 +39,7 @@ from veloxquant_mlx.commandline.files import atomic_file
 from veloxquant_mlx.commandline.progress import ProgressThrottle
 from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.stress.checker import Violation
-from veloxquant_mlx.stress.linearizability import DEFAULT_BUDGET, search
+from veloxquant_mlx.stress.linearizability import DEFAULT_BUDGET, Witness, search
 from veloxquant_mlx.stress.minimal import explain
 from veloxquant_mlx.stress.report import REPRODUCER_NAME
 from veloxquant_mlx.stress.specstep import (
@@ -120,6 +124,18 @@ class _Target:
                 return
             engine.apply(line.op, line.call, expect=line.outcome)
 
+    def compare_at_the_end(self) -> None:
+        """After the last line, everything observable on a pool compared only call by call
+        (``Check.OUTCOMES``, for long histories): a deviation that no outcome showed, such
+        as an exhaustive counterexample's query after its last call, is caught here.
+
+        Raises:
+            ConformanceError: The pool and the spec differ.
+        """
+        engine = self.engine
+        if isinstance(engine, Lockstep) and engine.check is Check.OUTCOMES:
+            engine.compare_observations()
+
     def compare_fresh_pool(self) -> None:
         """A port's fresh pool against the spec's, before any line: a counterexample found
         there (``exhaustive`` compares it first) has no call to replay.
@@ -169,40 +185,27 @@ def replay_trace(
         raise ValueError(f"a replay target must be one of {TARGETS}, got {on!r}")
     if port is not None and on != "pool":
         raise ValueError(f"a port is replayed on with on='pool', got {on!r}")
-    checkpoint = initial_checkpoint(spec_config(trace.pool), trace.history_len)
     target = _target(trace, on, port)
     if port is not None:
         on = f"port {port.name}"
+    orders = _Orders(trace, target, progress)
     try:
         target.compare_fresh_pool()
     except ConformanceError as failure:
         return Verdict.VIOLATION, f"replay on {on} FAILED: a fresh pool, before line 1: {failure}"
-    layers = trace.store.n_layers
-    throttle, replayed = ProgressThrottle(), 0
-    start = 0  # the position in trace.lines of the segment's first line
-    where = 0  # the file line of the line being replayed
     try:
         for timed, segment in _segments(trace.lines):
-            order = _linearize(checkpoint, segment, layers, budget) if timed else [0]
-            if isinstance(order, tuple):
-                return order  # no order, or none found within the budget
-            for index in order:
-                line, where = segment[index].untimed(), trace.file_line(start + index)
-                after = step(checkpoint.state, checkpoint.names, line, (), store_layers=layers)
-                if after is None:
-                    why = _contradiction(where, line, checkpoint, layers)
-                    return Verdict.VIOLATION, f"replay on {on} FAILED: {why}"
-                checkpoint = Checkpoint(*after)
-                if len(checkpoint.state.handles) - len(checkpoint.names) > _COMPACT_AFTER:
-                    checkpoint = compact(checkpoint.state, checkpoint.names)
-                target.apply(line)
-                replayed += 1
-                if progress is not None and throttle.due():
-                    total = len(trace.lines)
-                    progress(f"{replayed:,} of {total:,} lines, {throttle.seconds():.0f} s")
-            start += len(segment)
+            refused = orders.window(segment, budget) if timed else orders.line(segment[0])
+            if refused is not None:
+                verdict, why = refused
+                return (
+                    verdict,
+                    f"replay on {on} FAILED: {why}" if verdict is Verdict.VIOLATION else why,
+                )
+        orders.apply_pending()
+        target.compare_at_the_end()
     except (ReplayError, ConformanceError) as failure:
-        return Verdict.VIOLATION, f"replay on {on} FAILED: line {where}: {failure}"
+        return Verdict.VIOLATION, f"replay on {on} FAILED: line {orders.where}: {failure}"
     skipped = f" ({target.skipped} store calls left out)" if target.skipped else ""
     done = f"{len(trace.lines)} ops replayed on {on}{skipped}"
     if trace.partial:
@@ -213,21 +216,114 @@ def replay_trace(
     return Verdict.OK, f"{done}: ok"
 
 
-def _linearize(
-    start: Checkpoint, window: list[TraceLine], store_layers: int, budget: int | None
-) -> list[int] | tuple[Verdict, str]:
-    """A valid order of the window's lines from ``start`` (their indices), or the verdict
-    there is none."""
-    result = search([start], window, store_layers=store_layers, budget=budget, first_end_only=True)
-    if result.ends:
-        return list(next(iter(result.ends.values())).order)
-    if not result.complete:
-        return Verdict.INCONCLUSIVE, (
-            f"not decided: the search budget of {budget:,} configurations ran out on a window "
-            f"of {len(window)} calls"
-        )
-    why = explain([start], window, store_layers=store_layers, budget=budget)
-    return Verdict.VIOLATION, f"replay FAILED: a window is not linearizable: {why}"
+@dataclass(frozen=True)
+class _Segment:
+    """Lines replayed on the spec but not yet on the target: ``lines`` from position
+    ``start`` of the trace, and, for each state the spec may now be in, how it got there
+    (``witnesses[i]``: from which earlier state, in which order of ``lines``)."""
+
+    start: int
+    lines: list[TraceLine]
+    witnesses: list[Witness]
+
+
+class _Orders:
+    """Every spec state the lines so far may end in, and the target kept one order behind.
+
+    A window's calls may be linearized in several orders that end in different
+    states, and a later line may allow only some of them; so every end state is
+    carried on (as the stress checker carries them), each with how it was
+    reached. The target, a real pool or store that cannot go back, is given the
+    lines once a single state is left, in the order that leads to it.
+
+    Invariants: ``frontier`` is not empty; ``pending[k].witnesses`` has one
+    entry per state the spec could be in after ``pending[k]``, the last
+    segment's aligned with ``frontier``.
+    """
+
+    def __init__(
+        self, trace: Trace, target: _Target, progress: Callable[[str], None] | None
+    ) -> None:
+        self.trace: Final = trace
+        self.target: Final = target
+        self.layers: Final = trace.store.n_layers
+        self.frontier = [initial_checkpoint(spec_config(trace.pool), trace.history_len)]
+        self.pending: list[_Segment] = []
+        self.next_line = 0  # the trace position of the next segment's first line
+        self.where = 0  # the file line of the line last given to the target
+        self.replayed = 0
+        self.progress: Final = progress
+        self.throttle: Final = ProgressThrottle()
+
+    def line(self, line: TraceLine) -> tuple[Verdict, str] | None:
+        """Step an untimed line from every state; the refusal if no state allows it."""
+        ends: dict[Checkpoint, Witness] = {}
+        for index, checkpoint in enumerate(self.frontier):
+            after = step(checkpoint.state, checkpoint.names, line, (), store_layers=self.layers)
+            if after is not None:
+                ends.setdefault(_compacted(Checkpoint(*after)), Witness(index, (0,)))
+        if not ends:
+            where = self.trace.file_line(self.next_line)
+            why = _contradiction(where, line, self.frontier[0], self.layers)
+            if len(self.frontier) > 1:
+                why += f" (nor in any of the {len(self.frontier)} states the window before allows)"
+            return Verdict.VIOLATION, why
+        self._advance([line], ends)
+        return None
+
+    def window(self, lines: list[TraceLine], budget: int | None) -> tuple[Verdict, str] | None:
+        """Linearize a window from every state; the verdict if it has no valid order."""
+        result = search(self.frontier, lines, store_layers=self.layers, budget=budget)
+        if not result.complete:
+            return Verdict.INCONCLUSIVE, (
+                f"not decided: the search budget of {budget:,} configurations ran out on a "
+                f"window of {len(lines)} calls"
+            )
+        if not result.ends:
+            why = explain(self.frontier, lines, store_layers=self.layers, budget=budget)
+            return Verdict.VIOLATION, f"a window is not linearizable: {why}"
+        self._advance(lines, result.ends)
+        return None
+
+    def _advance(self, lines: list[TraceLine], ends: dict[Checkpoint, Witness]) -> None:
+        self.pending.append(_Segment(self.next_line, lines, list(ends.values())))
+        self.frontier = list(ends)
+        self.next_line += len(lines)
+        if len(self.frontier) == 1:
+            self.apply_pending()
+
+    def apply_pending(self) -> None:
+        """Give the target the pending lines in the order that reaches ``frontier[0]``.
+
+        Raises:
+            ReplayError, ConformanceError: The target refuses a line or disagrees.
+        """
+        orders: list[tuple[int, ...]] = []
+        state = 0
+        for segment in reversed(self.pending):
+            witness = segment.witnesses[state]
+            orders.append(witness.order)
+            state = witness.start
+        for segment, order in zip(self.pending, reversed(orders), strict=True):
+            for index in order:
+                self.where = self.trace.file_line(segment.start + index)
+                self.target.apply(segment.lines[index].untimed())
+                self._count_one()
+        self.pending.clear()
+        self.frontier = self.frontier[:1]
+
+    def _count_one(self) -> None:
+        self.replayed += 1
+        if self.progress is not None and self.throttle.due():
+            total = len(self.trace.lines)
+            self.progress(f"{self.replayed:,} of {total:,} lines, {self.throttle.seconds():.0f} s")
+
+
+def _compacted(checkpoint: Checkpoint) -> Checkpoint:
+    """``checkpoint``, its stale handles compacted away once they pile up."""
+    if len(checkpoint.state.handles) - len(checkpoint.names) > _COMPACT_AFTER:
+        return compact(checkpoint.state, checkpoint.names)
+    return checkpoint
 
 
 def _contradiction(file_line: int, line: TraceLine, at: Checkpoint, layers: int) -> str:
