@@ -28,6 +28,7 @@ from veloxquant_mlx.commandline.verdicts import Verdict
 from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, PoolConfig
 from veloxquant_mlx.memory.mlx_storage import MLXBlockStorage
 from veloxquant_mlx.memory.numpy_storage import NumpyBlockStorage
+from veloxquant_mlx.stress import reproducer
 from veloxquant_mlx.stress.reproducer import replay_trace
 from veloxquant_mlx.testing.aliasing import (
     AliasingReplay,
@@ -580,6 +581,31 @@ def test_replay_catches_a_read_that_a_later_write_leaks_into() -> None:
         replay(trace(*ops), numpy_variant(ViewReturningStorage))
     assert raised.value.op_index == 2
     assert "a later write leaked into an earlier read" in raised.value.detail
+
+
+@pytest.mark.parametrize("hold", [2, 5])
+def test_a_read_held_past_the_last_line_is_still_checked_at_the_end(hold: int) -> None:
+    # Once never checked: a held read was first evaluated when its hold ended, and a
+    # trace that ended first let a write leak into it unseen.
+    ops = (Allocate("kv", 2, owner=1), Gather(0, (h(0, 0),), 2, hold=hold), Write(0, h(0, 0), 0, 1))
+    with pytest.raises(ReplayError, match="at the end: the array returned by read op #1") as raised:
+        replay(trace(*ops), numpy_variant(ViewReturningStorage))
+    assert raised.value.op_index == 2
+    replay(trace(*ops), numpy_backend())  # a sound store
+
+
+def test_the_replay_command_checks_reads_held_past_the_last_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    ops = (Allocate("kv", 2, owner=1), Gather(0, (h(0, 0),), 2, hold=5), Write(0, h(0, 0), 0, 1))
+    sound = replay_trace(trace(*ops), "numpy")
+    assert sound[0] is Verdict.OK, sound[1]
+    monkeypatch.setattr(
+        reproducer, "builtin_backend", lambda _: numpy_variant(ViewReturningStorage)
+    )
+    verdict, message = replay_trace(trace(*ops), "numpy")
+    assert verdict is Verdict.VIOLATION
+    assert "at the end: the array returned by read op #1 changed after it was taken" in message
 
 
 def test_replay_catches_an_mlx_read_mutated_in_place_even_when_evaluated_late() -> None:

@@ -144,6 +144,16 @@ class LinearizedReplay:
             f"{self.ops_not_replayed:,} linearized calls", f"not {done}: {self.stopped_because}"
         )
 
+    def finish(self) -> None:
+        """After the last call: the reads still held are checked (a failure is kept, as
+        :meth:`feed` keeps one); nothing if replaying stopped or failed before."""
+        if self._engine is None or self.failure is not None or self.stopped_because is not None:
+            return
+        try:
+            self._engine.finish()
+        except ReplayError as failure:
+            self.failure = failure
+
     def close(self, *, complete: bool) -> None:
         """Close the trace; if ``complete`` (every call of the run in it), publish it whole.
 

@@ -125,15 +125,19 @@ class _Target:
             engine.apply(line.op, line.call, expect=line.outcome)
 
     def compare_at_the_end(self) -> None:
-        """After the last line, everything observable on a pool compared only call by call
-        (``Check.OUTCOMES``, for long histories): a deviation that no outcome showed, such
-        as an exhaustive counterexample's query after its last call, is caught here.
+        """After the last line: a store's reads still held are checked, and everything
+        observable on a pool compared only call by call (``Check.OUTCOMES``, for long
+        histories), where a deviation that no outcome showed, such as an exhaustive
+        counterexample's query after its last call, is.
 
         Raises:
+            ReplayError: A held read changed.
             ConformanceError: The pool and the spec differ.
         """
         engine = self.engine
-        if isinstance(engine, Lockstep) and engine.check is Check.OUTCOMES:
+        if isinstance(engine, AliasingReplay):
+            engine.finish()
+        elif isinstance(engine, Lockstep) and engine.check is Check.OUTCOMES:
             engine.compare_observations()
 
     def compare_fresh_pool(self) -> None:

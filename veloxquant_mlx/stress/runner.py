@@ -295,6 +295,8 @@ class _Run:
         finally:
             # After a deadlock the stuck calls never ended: the history has no end either.
             stalled = any(finding.kind == "deadlock" for finding in self.findings)
+            if checking.complete and not self.interrupt.is_set():
+                replay.finish()
             whole = checking.complete and replay.failure is None and not self.interrupt.is_set()
             replay.close(complete=whole and not stalled)
             self._report_replay_failure()

@@ -225,9 +225,25 @@ class AliasingReplay(Generic[ArrayT]):
         return recorded
 
     def run(self, lines: Iterable[TraceLine]) -> None:
-        """Apply ``lines`` in order, stopping at the first failure."""
+        """Apply ``lines`` in order, stopping at the first failure, then :meth:`finish`."""
         for line in lines:
             self.apply(line)
+        self.finish()
+
+    def finish(self) -> None:
+        """Check every read still held: the lines ended before its ``hold`` ran out, and a
+        write after it must not have changed it all the same.
+
+        Raises:
+            ReplayError: Naming the last line applied, if a held read changed.
+        """
+        try:
+            for read in self._held:
+                self._check_read(read)
+        except _CheckError as broken:
+            last = len(self._applied) - 1
+            raise ReplayError(last, self._applied[last], f"at the end: {broken}") from None
+        self._held.clear()
 
     def trace(self) -> Trace:
         """The lines applied so far (with outcomes; a failing line as given), as a trace."""

@@ -242,6 +242,7 @@ def drive_random_trace(
     try:
         for _ in range(data.draw(st.integers(1, max_ops))):
             engine.apply(_draw_line(data, engine))
+        engine.finish()
     except ReplayError:
         path = save_failing_trace(engine.trace(), backend.name)
         note(f"failing trace ({backend.name}); replay it with veloxquant-mlx replay:")
