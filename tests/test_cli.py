@@ -73,6 +73,28 @@ def test_bare_simulate_prints_the_sizing_table_and_prometheus_text(
     assert all(line.startswith("simulate: step ") for line in captured.err.splitlines())
 
 
+@pytest.mark.parametrize(
+    ("pool", "caption"),
+    [
+        (["--n-blocks", "64"], "Peak capped by the pool size; rerun with --grow"),
+        (  # once without a caption: a peak at the cap read as the demand
+            ["--grow", "--n-blocks", "0", "--max-blocks", "100"],
+            "Peak capped by --max-blocks; raise it, or leave it out",
+        ),
+        ([], None),  # never exhausted
+        (["--grow", "--n-blocks", "0"], None),  # grows as far as the demand
+    ],
+)
+def test_the_table_says_the_peak_was_capped_exactly_when_the_pool_refused_at_its_limit(
+    capsys: pytest.CaptureFixture[str], pool: list[str], caption: str | None
+) -> None:
+    assert cli.main([*QUICK, *pool]) == 0
+    out = " ".join(capsys.readouterr().out.split())  # the caption may wrap
+    assert "Peak capped" in out if caption else "Peak capped" not in out
+    if caption:
+        assert caption in out
+
+
 def test_prometheus_text_in_the_table_output_is_verbatim(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -269,6 +291,13 @@ def test_no_progress_option_keeps_a_terminal_stderr_clean(
             "--max-blocks must be >= --n-blocks (1024), got 10",
         ),
         (["--n-blocks", "0"], "--n-blocks 0 needs --grow"),
+        (  # once accepted: K got 513 blocks and V 512, and the 513th K block was never used
+            ["--n-blocks", "1025"],
+            "--n-blocks must be even with separate K and V free lists (every request takes as "
+            "many K blocks as V blocks, so an odd one is never used), got 1025; or pass "
+            "--shared-kv",
+        ),
+        (["--grow", "--max-blocks", "2049"], "--max-blocks must be even with separate K and V"),
         (  # once silently ignored: decode lengths are geometric by default
             ["--decode-sigma", "2"],
             "--decode-sigma 2 has no effect with --decode-dist geometric",

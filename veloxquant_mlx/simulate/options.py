@@ -48,7 +48,8 @@ def _add_pool_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_at_least(0),
         default=defaults.n_blocks,
         metavar="BLOCKS",
-        help="initial blocks, K and V together; 0 needs --grow (default: %(default)s)",
+        help="initial blocks, K and V together (even, unless --shared-kv: each stream gets "
+        "half); 0 needs --grow (default: %(default)s)",
     )
     group.add_argument(
         "--shared-kv",
@@ -65,7 +66,8 @@ def _add_pool_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_at_least(0),
         default=None,
         metavar="BLOCKS",
-        help="cap on the grown pool's total blocks (needs --grow; default: no cap)",
+        help="cap on the grown pool's total blocks, K and V together (needs --grow; even, "
+        "unless --shared-kv; default: no cap)",
     )
 
 
@@ -199,6 +201,14 @@ def validate(args: argparse.Namespace) -> str | None:
         return f"--max-blocks must be >= --n-blocks ({args.n_blocks}), got {args.max_blocks}"
     if args.n_blocks == 0 and not args.grow:
         return "--n-blocks 0 needs --grow (a pool with no blocks can only grow)"
+    if not args.shared_kv:
+        for option, blocks in (("--n-blocks", args.n_blocks), ("--max-blocks", args.max_blocks)):
+            if blocks is not None and blocks % 2:
+                return (
+                    f"{option} must be even with separate K and V free lists (every request "
+                    f"takes as many K blocks as V blocks, so an odd one is never used), "
+                    f"got {blocks}; or pass --shared-kv"
+                )
     for stream in ("prompt", "decode"):
         sigma, dist = getattr(args, f"{stream}_sigma"), getattr(args, f"{stream}_dist")
         if sigma is not None and dist != "lognormal":

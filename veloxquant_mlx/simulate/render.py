@@ -171,8 +171,13 @@ def _throughput_rows(report: SimulationReport) -> list[tuple[str, str]]:
 
 
 def _caption(report: SimulationReport) -> str | None:
-    if report.pool.exhausted and not report.pool_config["grow_on_exhaustion"]:
+    """Why the peak may be below the demand: the pool refused an allocation at its limit."""
+    if not report.pool.exhausted:
+        return None
+    if not report.pool_config["grow_on_exhaustion"]:
         return "Peak capped by the pool size; rerun with --grow for unconstrained demand."
+    if report.pool_config["max_blocks"] is not None:
+        return "Peak capped by --max-blocks; raise it, or leave it out, for unconstrained demand."
     return None
 
 
