@@ -27,7 +27,7 @@ from veloxquant_mlx.simulate import command
 
 QUICK = ["simulate", "--duration", "300", "--no-progress"]
 
-DISTRIBUTION_KEYS = {"min", "mean", "median", "p95", "max"}
+DISTRIBUTION_KEYS = {"min", "mean", "median", "p95", "max", "count"}
 
 
 def run_json(capsys: pytest.CaptureFixture[str], *args: str) -> dict[str, Any]:
@@ -95,6 +95,42 @@ def test_the_table_says_the_peak_was_capped_exactly_when_the_pool_refused_at_its
         assert caption in out
 
 
+def test_a_series_with_no_sample_is_null_and_a_dash_never_a_zero(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Once zeros: a run where nothing arrived, or nothing completed, showed latencies of 0.
+    idle = ["--arrival-rate", "1e-9", "--duration", "5"]
+    document = run_json(capsys, *idle)
+    assert document["schema_version"] == 2
+    assert document["requests"]["total"] == 0
+    for series in ("latency_steps", "queue_wait_steps", "prompt_len", "decode_len"):
+        assert document["requests"][series] is None
+    assert document["pool"]["blocks_in_use"]["count"] == document["throughput"]["steps"]
+    assert cli.main(["simulate", "--no-progress", *idle]) == 0
+    captured = capsys.readouterr()
+    latency = next(line for line in captured.out.splitlines() if "latency, steps" in line)
+    assert [cell.strip() for cell in latency.split("│")[2:8]] == ["—"] * 5 + ["0"]
+    assert captured.err == (
+        "veloxquant-mlx simulate: warning: no request arrived in 5 steps at --arrival-rate "
+        "1e-09: the figures are those of an idle pool; raise --duration or --arrival-rate\n"
+    )
+
+
+def test_the_lengths_drawn_are_reported_beside_the_means_asked(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Once hidden: prompts asked to average 3,000 tokens were cut to the context window.
+    document = run_json(capsys, "--prompt-mean", "3000")
+    drawn = document["requests"]["prompt_len"]
+    assert document["workload"]["prompt_mean"] == 3000
+    assert drawn["max"] == 4095  # the context window less the one generated token
+    assert drawn["mean"] < 2700
+    assert cli.main([*QUICK, "--prompt-mean", "3000"]) == 0
+    words = " ".join(capsys.readouterr().out.split())
+    assert f"mean prompt / generated length │ {drawn['mean']:,.1f} / " in words
+    assert "(asked 3,000 / 128)" in words
+
+
 def test_prometheus_text_in_the_table_output_is_verbatim(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -155,7 +191,10 @@ def test_json_figures_agree_with_each_other(capsys: pytest.CaptureFixture[str]) 
     assert pool["blocks_in_use_at_end"] == 0
     assert pool["peak_pct_of_pool"] == pytest.approx(100 * pool["peak_blocks_in_use"] / 160)
     assert pool["reuse_ratio"] == pytest.approx(pool["reused"] / pool["blocks_handed_out"])
-    assert pool["blocks_in_use"]["max"] == pool["peak_blocks_in_use"]
+    # Sampled at the end of each step, below the peak within a step at most.
+    assert pool["blocks_in_use"]["max"] <= pool["peak_blocks_in_use"]
+    assert requests["latency_steps"]["count"] == requests["completed"]
+    assert requests["prompt_len"]["count"] == requests["total"]
     samples = prometheus_samples(document["prometheus"])
     assert samples["veloxquant_block_pool_allocations_total"] == pool["allocations"]
     assert samples["veloxquant_block_pool_exhausted_total"] == pool["exhausted"]
@@ -309,6 +348,10 @@ def test_no_progress_option_keeps_a_terminal_stderr_clean(
         (
             ["--prompt-mean", "5000"],
             "--prompt-mean must be < --max-seq-len (4096), got 5000",
+        ),
+        (  # once accepted: every request was cut to the context window, the mean kept
+            ["--decode-mean", "100000"],
+            "--decode-mean must be < --max-seq-len (4096), got 100000",
         ),
         (  # once a traceback: the mean-keeping mu overflowed and a length came out NaN
             ["--prompt-sigma", "1e308"],

@@ -64,8 +64,8 @@ lengths geometric (a constant chance of stopping at each token). Output is
 deterministic for a seed, apart from the timings (the "timings" key of
 --json, the wall-time row of the table).
 
-Exit status: 0 ok (requests too large for the pool even alone get a warning
-line), 1 an invariant check failed, 2 bad input (also options that run the
+Exit status: 0 ok (requests too large for the pool even alone, or no request
+at all, get a warning line), 1 an invariant check failed, 2 bad input (also options that run the
 machine out of memory), 130 interrupted.
 """
 
@@ -137,10 +137,22 @@ def run(args: argparse.Namespace) -> int:
         sys.stdout.write("\n")
     else:
         print_report(report, sys.stdout)
-    warning = rejection_warning(report)
-    if warning is not None:
-        print(f"veloxquant-mlx simulate: warning: {warning}", file=sys.stderr)
+    for warning in (idle_warning(report), rejection_warning(report)):
+        if warning is not None:
+            print(f"veloxquant-mlx simulate: warning: {warning}", file=sys.stderr)
     return 0
+
+
+def idle_warning(report: SimulationReport) -> str | None:
+    """One line for stderr when no request arrived, so an idle pool's zeros are not taken
+    for a sizing; ``None`` when some did."""
+    if report.requests.total:
+        return None
+    steps, rate = report.throughput.arrival_steps, report.workload["arrival_rate"]
+    return (
+        f"no request arrived in {steps:,} steps at --arrival-rate {rate:g}: the figures "
+        "are those of an idle pool; raise --duration or --arrival-rate"
+    )
 
 
 def rejection_warning(report: SimulationReport) -> str | None:

@@ -165,7 +165,9 @@ class ServingEngine:
 
     def step(self, arrivals: Iterable[Request]) -> None:
         """Simulate one step with ``arrivals`` joining the queue first."""
-        self.waiting.extend(RequestState(request) for request in arrivals)
+        for request in arrivals:
+            self.recorder.record_arrival(request.prompt_len, request.decode_len)
+            self.waiting.append(RequestState(request))
         self._decode_running()
         self._admit_waiting()
         self._record_sample()

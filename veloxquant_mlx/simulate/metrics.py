@@ -9,7 +9,8 @@ end-to-end latency on completion). :func:`summarize` turns a series into a
 Percentiles use the nearest-rank method (the smallest sample such that at
 least p% of samples are at or below it), so every reported p95 is a value
 that actually occurred. The median is the usual midpoint median. An empty
-series summarises to all zeros.
+series (no request completed, say) has no summary: ``None``, ``null`` in
+JSON and a dash in the table, never a figure of 0 that no sample gave.
 
 Complexity: recording is O(1) amortised per sample; :func:`summarize` is
 O(n log n) in the series length. Memory is O(steps + requests).
@@ -30,10 +31,10 @@ DECIMALS = 6  # figures are rounded so that reports stay readable and diff clean
 
 @dataclass(frozen=True)
 class Distribution:
-    """Summary of a series of samples.
+    """Summary of a non-empty series of samples.
 
-    Invariant: ``min <= median <= p95 <= max`` and ``min <= mean <= max``
-    (all zero for an empty series).
+    Invariant: ``count >= 1``; ``min <= median <= p95 <= max`` and
+    ``min <= mean <= max``.
     """
 
     min: float
@@ -41,6 +42,7 @@ class Distribution:
     median: float
     p95: float
     max: float
+    count: int  # samples summarised
 
 
 def percentile(ordered: Sequence[float], percent: float) -> float:
@@ -57,10 +59,10 @@ def percentile(ordered: Sequence[float], percent: float) -> float:
     return ordered[rank - 1]
 
 
-def summarize(samples: Sequence[float]) -> Distribution:
-    """Summarise ``samples`` (any order) as a :class:`Distribution`."""
+def summarize(samples: Sequence[float]) -> Distribution | None:
+    """Summarise ``samples`` (any order) as a :class:`Distribution`; ``None`` if empty."""
     if not samples:
-        return Distribution(0.0, 0.0, 0.0, 0.0, 0.0)
+        return None
     ordered = sorted(samples)
     return Distribution(
         min=round(float(ordered[0]), DECIMALS),
@@ -68,6 +70,7 @@ def summarize(samples: Sequence[float]) -> Distribution:
         median=round(float(statistics.median(ordered)), DECIMALS),
         p95=round(float(percentile(ordered, 95)), DECIMALS),
         max=round(float(ordered[-1]), DECIMALS),
+        count=len(ordered),
     )
 
 
@@ -87,7 +90,8 @@ class Recorder:
     """Accumulates per-step samples and per-request timings for one run.
 
     Invariant: every series grows by exactly one item per recorded
-    step (the ``StepSample`` fields) or per request event (waits, latencies).
+    step (the ``StepSample`` fields) or per request event (lengths at
+    arrival, waits, latencies).
     """
 
     # Typed arrays: 8 bytes a sample, so a million-step run stays small.
@@ -100,6 +104,8 @@ class Recorder:
     running: array[int] = field(default_factory=lambda: array("q"))
     queue_waits: array[int] = field(default_factory=lambda: array("q"))  # at first admission
     latencies: array[int] = field(default_factory=lambda: array("q"))  # arrival to completion
+    prompt_lens: array[int] = field(default_factory=lambda: array("q"))  # per arrival
+    decode_lens: array[int] = field(default_factory=lambda: array("q"))  # per arrival, as drawn
 
     def record_step(self, sample: StepSample) -> None:
         """Append one step's sample to every per-step series."""
@@ -108,6 +114,11 @@ class Recorder:
         self.wasted_slots.append(sample.wasted_slots)
         self.queue_len.append(sample.queue_len)
         self.running.append(sample.running)
+
+    def record_arrival(self, prompt_len: int, decode_len: int) -> None:
+        """Note a request's lengths as drawn (after the context window's cap)."""
+        self.prompt_lens.append(prompt_len)
+        self.decode_lens.append(decode_len)
 
     def record_admission(self, waited_steps: int) -> None:
         """Note a request's first admission after ``waited_steps`` in the queue."""

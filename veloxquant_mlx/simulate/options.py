@@ -216,8 +216,9 @@ def validate(args: argparse.Namespace) -> str | None:
                 f"--{stream}-sigma {sigma:g} has no effect with --{stream}-dist {dist}; "
                 f"expected --{stream}-dist lognormal, or no --{stream}-sigma"
             )
-    if args.prompt_mean >= args.max_seq_len:
-        return f"--prompt-mean must be < --max-seq-len ({args.max_seq_len}), got {args.prompt_mean}"
+    for option, mean in (("--prompt-mean", args.prompt_mean), ("--decode-mean", args.decode_mean)):
+        if mean >= args.max_seq_len:
+            return f"{option} must be < --max-seq-len ({args.max_seq_len}), got {mean}"
     try:
         require_fits_in_memory(memory_estimate(args), _sizes_named(args))
     except ValueError as error:

@@ -121,7 +121,10 @@ def _pool_rows(report: SimulationReport) -> list[tuple[str, str]]:
     return [
         ("pool size (blocks)", size),
         ("layout", _pool_layout(report)),
-        ("peak blocks in use", _peak(pool.peak_blocks_in_use, pool.peak_pct_of_pool)),
+        (
+            "peak blocks in use (within a step)",
+            _peak(pool.peak_blocks_in_use, pool.peak_pct_of_pool),
+        ),
         ("exhaustion events", _count(pool.exhausted)),
         ("reuse ratio (reused / handed out)", f"{pool.reuse_ratio:.3f}"),
         ("blocks handed out / reused", f"{_count(pool.blocks_handed_out)} / {_count(pool.reused)}"),
@@ -136,6 +139,7 @@ def _request_rows(report: SimulationReport) -> list[tuple[str, str]]:
     requests = report.requests
     return [
         ("requests", _count(requests.total)),
+        ("mean prompt / generated length", _mean_lengths(report)),
         (
             "completed / aborted / rejected",
             (
@@ -149,6 +153,15 @@ def _request_rows(report: SimulationReport) -> list[tuple[str, str]]:
     ]
 
 
+def _mean_lengths(report: SimulationReport) -> str:
+    """The lengths' means as drawn beside those asked: the context window caps the tail."""
+    prompt, decode = report.requests.prompt_len, report.requests.decode_len
+    asked = f"(asked {report.workload['prompt_mean']:,} / {report.workload['decode_mean']:,})"
+    if prompt is None or decode is None:
+        return f"— {asked}"
+    return f"{prompt.mean:,.1f} / {decode.mean:,.1f} {asked}"
+
+
 def _throughput_rows(report: SimulationReport) -> list[tuple[str, str]]:
     throughput = report.throughput
     drain = throughput.steps - throughput.arrival_steps
@@ -157,8 +170,8 @@ def _throughput_rows(report: SimulationReport) -> list[tuple[str, str]]:
             "steps (arrival + drain)",
             f"{_count(throughput.steps)} ({_count(throughput.arrival_steps)} + {_count(drain)})",
         ),
-        ("decode tokens per step", f"{throughput.decode_tokens_per_step:,.2f}"),
-        ("completed per 1k steps", f"{throughput.completed_per_1k_steps:,.1f}"),
+        ("decode tokens per step (drain in)", f"{throughput.decode_tokens_per_step:,.2f}"),
+        ("completed per 1k steps (drain in)", f"{throughput.completed_per_1k_steps:,.1f}"),
         (
             "prefill / recomputed tokens",
             f"{_count(throughput.prefill_tokens)} / {_count(throughput.recomputed_tokens)}",
@@ -200,45 +213,55 @@ def figures_table(report: SimulationReport) -> Table:
     return table
 
 
-def _distribution_rows(report: SimulationReport) -> list[tuple[str, Distribution, int]]:
+def _distribution_rows(report: SimulationReport) -> list[tuple[str, Distribution | None, int]]:
     """(label, distribution, decimals) for every series the report summarises."""
     return [
         ("blocks in use", report.pool.blocks_in_use, 0),
-        ("fragmentation", report.fragmentation, 3),
+        ("fragmentation ¹", report.fragmentation, 3),
         ("wasted token slots", report.wasted_slots.slots, 0),
         ("queue length", report.requests.queue_len, 0),
         ("batch size (running)", report.throughput.batch_size, 0),
-        ("queue wait, steps ¹", report.requests.queue_wait_steps, 0),
-        ("latency, steps ²", report.requests.latency_steps, 0),
+        ("queue wait, steps ²", report.requests.queue_wait_steps, 0),
+        ("latency, steps ³", report.requests.latency_steps, 0),
+        ("prompt length ⁴", report.requests.prompt_len, 0),
+        ("generated length ⁴", report.requests.decode_len, 0),
     ]
 
 
+def _summary_cells(distribution: Distribution | None, decimals: int) -> list[str]:
+    """min, mean, median, p95, max and the sample count; dashes for a series with no sample."""
+    if distribution is None:
+        return ["—"] * 5 + ["0"]
+    values = (
+        distribution.min,
+        distribution.mean,
+        distribution.median,
+        distribution.p95,
+        distribution.max,
+    )
+    mean_decimals = max(decimals, 1)
+    cells = [
+        f"{value:,.{mean_decimals if column == 1 else decimals}f}"
+        for column, value in enumerate(values)
+    ]
+    return [*cells, f"{distribution.count:,}"]
+
+
 def distributions_table(report: SimulationReport) -> Table:
-    """Every sampled series of ``report`` with its min, mean, median, p95 and max."""
+    """Every sampled series of ``report`` with its min, mean, median, p95, max and count."""
     table = Table(
-        title="Over the run (sampled every step)",
-        caption="¹ per admitted request, arrival to first admission; "
-        "² per completed request, arrival to completion",
+        title="Over the run (sampled at the end of every step)",
+        caption="¹ partly filled blocks over all the pool's blocks (pool.fragmentation()), "
+        "so a larger pool shows less; the wasted token slots are the requests' own waste; "
+        "² per admitted request, arrival to first admission; "
+        "³ per completed request, arrival to completion; "
+        "⁴ per request as drawn, after --max-seq-len's cap (aborts stop some earlier)",
     )
     table.add_column("series", style="bold")
-    for column in ("min", "mean", "median", "p95", "max"):
+    for column in ("min", "mean", "median", "p95", "max", "samples"):
         table.add_column(column, justify="right")
     for label, distribution, decimals in _distribution_rows(report):
-        values = (
-            distribution.min,
-            distribution.mean,
-            distribution.median,
-            distribution.p95,
-            distribution.max,
-        )
-        mean_decimals = max(decimals, 1)
-        table.add_row(
-            label,
-            *(
-                f"{value:,.{mean_decimals if column == 1 else decimals}f}"
-                for column, value in enumerate(values)
-            ),
-        )
+        table.add_row(label, *_summary_cells(distribution, decimals))
     return table
 
 

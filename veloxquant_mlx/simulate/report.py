@@ -19,6 +19,11 @@ Definitions:
   ``mean_pct_of_allocated`` is the run's total waste over its total allocated
   slots.
 * *decode_tokens_per_step*: generated tokens over all steps, drain included.
+* a series (``Distribution``) is ``None`` when it has no sample: no request
+  was admitted, or none completed.
+* *prompt_len*, *decode_len*: the lengths the requests were drawn with,
+  after the context window's cap (``--max-seq-len``), so their means can be
+  below the means asked for.
 
 Complexity: O(steps log steps) for the percentiles.
 Thread safety: pure functions over immutable values.
@@ -36,7 +41,9 @@ from veloxquant_mlx.simulate.metrics import DECIMALS, Distribution, summarize
 from veloxquant_mlx.simulate.runner import RunTiming
 from veloxquant_mlx.simulate.workload import WorkloadConfig
 
-SCHEMA_VERSION = 1  # bump when a key of report_to_json changes meaning or goes away
+#: Bump when a key of report_to_json changes meaning or goes away. 2: a series with no
+#: sample is null (it was all zeros), and every series has its ``count``.
+SCHEMA_VERSION = 2
 
 ConfigValue = int | float | str | bool | None
 
@@ -49,7 +56,7 @@ class PoolFigures:
     final_blocks: int  # stats.n_blocks at the end (initial + grown)
     peak_blocks_in_use: int
     peak_pct_of_pool: float | None  # peak over initial_blocks, percent
-    blocks_in_use: Distribution  # sampled at the end of every step
+    blocks_in_use: Distribution | None  # sampled at the end of every step
     blocks_in_use_at_end: int  # 0 unless blocks leaked
     allocations: int  # successful allocate() calls
     frees: int  # free()/free_all() calls that freed something
@@ -71,16 +78,18 @@ class RequestFigures:
     preemptions: int  # evictions to let an older request grow
     admission_failures: int  # admission attempts refused for lack of blocks
     delayed_admissions: int  # requests first admitted after their arrival step
-    queue_len: Distribution  # waiting requests, per step
-    queue_wait_steps: Distribution  # arrival to first admission, per admitted request
-    latency_steps: Distribution  # arrival to completion, per completed request
+    queue_len: Distribution | None  # waiting requests, per step
+    queue_wait_steps: Distribution | None  # arrival to first admission, per admitted request
+    latency_steps: Distribution | None  # arrival to completion, per completed request
+    prompt_len: Distribution | None  # per arrived request, after the context window's cap
+    decode_len: Distribution | None  # as prompt_len: tokens to generate, aborts not cut
 
 
 @dataclass(frozen=True)
 class WasteFigures:
     """Allocated token slots that hold no token (internal fragmentation)."""
 
-    slots: Distribution  # per step; .max is the peak
+    slots: Distribution | None  # per step; .max is the peak
     mean_pct_of_allocated: float
 
 
@@ -95,7 +104,7 @@ class ThroughputFigures:
     recomputed_tokens: int  # prefill redone after preemption
     decode_tokens_per_step: float
     completed_per_1k_steps: float
-    batch_size: Distribution  # running requests, per step
+    batch_size: Distribution | None  # running requests, per step
 
 
 @dataclass(frozen=True)
@@ -109,7 +118,7 @@ class SimulationReport:
     run: dict[str, ConfigValue]  # how long the run was and how it was checked
     pool: PoolFigures
     requests: RequestFigures
-    fragmentation: Distribution  # pool.fragmentation(), per step
+    fragmentation: Distribution | None  # pool.fragmentation(), per step
     wasted_slots: WasteFigures
     throughput: ThroughputFigures
     prometheus: str  # pool.stats.to_prometheus() at the end
@@ -168,6 +177,8 @@ def _request_figures(engine: ServingEngine, total: int) -> RequestFigures:
         queue_len=summarize(engine.recorder.queue_len),
         queue_wait_steps=summarize(engine.recorder.queue_waits),
         latency_steps=summarize(engine.recorder.latencies),
+        prompt_len=summarize(engine.recorder.prompt_lens),
+        decode_len=summarize(engine.recorder.decode_lens),
     )
 
 
