@@ -16,7 +16,12 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from veloxquant_mlx.memory.block_pool import Block, BlockPoolAllocator, InvariantViolationError
+from veloxquant_mlx.memory.block_pool import (
+    AllocationStats,
+    Block,
+    BlockPoolAllocator,
+    InvariantViolationError,
+)
 from veloxquant_mlx.testing.conformance import PoolConformanceMachine
 from veloxquant_mlx.testing.lockstep import AllocatorFactory, ConformanceError
 
@@ -99,6 +104,59 @@ class GrowthIgnoresCap(BlockPoolAllocator):
             finally:
                 object.__setattr__(config, "max_blocks", config.max_blocks - 1)
         return super().allocate(stream, n_tokens, owner, format)
+
+
+class IsLiveAnswersAnInt(BlockPoolAllocator):
+    """Planted bug: ``is_live`` answers 1 or 0, equal to the spec's bool but an int."""
+
+    def is_live(self, block: object) -> int:  # type: ignore[override]  # the bug
+        return int(super().is_live(block))
+
+
+class NFreeAnswersAFloat(BlockPoolAllocator):
+    """Planted bug: ``n_free`` answers a float, equal to the spec's int."""
+
+    def n_free(self, stream: str = "k") -> float:  # type: ignore[override]  # the bug
+        return float(super().n_free(stream))
+
+
+class ShrinkAnswersAFloat(BlockPoolAllocator):
+    """Planted bug: ``shrink`` answers how many blocks it retired as a float."""
+
+    def shrink(self, stream: str, target_free: int) -> float:  # type: ignore[override]  # the bug
+        return float(super().shrink(stream, target_free))
+
+
+class HandlesShowEverAllocatedAsAnInt(BlockPoolAllocator):
+    """Planted bug: the handles ``allocate`` returns show ``ever_allocated`` as 1, not True."""
+
+    def allocate(self, stream: str, n_tokens: int, owner: int, format: str = "fp16") -> list[Block]:
+        blocks = super().allocate(stream, n_tokens, owner, format)
+        for block in blocks:
+            block.ever_allocated = 1  # type: ignore[assignment]  # the bug
+        return blocks
+
+
+class _FreesAsAFloat:
+    """A stats snapshot that shows ``n_frees`` as a float and every other field as it is."""
+
+    def __init__(self, stats: AllocationStats) -> None:
+        self._stats = stats
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._stats, name)
+
+    @property
+    def n_frees(self) -> float:
+        return float(self._stats.n_frees)
+
+
+class StatsCountFreesAsAFloat(BlockPoolAllocator):
+    """Planted bug: ``stats.n_frees`` is a float, equal to the spec's int."""
+
+    @property
+    def stats(self) -> AllocationStats:
+        return _FreesAsAFloat(super().stats)  # type: ignore[return-value]  # the bug
 
 
 def factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:

@@ -31,7 +31,7 @@ import operator
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import MISSING, dataclass, field, fields
 from enum import Enum
-from typing import Final, Literal, NamedTuple, TypeAlias, TypeVar, get_type_hints
+from typing import Final, Literal, NamedTuple, TypeAlias, TypeVar, cast, get_type_hints
 
 from veloxquant_mlx_spec.model import (
     STATS_FIELDS,
@@ -73,6 +73,7 @@ __all__ = [
     "operation",
     "query",
     "returned_blocks",
+    "same_value",
     "spec_call",
     "spec_outcome",
     "stats_values",
@@ -149,11 +150,58 @@ class Returns(Enum):
     METRICS = "metrics"  # Prometheus text: its (sample, value) pairs, sorted
 
 
+def same_value(a: object, b: object) -> bool:
+    """Whether ``a`` and ``b`` are equal and of one class all through: ``True`` is not ``1``
+    and ``1`` is not ``1.0``, so a port that answers ``1`` where docs/API.md types a
+    ``bool`` (C-NAMES) differs from the spec, which answers ``True``.
+
+    Tuples and lists (exactly those classes) are compared item by item; anything
+    else with its own ``==`` once its class is the other's (an outcome's ``==`` is
+    this one). What every checker compares outcomes and observations with.
+    """
+    if a is b:
+        return True
+    kind = a.__class__
+    if kind is not b.__class__:
+        return False
+    if kind is not tuple and kind is not list:
+        return a == b
+    return _same_items(cast("Sequence[object]", a), cast("Sequence[object]", b))
+
+
+def _same_items(a: Sequence[object], b: Sequence[object]) -> bool:
+    """:func:`same_value` of two tuples (or lists): the items' classes and values are
+    compared by the interpreter first (an observation is compared after every step);
+    then the nested tuples and lists once more, as ``==`` compares their items loosely."""
+    kinds = list(map(type, a))
+    if kinds != list(map(type, b)) or a != b:
+        return False
+    if tuple not in kinds and list not in kinds:
+        return True
+    return all(
+        same_value(x, y)
+        for x, y, kind in zip(a, b, kinds, strict=True)
+        if kind is tuple or kind is list
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class Returned:
-    """The call returned ``value``, in its comparable form (:class:`Returns`)."""
+    """The call returned ``value``, in its comparable form (:class:`Returns`).
+
+    Two are equal when their values are the same value of the same type
+    (:func:`same_value`): ``Returned(1) != Returned(True)``.
+    """
 
     value: object = None
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Returned):
+            return NotImplemented
+        return same_value(self.value, other.value)
+
+    def __hash__(self) -> int:  # consistent: the same value hashes alike, whatever its type
+        return hash(self.value)
 
 
 @dataclass(frozen=True, slots=True)

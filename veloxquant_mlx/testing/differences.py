@@ -16,9 +16,9 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from veloxquant_mlx.testing.sides import HANDLE_FIELDS, describe
+from veloxquant_mlx.testing.sides import HANDLE_FIELDS, describe, shown
 from veloxquant_mlx_spec import model
-from veloxquant_mlx_spec.table import Outcome, Returned
+from veloxquant_mlx_spec.table import Outcome, Returned, same_value
 
 __all__ = ["Discrepancy", "differences"]
 
@@ -51,43 +51,45 @@ def differences(
     """Each observation that differs, said as a reader would check it: its first differing
     field, or (``every_field``) each differing field of a stats snapshot."""
     for key, got, want, place in zip(keys, actual, predicted, where, strict=True):
-        if got == want:
+        if same_value(got, want):
             continue
         if key.startswith("h("):
             assert isinstance(got, tuple) and isinstance(want, tuple), "handle fields"
             name, a, b = next(
-                (n, a, b) for n, a, b in zip(HANDLE_FIELDS, got, want, strict=True) if a != b
+                (n, a, b)
+                for n, a, b in zip(HANDLE_FIELDS, got, want, strict=True)
+                if not same_value(a, b)
             )
-            message = f"{key} shows {name}={a!r}; the spec predicts {name}={b!r}"
+            message = f"{key} shows {name}={shown(a, b)}; the spec predicts {name}={shown(b, a)}"
             yield message, Discrepancy("observation", place, name, a, b)
             continue
         assert isinstance(got, Outcome) and isinstance(want, Outcome), "query outcomes"
         fields = _fields(key, got, want)
         for name, a, b in fields if every_field else fields[:1]:
-            shown = {"Stats()": "stats.", "History()": "history"}.get(key, "") + name
-            shown = "len(history)" if shown == "historylen" else shown
-            said = f" ({shown} is {a!r}; the spec predicts {b!r})" if name else ""
-            message = f"{key} {describe(got)}; the spec predicts it {describe(want)}{said}"
-            yield message, Discrepancy("observation", place, name, a, b)
+            read = {"Stats()": "stats.", "History()": "history"}.get(key, "") + name
+            read = "len(history)" if read == "historylen" else read
+            said = f" ({read} is {shown(a, b)}; the spec predicts {shown(b, a)})" if name else ""
+            told = f"{key} {describe(got, want)}; the spec predicts it {describe(want, got)}"
+            yield told + said, Discrepancy("observation", place, name, a, b)
 
 
 def _fields(key: str, got: Outcome, want: Outcome) -> list[tuple[str, object, object]]:
     """Which fields of a stats snapshot differ (or the first of a history's), with both
     values, in order; ``[("", got, want)]`` when the values are not snapshots."""
-    shown, predicted = getattr(got, "value", got), getattr(want, "value", want)
-    if key == "History()" and isinstance(shown, tuple) and isinstance(predicted, tuple):
-        if len(shown) != len(predicted):
-            return [("len", len(shown), len(predicted))]
-        for i, (a, b) in enumerate(zip(shown, predicted, strict=True)):
-            if a != b:
+    value, predicted = getattr(got, "value", got), getattr(want, "value", want)
+    if key == "History()" and isinstance(value, tuple) and isinstance(predicted, tuple):
+        if len(value) != len(predicted):
+            return [("len", len(value), len(predicted))]
+        for i, (a, b) in enumerate(zip(value, predicted, strict=True)):
+            if not same_value(a, b):
                 name, x, y = _fields("Stats()", Returned(a), Returned(b))[0]
                 return [(f"[{i}].{name}" if name else f"[{i}]", x, y)]
-    if key == "Stats()" and isinstance(shown, tuple) and isinstance(predicted, tuple):
+    if key == "Stats()" and isinstance(value, tuple) and isinstance(predicted, tuple):
         differing = [
             (name, a, b)
-            for name, a, b in zip(model.STATS_FIELDS, shown, predicted, strict=False)
-            if a != b
+            for name, a, b in zip(model.STATS_FIELDS, value, predicted, strict=False)
+            if not same_value(a, b)
         ]
         if differing:
             return differing
-    return [("", shown, predicted)]
+    return [("", value, predicted)]

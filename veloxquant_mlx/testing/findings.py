@@ -18,7 +18,7 @@ from dataclasses import field as dataclass_field
 from veloxquant_mlx.testing.differences import Discrepancy
 from veloxquant_mlx.testing.lockstep import ConformanceError
 from veloxquant_mlx.testing.masking import Masking
-from veloxquant_mlx.testing.sides import NoAttribute
+from veloxquant_mlx.testing.sides import NoAttribute, differs_in_type_only
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.operations import (
     Allocate,
@@ -205,9 +205,23 @@ def rule_of(
         return ("C-NAMES", missing.owner.split("[")[0], missing.name)
     if isinstance(discrepancy.actual, Raised) and discrepancy.actual.kind == "AttributeError":
         return ("C-NAMES", _name(discrepancy.where), "attribute")
+    if differs_in_type_only(discrepancy.actual, discrepancy.predicted):
+        return _type_rule(discrepancy)
     if discrepancy.kind == "observation":
         return _observation_rule(discrepancy, last, call)
     return _outcome_rule(discrepancy, config)
+
+
+def _type_rule(discrepancy: Discrepancy) -> tuple[str, str, str]:
+    """A value equal to the spec's but of another type (``1`` for ``True``, ``2.0`` for
+    ``2``): docs/API.md types it (C-NAMES). Keyed by what shows it, not by the call it
+    showed after, so that every path to it is one finding."""
+    where, name = discrepancy.where, discrepancy.field
+    if isinstance(where, Handle):
+        return ("C-NAMES", "block", f"{name} type")
+    if isinstance(where, Stats | History) and name:
+        return ("C-NAMES", "stats", f"{name.rpartition('.')[2]} type")
+    return ("C-NAMES", _name(where), "returned type")
 
 
 def _name(op: object) -> str:

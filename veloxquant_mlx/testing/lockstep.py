@@ -66,6 +66,7 @@ from veloxquant_mlx_spec.table import (
     matches,
     named_values,
     observation_ops,
+    same_value,
     spec_outcome,
 )
 
@@ -254,8 +255,8 @@ class Lockstep:
             if theirs is None and not declaration.changes_no_state(actual) and after != before:
                 self.oracles.remove(oracle)
             if theirs is not None and theirs != predicted:
-                said = f"{oracle!r} says {op!r} {describe(theirs)}"
-                self._fail(f"{said}; the spec predicts it {describe(predicted)}")
+                said = f"{oracle!r} says {op!r} {describe(theirs, predicted)}"
+                self._fail(f"{said}; the spec predicts it {describe(predicted, theirs)}")
         if self.check is not Check.OUTCOMES:
             self.compare_observations()
         return actual
@@ -276,7 +277,8 @@ class Lockstep:
         only, so no state diverges) or the recorded one."""
         if actual != predicted and not self._lets_pass(op, declaration, actual, predicted):
             self._fail(
-                f"{op!r} {describe(actual)}; the spec predicts it {describe(predicted)}",
+                f"{op!r} {describe(actual, predicted)}; "
+                f"the spec predicts it {describe(predicted, actual)}",
                 Discrepancy("outcome", op, "", actual, predicted),
             )
         if expect is not None and not matches(expect, actual):
@@ -311,7 +313,7 @@ class Lockstep:
         ref = getattr(op, handle)
         if isinstance(ref, ForeignBlock) and ref.owner is None:
             shown = getattr(self.pool_side.last_hand_made, value, None)
-            if shown != getattr(op, value):
+            if not same_value(shown, getattr(op, value)):
                 self._fail(
                     f"{op!r} left the hand-made block's {value} at {shown!r}",
                     Discrepancy("outcome", op, f"hand-made {value}", shown, getattr(op, value)),
@@ -352,19 +354,19 @@ class Lockstep:
         queries = self.observed_queries(handles)
         predicted = observe(self.spec, queries, handles)
         actual = observe(self.pool_side, queries, handles)
-        if actual != predicted:
+        if not same_value(actual, predicted):  # a handle's fields too: True is not 1
             keys = observation_keys(queries, handles)
             where = [*handles, *(plan.op for plan in queries)]
             compared = (actual, predicted)
             if self.masking is not None:
                 compared = self._mask(where, keys, actual, predicted)
-            if compared[0] != compared[1]:
+            if not same_value(*compared):
                 message, discrepancy = next(differences(keys, *compared, where))
                 self._fail(message, discrepancy)
         for oracle in self.oracles:
             ours = dict(zip(observation_keys(queries, handles), predicted, strict=True))
             for key, theirs in oracle.observe().items():
-                if theirs != ours.get(key):
+                if not same_value(theirs, ours.get(key)):
                     self._fail(f"{oracle!r} shows {key} = {theirs!r}; the spec: {ours.get(key)!r}")
 
     def _lets_pass(
@@ -376,7 +378,7 @@ class Lockstep:
         if masking is None or declaration.changes_state:
             return False
         shown, expected = masking.compared(op, actual, predicted)
-        return shown == expected  # seen: the observation after the call shows it too
+        return same_value(shown, expected)  # seen: the observation after the call shows it too
 
     def _mask(
         self,
@@ -393,10 +395,11 @@ class Lockstep:
         expected: list[object] = []
         let_pass: list[ConformanceError] = []
         for place, key, a, p in zip(where, keys, actual, predicted, strict=True):
-            compared = (a, p) if a == p else masking.compared(place, a, p)
+            same = same_value(a, p)
+            compared = (a, p) if same else masking.compared(place, a, p)
             shown.append(compared[0])
             expected.append(compared[1])
-            if a != p and compared[0] == compared[1]:
+            if not same and same_value(*compared):
                 told = differences([key], [a], [p], [place], every_field=True)
                 let_pass.extend(self._error(message, found) for message, found in told)
         if let_pass:

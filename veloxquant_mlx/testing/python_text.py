@@ -16,7 +16,7 @@ from dataclasses import MISSING
 
 from veloxquant_mlx.testing.differences import Discrepancy
 from veloxquant_mlx.testing.port import CONFIG_DEFAULTS, CONFIG_FIELDS, Port
-from veloxquant_mlx.testing.sides import SpecSide
+from veloxquant_mlx.testing.sides import SpecSide, shown
 from veloxquant_mlx_spec import model
 from veloxquant_mlx_spec.model import ForeignBlock, NotABlock, NotAList
 from veloxquant_mlx_spec.table import (
@@ -35,13 +35,15 @@ __all__ = ["as_python", "read_line", "said"]
 OTHER_POOL = {"block_size": 4, "n_blocks": 64}
 
 
-def said(value: object) -> str:
-    """A compared value as a reader says it."""
+def said(value: object, beside: object = None) -> str:
+    """A compared value as a reader says it; beside the other side's value, a number of
+    another type says its type (``returns 1 (int)`` beside ``returns True``)."""
     if isinstance(value, Raised):
         return f"raises {value.kind}"
     if isinstance(value, Returned):
-        return "returns None" if value.value is None else f"returns {value.value!r}"
-    return repr(value)
+        other = beside.value if isinstance(beside, Returned) else None
+        return "returns None" if value.value is None else f"returns {shown(value.value, other)}"
+    return shown(value, beside)
 
 
 def _config(port: Port, fields: dict[str, object]) -> str:
@@ -119,8 +121,13 @@ def _observed(writer: _Writer, discrepancy: Discrepancy) -> str:
 
 
 def _read_line(writer: _Writer, discrepancy: Discrepancy) -> str:
-    shown = _observed(writer, discrepancy)
-    return f"{shown}  # pool: {said(discrepancy.actual)}; spec: {said(discrepancy.predicted)}"
+    return f"{_observed(writer, discrepancy)}  # {_both_sides(discrepancy)}"
+
+
+def _both_sides(discrepancy: Discrepancy, pool: str = "pool") -> str:
+    """``pool: returns 1 (int); spec: returns True (bool)``."""
+    actual, predicted = discrepancy.actual, discrepancy.predicted
+    return f"{pool}: {said(actual, predicted)}; spec: {said(predicted, actual)}"
 
 
 def read_line(port: Port, discrepancy: Discrepancy) -> str:
@@ -153,9 +160,7 @@ def as_python(
         last = label == len(calls) - 1
         if last and discrepancy is not None and discrepancy.kind == "outcome":
             verb = "" if discrepancy.field == "" else f" ({discrepancy.field})"
-            text += (
-                f"  # pool{verb}: {said(discrepancy.actual)}; spec: {said(discrepancy.predicted)}"
-            )
+            text += f"  # {_both_sides(discrepancy, f'pool{verb}')}"
         elif isinstance(predicted, Raised):  # the paste runs on, to the line that reads
             text = f"with suppress({predicted.kind}): {text}"
         lines.append(text)

@@ -148,8 +148,10 @@ def _render_finding(port: Port, finding: Finding, verbose: bool) -> list[str]:
     count = len(finding.calls)
     steps = f"{count} call{'s' if count > 1 else ''}, " if count else ""
     head = (
-        f"  {finding.call or 'pool'}: {finding.field}: pool {said(finding.actual)}, "
-        f"spec {said(finding.expected)}  ({steps}found by {finding.source or 'a check'})"
+        f"  {finding.call or 'pool'}: {finding.field}: "
+        f"pool {said(finding.actual, finding.expected)}, "
+        f"spec {said(finding.expected, finding.actual)}  "
+        f"({steps}found by {finding.source or 'a check'})"
     )
     if finding.python:
         code = list(finding.python)

@@ -3,7 +3,10 @@
 Each side takes the same operation values (``veloxquant_mlx_spec.operations``)
 and call labels, names the handles a call returns ``h(label, i)``, and gives
 each call's :class:`~veloxquant_mlx_spec.table.Outcome` in one form, so that
-a checker compares the two with ``==``:
+a checker compares the two with ``==`` (an outcome's own, which tells ``True``
+from ``1`` and ``1`` from ``1.0``), and observations, a handle's fields
+among them, with :func:`~veloxquant_mlx_spec.table.same_value`, the same
+equality:
 
 - :class:`SpecSide`: the executable spec's state, and the map from handle
   names to the spec's checkout serials;
@@ -25,6 +28,7 @@ at a time (a schedule's threads take turns).
 
 from __future__ import annotations
 
+import numbers
 import operator
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -52,6 +56,7 @@ from veloxquant_mlx_spec.table import (
     bind,
     declaration_of,
     returned_blocks,
+    same_value,
     spec_arguments,
     spec_call,
     spec_outcome,
@@ -65,6 +70,7 @@ __all__ = [
     "QueryPlan",
     "SpecSide",
     "UnknownHandleError",
+    "differs_in_type_only",
     "error_outcome",
     "observation_keys",
     "observe",
@@ -72,6 +78,7 @@ __all__ = [
     "pool_encoder",
     "pool_outcome",
     "query_plan",
+    "shown",
 ]
 
 BlockT = TypeVar("BlockT")
@@ -123,14 +130,42 @@ def _pool_history(value: object) -> object:
     return tuple(_pool_stats(view, f"history[{i}]") for i, view in enumerate(value))
 
 
-def describe(outcome: Outcome) -> str:
-    """An outcome as a reader says it: ``returned (0, 1)``, ``raised ValueError``."""
+def describe(outcome: Outcome, beside: Outcome | None = None) -> str:
+    """An outcome as a reader says it: ``returned (0, 1)``, ``raised ValueError``; beside
+    the other side's ``returned True``, a number of another type says its type
+    (``returned 1 (int)``, :func:`shown`)."""
     if isinstance(outcome, Raised):
         text = outcome.text()
         if outcome.kind == UNREADABLE:
             return f"returned a value the kit cannot read ({text})"
         return f"raised {outcome.kind}" + (f" ({text})" if text else "")
+    if isinstance(beside, Returned):
+        return f"returned {shown(outcome.value, beside.value)}"
     return f"returned {outcome.value!r}"
+
+
+def shown(value: object, beside: object) -> str:
+    """``repr(value)``, with its type when it and ``beside`` are numbers of two types:
+    ``1 (int)`` beside ``True``, ``2.0 (float)`` beside ``2``, which would otherwise read
+    as the same value (docs/API.md types every number a call returns, C-NAMES)."""
+    if value.__class__ is not beside.__class__ and _is_number(value) and _is_number(beside):
+        return f"{value!r} ({type(value).__name__})"
+    return repr(value)
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Number)
+
+
+def differs_in_type_only(actual: object, predicted: object) -> bool:
+    """Whether two values (or outcomes) are equal to ``==`` but not the same value:
+    ``1`` where the spec predicts ``True``, ``(2.0, 0)`` where it predicts ``(2, 0)``."""
+    if isinstance(actual, Returned) and isinstance(predicted, Returned):
+        actual, predicted = actual.value, predicted.value
+    try:
+        return bool(actual == predicted) and not same_value(actual, predicted)
+    except Exception:  # a port's value whose == raises, or is no truth value (an array)
+        return False
 
 
 # ---- the spec ------------------------------------------------------------------------
