@@ -193,7 +193,7 @@ def test_concurrent_allocates_may_take_blocks_in_either_order() -> None:
         event(0, 0, Allocate("k", 4, 1), 0, 10, ok((1,))),
         event(1, 1, Allocate("k", 4, 2), 1, 11, ok((0,))),
         event(2, 0, Free((h(0, 0),)), 12, 20, ok()),
-        event(3, 1, Stats(), 13, 21, ok((8, 2, 1, 0, 0, 0, 0, 2, 1, 0))),
+        event(3, 1, Stats(), 13, 21, ok((8, 2, 1, 0, 0, 0, 0, 2, 1, 0.0))),
     ]
     assert check_history(CONFIG, HISTORY_LEN, history) is None
 
@@ -202,7 +202,7 @@ def test_two_live_handles_on_one_block_are_not_linearizable() -> None:
     history = [
         event(0, 0, Allocate("k", 4, 1), 0, 10, ok((0,))),
         event(1, 1, Allocate("k", 4, 2), 1, 11, ok((0,))),
-        event(2, 2, Stats(), 2, 5, ok((8, 0, 0, 0, 0, 0, 0, 0, 0, 0))),  # fits, before both
+        event(2, 2, Stats(), 2, 5, ok((8, 0, 0, 0, 0, 0, 0, 0, 0, 0.0))),  # fits, before both
         event(3, 0, NFree("k"), 30, 40, ok(2)),
     ]
     violation = check_history(CONFIG, HISTORY_LEN, history)
@@ -245,7 +245,7 @@ def test_a_free_all_that_finds_nothing_first_may_still_come_after_a_concurrent_a
     history = [
         event(0, 0, Allocate("k", 4, 1), 0, 20, ok((0,))),
         event(1, 1, FreeAll(1), 1, 21, ok()),
-        event(2, 0, Stats(), 30, 40, ok((8, 1, 1, 0, 0, 0, 0, 1, 0, 0))),  # the block was freed
+        event(2, 0, Stats(), 30, 40, ok((8, 1, 1, 0, 0, 0, 0, 1, 0, 0.0))),  # the block was freed
     ]
     assert check_history(CONFIG, HISTORY_LEN, history) is None
 
@@ -294,7 +294,7 @@ def _no_violation(kind: str, message: str) -> None:
 def test_a_call_that_never_returned_may_or_may_not_have_happened() -> None:
     pending = event(0, 0, Allocate("k", 4, 1), 0, None, None)
     for n in (0, 1):  # allocations seen: without it, then with it
-        reader = event(1, 1, Stats(), 5, 9, ok((8, n, 0, 0, 0, 0, 0, n, n, 0)))
+        reader = event(1, 1, Stats(), 5, 9, ok((8, n, 0, 0, 0, 0, 0, n, n, 0.0)))
         assert check_history(CONFIG, HISTORY_LEN, [pending, reader]) is None
 
 

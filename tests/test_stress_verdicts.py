@@ -60,7 +60,7 @@ def two_concurrent_allocates() -> list[TraceLine]:
     return [
         TraceLine(Allocate("k", 4, 1), 0, Returned((1,)), 0, 0, 10),
         TraceLine(Allocate("k", 4, 2), 1, Returned((0,)), 1, 1, 11),
-        TraceLine(Stats(), 2, Returned((8, 2, 0, 0, 0, 0, 0, 2, 2, 0)), 0, 20, 30),
+        TraceLine(Stats(), 2, Returned((8, 2, 0, 0, 0, 0, 0, 2, 2, 0.0)), 0, 20, 30),
     ]
 
 

@@ -144,7 +144,7 @@ class Returns(Enum):
     HANDLES = "handles"  # existing handles, by name, in order
     #: One handle: the argument itself, or a new one named h(call, 0); compared by block id.
     HANDLE = "handle"
-    VALUE = "value"  # an int or a bool, compared with ==
+    VALUE = "value"  # an int or a bool, compared with same_value (True is not 1)
     STATS = "stats"  # one snapshot: stats_values()
     HISTORY = "history"  # snapshots, oldest first: one stats_values() each
     METRICS = "metrics"  # Prometheus text: its (sample, value) pairs, sorted

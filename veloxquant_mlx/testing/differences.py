@@ -4,11 +4,15 @@
 a report; :func:`differences` walks two observations (every handle's fields,
 then every query's outcome, as :func:`~veloxquant_mlx.testing.sides.observe`
 lists them) and says each difference: ``Stats() returned (...); the spec
-predicts it (...) (stats.n_frees is 2; the spec predicts 1)``. The
+predicts it (...) (stats.n_frees is 2; the spec predicts 1)``; a number equal to the
+spec's but of another type says both types (``IsLive(block=h(0, 0)) returned 1
+(int); the spec predicts it returned True (bool)``). The
 :class:`~veloxquant_mlx.testing.lockstep.Lockstep` raises on the first; a
 masking (:mod:`~veloxquant_mlx.testing.masking`) reports each it lets pass.
 
-Complexity: O(size of the observations). Thread safety: pure functions.
+Values are compared with :func:`~veloxquant_mlx_spec.table.same_value`, as the
+lockstep compares them. Complexity: O(size of the observations). Thread safety:
+pure functions.
 """
 
 from __future__ import annotations
