@@ -131,6 +131,16 @@ def test_the_lengths_drawn_are_reported_beside_the_means_asked(
     assert "(asked 3,000 / 128)" in words
 
 
+def test_the_tables_wrap_a_huge_figure_and_never_cut_it_short(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # Once "36,893,4…": 2**63-token blocks waste more slots than a table cell showed.
+    assert cli.main([*QUICK, "--block-size", str(2**63 - 1), "--n-blocks", "4"]) == 0
+    captured = capsys.readouterr()
+    assert "wasted token" in captured.out
+    assert "…" not in captured.out
+
+
 def test_prometheus_text_in_the_table_output_is_verbatim(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

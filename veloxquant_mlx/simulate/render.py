@@ -198,7 +198,7 @@ def figures_table(report: SimulationReport) -> Table:
     """The single-valued sizing figures of ``report``, in three sections."""
     table = Table(title=f"Block pool simulation (seed {report.seed})", caption=_caption(report))
     table.add_column("figure", style="bold")
-    table.add_column("value")
+    table.add_column("value", overflow="fold")  # wrapped, never cut
     sections = (
         ("Pool", _pool_rows(report)),
         ("Requests", _request_rows(report)),
@@ -257,9 +257,9 @@ def distributions_table(report: SimulationReport) -> Table:
         "³ per completed request, arrival to completion; "
         "⁴ per request as drawn, after --max-seq-len's cap (aborts stop some earlier)",
     )
-    table.add_column("series", style="bold")
+    table.add_column("series", style="bold", overflow="fold")
     for column in ("min", "mean", "median", "p95", "max", "samples"):
-        table.add_column(column, justify="right")
+        table.add_column(column, justify="right", overflow="fold")  # wrapped, never cut
     for label, distribution, decimals in _distribution_rows(report):
         table.add_row(label, *_summary_cells(distribution, decimals))
     return table
