@@ -4,7 +4,8 @@ A stress run records, per thread, one timed
 :class:`~veloxquant_mlx.testing.traces.TraceLine` per call it makes on the
 pool or its store: the call (an operation of the table, or a store call), a
 label (its op id), the ``time.perf_counter_ns()`` taken just before it was
-invoked and just after it returned, and what it returned or raised. The
+invoked and just after it returned, and what it returned (with the fields of
+each handle it handed out, read just after it returned) or raised. The
 interval always contains the call's real execution, so "``a`` returned
 before ``b`` was invoked" in the record implies it in reality: the real-time
 order the linearizability checker (:mod:`veloxquant_mlx.stress.linearizability`)
@@ -27,7 +28,7 @@ from __future__ import annotations
 from typing import Final
 
 from veloxquant_mlx.testing.sides import describe as describe_outcome
-from veloxquant_mlx.testing.traces import TraceLine
+from veloxquant_mlx.testing.traces import Shown, TraceLine
 from veloxquant_mlx_spec.table import Outcome, declaration_of
 
 __all__ = ["ThreadRecorder", "describe", "describe_call"]
@@ -56,9 +57,18 @@ class ThreadRecorder:
         self._next_seq += 1
         return op_id
 
-    def add(self, op_id: int, op: object, invoke_ns: int, return_ns: int, outcome: Outcome) -> None:
-        """Append one finished call."""
-        self.events.append(TraceLine(op, op_id, outcome, self.thread, invoke_ns, return_ns))
+    def add(
+        self,
+        op_id: int,
+        op: object,
+        invoke_ns: int,
+        return_ns: int,
+        outcome: Outcome,
+        *,
+        shows: Shown | None = None,
+    ) -> None:
+        """Append one finished call (``shows``: what the handles it handed out showed)."""
+        self.events.append(TraceLine(op, op_id, outcome, self.thread, invoke_ns, return_ns, shows))
 
     def take(self) -> list[TraceLine]:
         """Hand over the calls recorded since the last take (call only at a barrier)."""

@@ -7,12 +7,26 @@ the timed line with what it returned, in the form the spec predicts it
 it raised. The workers, the runner's observations at barriers and the
 conservation audit all record through it.
 
-Complexity: O(1) plus the call and its value's conversion. Thread safety:
-each thread records into its own :class:`~veloxquant_mlx.stress.history.ThreadRecorder`.
+A call that hands out handles (``allocate``, ``share``, ``fork``,
+``make_writable``) also records what each handle shows (its ``stream``,
+``format``, ``n_used``, ``owner`` and ``ever_allocated``: the line's
+``shows``), read once, with the block id, just after the return time is
+taken, so that the checker compares them with the spec's handle at the
+call's linearization point. A new handle is named for the other threads
+only after this returns, and a worker changes only the handles it holds (it
+frees others' too): so the one change another thread can have made since
+that point is to free the handle (``owner`` ``None``, ``n_used`` 0), by a
+call linearized after this one, which the check allows
+(:func:`~veloxquant_mlx.stress.specstep.step`).
+
+Complexity: O(1) plus the call and its value's conversion (one attribute
+read per field of each handle handed out). Thread safety: each thread
+records into its own :class:`~veloxquant_mlx.stress.history.ThreadRecorder`.
 """
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from time import perf_counter_ns
@@ -20,10 +34,18 @@ from typing import Final, Generic, TypeVar
 
 from veloxquant_mlx.stress.history import ThreadRecorder
 from veloxquant_mlx.testing.sides import pool_encoder
+from veloxquant_mlx.testing.traces import SHOWN_FIELDS, Shown
 from veloxquant_mlx_spec.model import ErrorKind
 from veloxquant_mlx_spec.table import Outcome, Raised, Returned, Returns, bind, declaration_of
 
-__all__ = ["EXPECTED_ERRORS", "Invoked", "encoder_of", "record_call", "record_unnamed_call"]
+__all__ = [
+    "EXPECTED_ERRORS",
+    "Invoked",
+    "Recorded",
+    "encoder_of",
+    "record_call",
+    "record_unnamed_call",
+]
 
 T = TypeVar("T")
 
@@ -35,14 +57,53 @@ EXPECTED_ERRORS: Final = frozenset(kind.value for kind in ErrorKind)
 _ENCODERS: Final = {returns: pool_encoder(returns, None) for returns in Returns}
 
 
-def _done(value: object) -> Outcome:
-    return Returned(None)
+#: A handle's block id, then what it shows (:data:`SHOWN_FIELDS`): one read per handle.
+_READ_HANDLE: Final = operator.attrgetter("block_id", *SHOWN_FIELDS)
+
+Recorded = tuple[Outcome, Shown | None]
+"""A call's outcome, and what the handles it handed out show (``None``: it handed out none)."""
 
 
-def encoder_of(op: object) -> Callable[[object], Outcome]:
-    """How ``op``'s return value is recorded (a store call's data is its caller's to check)."""
+def _done(value: object) -> Recorded:
+    return Returned(None), None
+
+
+def _new_handles(value: object) -> Recorded:
+    """A list of new handles: their block ids, and what each shows."""
+    if not isinstance(value, list):
+        return _ENCODERS[Returns.NEW_HANDLES](value), None
+    try:
+        rows = [_READ_HANDLE(block) for block in value]
+    except AttributeError:  # not a list of blocks: recorded as it is, which the spec refuses
+        return _ENCODERS[Returns.NEW_HANDLES](value), None
+    return Returned(tuple(row[0] for row in rows)), tuple(row[1:] for row in rows)
+
+
+def _one_handle(value: object) -> Recorded:
+    """One handle (``make_writable``'s): its block id, and what it shows."""
+    try:
+        row = _READ_HANDLE(value)
+    except AttributeError:
+        return _ENCODERS[Returns.HANDLE](value), None
+    return Returned(row[0]), (row[1:],)
+
+
+def _outcome_only(returns: Returns) -> Callable[[object], Recorded]:
+    encode = _ENCODERS[returns]
+    return lambda value: (encode(value), None)
+
+
+#: How a successful call of each kind of result is recorded.
+_RECORDERS: Final[dict[Returns, Callable[[object], Recorded]]] = {
+    returns: _outcome_only(returns) for returns in Returns
+} | {Returns.NEW_HANDLES: _new_handles, Returns.HANDLE: _one_handle}
+
+
+def encoder_of(op: object) -> Callable[[object], Recorded]:
+    """How ``op``'s return value is recorded: its outcome, and what the handles it handed out
+    show (a store call's data is its caller's to check)."""
     declaration = declaration_of(op)
-    return _done if declaration.target == "store" else _ENCODERS[declaration.returns]
+    return _done if declaration.target == "store" else _RECORDERS[declaration.returns]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +132,8 @@ def record_call(recorder: ThreadRecorder, op: object, action: Callable[[], T]) -
         recorder.add(op_id, op, start, end, Raised(kind, message))
         return Invoked(op_id, error)
     end = perf_counter_ns()
-    recorder.add(op_id, op, start, end, encode(result))
+    outcome, shows = encode(result)
+    recorder.add(op_id, op, start, end, outcome, shows=shows)
     return Invoked(op_id, result)
 
 

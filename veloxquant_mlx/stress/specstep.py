@@ -4,9 +4,18 @@ The linearizability checker tries recorded calls in many orders; each try is
 :func:`step`: turn the call's handle names into the spec's serials, apply
 the spec's transition (through the operation table), and keep the result
 only if the outcome the thread recorded is the one the spec predicts there
-(the same value, or the same error class). A store call whose layer, slots
-or token count the store refuses is refused wherever it goes: recorded as
-returning, it is allowed nowhere.
+(the same value, or the same error class) and, for a call that hands out
+handles, each handle showed what the spec's handle shows there. A store
+call whose layer, slots or token count the store refuses is refused
+wherever it goes: recorded as returning, it is allowed nowhere.
+
+What a handle shows (a line's ``shows``) is read just after its call
+returned (:mod:`~veloxquant_mlx.stress.recording`): ``stream``, ``format``
+and ``ever_allocated`` never change for a handle, so they must be the
+spec's at the linearization point; ``n_used`` and ``owner`` must be too, or
+``0`` and ``None``: a call linearized after this one may have freed the
+handle before its fields were read (a ``free_all`` of its owner by another
+thread), and a freed handle shows exactly that (C-STALE-HANDLE).
 
 A :class:`Checkpoint` is a spec state plus ``names``: ``names[h]`` is the
 name (``h(op_id, position)``) of the spec's handle ``h``. Spec handle ids
@@ -34,16 +43,19 @@ from __future__ import annotations
 
 from collections.abc import Container
 from dataclasses import dataclass, replace
+from typing import Final
 
 from veloxquant_mlx.testing.sides import describe
 from veloxquant_mlx.testing.store_operations import Gather, Write, fits_the_store
-from veloxquant_mlx.testing.traces import TraceLine
+from veloxquant_mlx.testing.traces import SHOWN_FIELDS, TraceLine
 from veloxquant_mlx_spec.model import (
     Err,
     ForeignBlock,
     HandleArg,
+    HandleView,
     PoolState,
     SpecConfig,
+    is_int,
     new_pool,
 )
 from veloxquant_mlx_spec.table import (
@@ -122,9 +134,62 @@ def _resolver(names: Names, window_calls: Container[int]) -> object:
 
 def _predict(
     state: PoolState, names: Names, event: TraceLine, window_calls: Container[int]
-) -> tuple[PoolState, Outcome]:
+) -> tuple[PoolState, Outcome, object]:
+    """The state after ``event``'s call, its outcome, and its raw result (serials)."""
     after, result = spec_call(state, event.op, _resolver(names, window_calls))  # type: ignore[arg-type]
-    return after, spec_outcome(declaration_of(event.op), after, result, names.__getitem__)
+    return after, spec_outcome(declaration_of(event.op), after, result, names.__getitem__), result
+
+
+#: Where a freed handle's ``n_used`` and ``owner`` are in a row of ``shows``.
+_N_USED: Final = SHOWN_FIELDS.index("n_used")
+_OWNER: Final = SHOWN_FIELDS.index("owner")
+if SHOWN_FIELDS != ("stream", "format", "n_used", "owner", "ever_allocated"):
+    raise ImportError(f"_spec_shows lists a handle's fields in another order than {SHOWN_FIELDS}")
+
+
+def _spec_shows(view: HandleView) -> tuple[object, ...]:
+    """What the spec's handle ``view`` shows, as a row of ``shows`` (always ever allocated)."""
+    return (view.stream, view.format, view.n_used, view.owner, True)
+
+
+def _freed_since(row: tuple[object, ...], predicted: tuple[object, ...]) -> bool:
+    """``row`` is ``predicted`` but freed: ``n_used`` 0 and ``owner`` ``None`` (module doc)."""
+    freed = list(predicted)
+    freed[_N_USED], freed[_OWNER] = 0, None
+    return row == tuple(freed)
+
+
+def _shown_misfit(
+    event: TraceLine, state: PoolState, names: Names, after: PoolState, result: object
+) -> str | None:
+    """Where what ``event``'s handles showed differs from the spec's handles, or ``None``.
+
+    ``result`` is the spec's raw result of the call at ``state`` (the serials
+    of the handles it returned), ``after`` the state it leads to. A line that
+    recorded no ``shows``, or no return, fits.
+    """
+    shows = event.shows
+    if shows is None or not isinstance(event.outcome, Returned) or isinstance(result, Err):
+        return None
+    serials = result if isinstance(result, tuple) else (result,)
+    if len(shows) != len(serials):
+        return f"it shows {len(shows)} handle(s) where the spec returns {len(serials)}"
+    for position, (row, serial) in enumerate(zip(shows, serials, strict=True)):
+        assert is_int(serial), "a returned handle is a serial"
+        predicted = _spec_shows(after.handles[serial])
+        if row == predicted or _freed_since(row, predicted):
+            continue
+        issued_here = serial >= len(state.handles)
+        name = Handle(event.call or 0, position) if issued_here else names[serial]
+        differ = [
+            (field, got, want)
+            for field, got, want in zip(SHOWN_FIELDS, row, predicted, strict=True)
+            if got != want
+        ]
+        shown = ", ".join(f"{field}={got!r}" for field, got, _ in differ)
+        spec = ", ".join(f"{field}={want!r}" for field, _, want in differ)
+        return f"{name!r} shows {shown} as the call returns; the spec predicts {spec}"
+    return None
 
 
 def _refused_for_its_shape(event: TraceLine, store_layers: int, block_size: int) -> bool:
@@ -173,17 +238,20 @@ def step(
 
     Returns:
         ``(state after, names after)``, or ``None``: the spec predicts another
-        outcome here, or the call names a handle not handed out yet.
+        outcome here (or other fields of a handle it hands out), or the call
+        names a handle not handed out yet.
     """
     if _returned_though_misfit(event, store_layers, state.config.block_size):
         return None
     try:
-        after, predicted = _predict(state, names, event, window_calls)
+        after, predicted, result = _predict(state, names, event, window_calls)
     except _UnresolvableError:
         return None
     if not matches(event.outcome, predicted) and not _refused_for_its_shape(
         event, store_layers, state.config.block_size
     ):
+        return None
+    if event.shows is not None and _shown_misfit(event, state, names, after, result):
         return None
     if isinstance(predicted, Raised) or event.call is None:
         return after, names
@@ -208,6 +276,11 @@ def predicted_outcome(
             "layer, slots or token count, wherever it goes"
         )
     try:
-        return describe(_predict(state, names, event, window_calls)[1])
+        after, predicted, result = _predict(state, names, event, window_calls)
     except _UnresolvableError as unresolvable:
         return f"names handle {unresolvable.args[0]!r}, whose call has not happened yet"
+    said = describe(predicted)
+    misfit = _shown_misfit(event, state, names, after, result)
+    if misfit is not None and matches(event.outcome, predicted):
+        return f"{said} too, but {misfit}"
+    return said

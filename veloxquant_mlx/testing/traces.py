@@ -15,8 +15,9 @@ store's shape, ``"partial"``), then one JSON object per call: ``op``, its
 parameters by name (a handle is ``[call, position]``; ``{"foreign": owner}``,
 ``{"hand_made": true}``, ``{"not_a_block": true}``, ``{"tuple": [...]}``,
 ``{"not_a_list": true}`` and ``{"bytes": hex}`` encode the rest), ``call``,
-``expect``/``returned``/``message``, and ``thread``/``invoke_ns``/``return_ns``
-on a timed line. Version 1 traces load, upgraded; any other JSON (a v1
+``expect``/``returned``/``message``, ``shows`` (what each handle a call handed
+out showed when it returned), and ``thread``/``invoke_ns``/``return_ns`` on a
+timed line. Version 1 traces load, upgraded; any other JSON (a v1
 stress reproducer, an ``exhaustive --json`` report) is refused with the
 format expected.
 
@@ -38,7 +39,7 @@ from typing import Any, BinaryIO, Final
 import veloxquant_mlx.testing.store_operations  # noqa: F401 -- declares the store calls
 from veloxquant_mlx.commandline.files import atomic_write_text
 from veloxquant_mlx.memory.block_pool import PoolConfig
-from veloxquant_mlx.testing.sides import error_outcome, pool_outcome
+from veloxquant_mlx.testing.sides import HANDLE_FIELDS, error_outcome, pool_outcome
 from veloxquant_mlx_spec.model import ForeignBlock, NotABlock, NotAList
 from veloxquant_mlx_spec.table import (
     ANY_VALUE,
@@ -61,6 +62,8 @@ from veloxquant_mlx_spec.table import (
 __all__ = [
     "FORMAT_NAME",
     "FORMAT_VERSION",
+    "SHOWN_FIELDS",
+    "Shown",
     "StoreSpec",
     "Trace",
     "TraceFormatError",
@@ -80,6 +83,11 @@ __all__ = [
 FORMAT_NAME: Final = "veloxquant-mlx"
 FORMAT_VERSION: Final = 2
 _V1_RENAMES: Final = {"handles": "blocks", "handle": "block"}
+#: What a line's ``shows`` holds per handle it handed out, in this order: every field of a
+#: ``Block`` but ``block_id`` (which ``returned`` holds).
+SHOWN_FIELDS: Final = HANDLE_FIELDS[1:]
+Shown = tuple[tuple[object, ...], ...]
+"""Per handle a call handed out (in ``returned``'s order), its :data:`SHOWN_FIELDS` values."""
 
 
 class TraceFormatError(ValueError):
@@ -121,7 +129,9 @@ class TraceLine:
 
     ``outcome`` ``None``: not recorded (so not checked), or, on a timed line
     with ``return_ns`` ``None``, a call that never returned (it may or may
-    not have taken effect).
+    not have taken effect). ``shows``: with a ``Returned`` outcome of a call
+    that hands out handles, what each handle it returned showed just after it
+    returned (:data:`SHOWN_FIELDS`); ``None``: not recorded.
     """
 
     op: object
@@ -130,6 +140,7 @@ class TraceLine:
     thread: int | None = None
     invoke_ns: int | None = None
     return_ns: int | None = None
+    shows: Shown | None = None
 
     @property
     def timed(self) -> bool:
@@ -143,7 +154,7 @@ class TraceLine:
 
     def untimed(self) -> TraceLine:
         """This line without its thread and interval: a call of a sequential replay."""
-        return TraceLine(self.op, self.call, self.outcome)
+        return TraceLine(self.op, self.call, self.outcome, shows=self.shows)
 
 
 @dataclass(frozen=True, slots=True)
@@ -326,6 +337,8 @@ def encode_line(line: TraceLine) -> str:
         record[parameter.name] = _ARGUMENT_JSON[parameter.kind][0](value)
     if line.outcome is not None:
         _outcome_to_json(declaration, line.outcome, record)
+    if line.shows is not None and isinstance(line.outcome, Returned):
+        record["shows"] = [[_value_to_json(value) for value in row] for row in line.shows]
     if line.timed:
         record.update(thread=line.thread, invoke_ns=line.invoke_ns, return_ns=line.return_ns)
     return json.dumps(record, separators=(",", ":"))
@@ -381,14 +394,43 @@ def decode_line(text: str, *, version: int = FORMAT_VERSION) -> TraceLine:
         raise TraceFormatError(f"op {name!r} hands out handles: it needs a 'call' label")
     op = _op_from_json(declaration, record)
     outcome = _outcome_from_json(declaration, record)
+    shows = _shows_from_json(declaration, outcome, record) if "shows" in record else None
     timing = {key: record.pop(key) for key in _TIMING if key in record}
     if record:
         allowed = sorted(
             {"op", "call", "expect", "returned", "message", *_TIMING}
+            | ({"shows"} if declaration.may_issue_handles else set())
             | {p.name for p in declaration.parameters}
         )
         raise TraceFormatError(f"op {name!r} has no field(s) {sorted(record)}; it has {allowed}")
-    return TraceLine(op, call, outcome, **_timing(timing))
+    return TraceLine(op, call, outcome, shows=shows, **_timing(timing))
+
+
+def _shows_from_json(
+    declaration: Declaration, outcome: Outcome | None, record: dict[str, Any]
+) -> Shown | None:
+    """A line's ``shows``: one row of :data:`SHOWN_FIELDS` per handle ``returned`` holds."""
+    if not declaration.may_issue_handles:
+        return None  # left in the record: refused as a field the call does not have
+    value = record.pop("shows")
+    if not isinstance(outcome, Returned):
+        raise TraceFormatError('field \'shows\' needs "expect": "ok"')
+    expected = f"[{', '.join(SHOWN_FIELDS)}]"
+    if not isinstance(value, list) or not all(
+        isinstance(row, list) and len(row) == len(SHOWN_FIELDS) for row in value
+    ):
+        raise TraceFormatError(
+            f"field 'shows' must be a list of {expected}, one per handle returned, "
+            f"got {str(value)[:120]}"
+        )
+    returned = outcome.value
+    count = len(returned) if isinstance(returned, tuple) else 1 if type(returned) is int else None
+    if count is not None and count != len(value):
+        raise TraceFormatError(
+            f"field 'shows' has {len(value)} row(s), 'returned' {count} handle(s); expected "
+            f"one {expected} per handle returned"
+        )
+    return tuple(tuple(_value_from_json("shows", item) for item in row) for row in value)
 
 
 def _timing(fields: dict[str, object]) -> dict[str, int | None]:
