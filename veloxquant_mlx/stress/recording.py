@@ -10,13 +10,14 @@ conservation audit all record through it.
 A call that hands out handles (``allocate``, ``share``, ``fork``,
 ``make_writable``) also records what each handle shows (its ``stream``,
 ``format``, ``n_used``, ``owner`` and ``ever_allocated``: the line's
-``shows``), read once, with the block id, just after the return time is
-taken, so that the checker compares them with the spec's handle at the
-call's linearization point. A new handle is named for the other threads
-only after this returns, and a worker changes only the handles it holds (it
-frees others' too): so the one change another thread can have made since
-that point is to free the handle (``owner`` ``None``, ``n_used`` 0), by a
-call linearized after this one, which the check allows
+``shows``), read with the block ids just after the return time is taken,
+so that the checker compares them with the spec's handle at the call's
+linearization point. Other threads learn a new handle's name only after
+this returns, and a worker makes no call that changes another thread's
+handle but ``free`` and ``free_all`` (``mark_used`` and ``make_writable``
+take only handles it holds): so the one change the fields can have seen
+since that point is a free (``owner`` ``None``, ``n_used`` 0) by a call
+linearized after this one, which the check allows
 (:func:`~veloxquant_mlx.stress.specstep.step`).
 
 Complexity: O(1) plus the call and its value's conversion (one attribute
@@ -57,8 +58,9 @@ EXPECTED_ERRORS: Final = frozenset(kind.value for kind in ErrorKind)
 _ENCODERS: Final = {returns: pool_encoder(returns, None) for returns in Returns}
 
 
-#: A handle's block id, then what it shows (:data:`SHOWN_FIELDS`): one read per handle.
-_READ_HANDLE: Final = operator.attrgetter("block_id", *SHOWN_FIELDS)
+#: A handle's block id, and what it shows (:data:`SHOWN_FIELDS`), each read in one C call.
+_BLOCK_ID: Final = operator.attrgetter("block_id")
+_SHOWN: Final = operator.attrgetter(*SHOWN_FIELDS)
 
 Recorded = tuple[Outcome, Shown | None]
 """A call's outcome, and what the handles it handed out show (``None``: it handed out none)."""
@@ -72,20 +74,18 @@ def _new_handles(value: object) -> Recorded:
     """A list of new handles: their block ids, and what each shows."""
     if not isinstance(value, list):
         return _ENCODERS[Returns.NEW_HANDLES](value), None
-    try:
-        rows = [_READ_HANDLE(block) for block in value]
+    try:  # map, not a comprehension: the loops run in C (this is every allocate's cost)
+        return Returned(tuple(map(_BLOCK_ID, value))), tuple(map(_SHOWN, value))
     except AttributeError:  # not a list of blocks: recorded as it is, which the spec refuses
         return _ENCODERS[Returns.NEW_HANDLES](value), None
-    return Returned(tuple(row[0] for row in rows)), tuple(row[1:] for row in rows)
 
 
 def _one_handle(value: object) -> Recorded:
     """One handle (``make_writable``'s): its block id, and what it shows."""
     try:
-        row = _READ_HANDLE(value)
+        return Returned(_BLOCK_ID(value)), (_SHOWN(value),)
     except AttributeError:
         return _ENCODERS[Returns.HANDLE](value), None
-    return Returned(row[0]), (row[1:],)
 
 
 def _outcome_only(returns: Returns) -> Callable[[object], Recorded]:
