@@ -93,6 +93,20 @@ def test_every_field_a_handle_shows_is_compared(shown: tuple[object, ...], named
     assert f"h(0, 0) shows {named}" in violation.message
 
 
+def test_a_window_wrong_only_in_what_its_handles_show_is_explained_by_the_field() -> None:
+    """Not by where the search got stuck, where a concurrent call's ids may differ too."""
+    history = [
+        timed(0, 0, Allocate("k", 4, 1), 0, 10, Returned((0,)), (("k", "int4", 4, 1, True),)),
+        timed(1, 1, Allocate("k", 4, 2), 1, 11, Returned((1,)), (("k", "fp16", 4, 2, True),)),
+    ]
+    violation = check_history(CONFIG, HISTORY_LEN, history)
+    assert violation is not None
+    assert "their ids, errors and values fit the spec in some order, but not what" in (
+        violation.message
+    )
+    assert "h(0, 0) shows format='int4'" in violation.message
+
+
 def test_the_fields_the_spec_predicts_fit() -> None:
     history = [timed(0, 0, Allocate("k", 4, 1), 0, 10, Returned((0,)), (FULL_FP16,))]
     assert check_history(CONFIG, HISTORY_LEN, history) is None

@@ -18,8 +18,15 @@ the whole one fails):
   it was). Removing such a call from a valid order leaves a valid order of
   the rest, so if the rest fails, so does the window with it.
 
+When the window fails only because of what handles showed (a line's
+``shows``: its calls fit the spec in some order once those are ignored),
+:func:`explain` says so and names the handle and field in one such order,
+rather than where the search happened to get stuck: there, a call's block
+ids may differ too, only because the order is not that one.
+
 Complexity: O(log n) searches for the prefix plus at most one per removable
-call, all within one shared budget. Thread safety: pure functions.
+call, all within one shared budget; :func:`explain` makes one search, two
+if the window recorded what handles showed. Thread safety: pure functions.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from veloxquant_mlx.stress.linearizability import (
     changes_no_state,
     search,
 )
-from veloxquant_mlx.stress.specstep import Checkpoint, predicted_outcome
+from veloxquant_mlx.stress.specstep import Checkpoint, predicted_outcome, step
 from veloxquant_mlx.testing.traces import TraceLine
 from veloxquant_mlx_spec.table import declaration_of
 
@@ -158,10 +165,50 @@ def explain(
             f"  thread {event.thread:>2}  [{((event.invoke_ns or 0) - base) / 1e3:9.1f}, "
             f"{end:>9}]  op {event.call:<8} {describe(event)}"
         )
+    timeline = Window(ordered, store_layers)
+    fields = _fields_only(starts, timeline, budget=budget, tick=tick)
+    if fields is not None:
+        lines.append(fields)
+        return "\n".join(lines)
     result = search(starts, ordered, store_layers=store_layers, budget=budget, tick=tick)
     if result.deepest_state is not None:
-        lines.extend(_stuck_lines(result, Window(ordered, store_layers)))
+        lines.extend(_stuck_lines(result, timeline))
     return "\n".join(lines)
+
+
+def _fields_only(
+    starts: Sequence[Checkpoint],
+    window: Window,
+    *,
+    budget: int | None,
+    tick: Callable[[], None] | None,
+) -> str | None:
+    """If ``window`` fits the spec once what its handles showed is ignored, the first
+    handle field that does not fit along such an order; else ``None``."""
+    events = window.events
+    if all(event.shows is None for event in events):
+        return None
+    blind = [replace(event, shows=None) for event in events]
+    layers = window.store_layers
+    found = search(
+        starts, blind, store_layers=layers, budget=budget, tick=tick, first_end_only=True
+    )
+    if not found.ends:
+        return None
+    witness = next(iter(found.ends.values()))
+    state, names = starts[witness.start].state, starts[witness.start].names
+    for index in witness.order:
+        event = events[index]
+        stepped = step(state, names, event, window.issuing, store_layers=layers)
+        if stepped is None:
+            predicted = predicted_outcome(state, names, event, window.issuing, store_layers=layers)
+            return (
+                "their ids, errors and values fit the spec in some order, but not what the "
+                f"handles they handed out showed; in one such order:\n  op {event.call:<8} "
+                f"{describe(event)}; the spec: {predicted}"
+            )
+        state, names = stepped
+    return None
 
 
 def _stuck_lines(result: SearchResult, window: Window) -> list[str]:
