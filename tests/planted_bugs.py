@@ -163,16 +163,18 @@ def factory_of(cls: type[BlockPoolAllocator]) -> AllocatorFactory:
     return lambda config, history_len: cls(config, history_len=history_len)
 
 
-def assert_the_conformance_machine_catches(buggy: type[BlockPoolAllocator]) -> None:
+def assert_the_conformance_machine_catches(
+    buggy: type[BlockPoolAllocator], *, max_examples: int = 500
+) -> None:
     """Run the kit's lockstep machine on ``buggy``: it must raise ``ConformanceError``
-    within 500 derandomized examples of 30 steps (the same examples every run, so a
-    catch is not luck; no shrinking, since any counterexample will do)."""
+    within ``max_examples`` derandomized examples of 30 steps (the same examples every
+    run, so a catch is not luck; no shrinking, since any counterexample will do)."""
     machine = type("Buggy", (PoolConformanceMachine,), {"allocator_factory": factory_of(buggy)})
     with pytest.raises(ConformanceError):
         run_state_machine_as_test(
             machine,
             settings=settings(
-                max_examples=500,
+                max_examples=max_examples,
                 stateful_step_count=30,
                 deadline=None,
                 database=None,
@@ -355,3 +357,45 @@ class SharedCountDecrementedOutsideTheLockNoYield(SharedCountDecrementedOutsideT
     @staticmethod
     def _window() -> None:
         return None
+
+
+# ---- counts above 2: a block held by three owners or more ----------------------------
+
+
+class CopyOnWriteKeepsACountAboveTwo(BlockPoolAllocator):
+    """Planted bug: make_writable() of a handle of a block with 3 or more handles moves
+    the handle but leaves the block's count as it was; at count 2 it is right."""
+
+    def _copy_on_write(self, handle: Block, count: int) -> Block:
+        moved = super()._copy_on_write(handle, count)
+        if count > 2:
+            self._shared_counts[handle.block_id] = count  # the stale handle keeps its id
+        return moved
+
+
+class FreeKeepsACountAboveTwo(BlockPoolAllocator):
+    """Planted bug: freeing a handle (free or free_all) of a block with 3 or more handles
+    leaves the block's count as it was; at count 2 it is right."""
+
+    def _release_shared(self, blocks: Iterable[Block]) -> None:
+        blocks = list(blocks)
+        shared = self._shared_counts
+        above_two = {
+            b.block_id: shared[b.block_id] for b in blocks if shared.get(b.block_id, 0) > 2
+        }
+        super()._release_shared(blocks)
+        shared.update(above_two)
+
+
+class ShareOfASharedBlockKeepsItsCount(BlockPoolAllocator):
+    """Planted bug: share() or fork() of a block that is already shared gives the new
+    owner a handle but leaves the count at 2; the first share is right."""
+
+    def _issue_shares(self, blocks: Sequence[Block], owner: int) -> list[Block]:
+        shared = self._shared_counts
+        already = {
+            block.block_id: shared[block.block_id] for block in blocks if block.block_id in shared
+        }
+        handles = super()._issue_shares(blocks, owner)
+        shared.update(already)
+        return handles

@@ -4,16 +4,23 @@
   takes it twice (vLLM #42571): the conformance machine and the exhaustive check;
 - free_all() that ignores sharing, so both owners of a fork free each shared
   block (vLLM #3347): the exhaustive check, with its shortest sequence;
-- blocks_in_use counted per handle (SGLang #35270): the conformance machine.
+- blocks_in_use counted per handle (SGLang #35270): the conformance machine;
+- a count above 2 that ``make_writable``, a release (``free``, ``free_all``) or a
+  second ``share`` gets wrong, right at count 2: the conformance machine, whose
+  aimed sharing rules reach counts of 3 (the exhaustive scopes have two owners,
+  so no count passes 2 there at any depth).
 """
 
 from __future__ import annotations
 
 import pytest
 from planted_bugs import (
+    CopyOnWriteKeepsACountAboveTwo,
     FreeAllIgnoresSharing,
+    FreeKeepsACountAboveTwo,
     InUseCountsHandles,
     SharedBlockPushedWhileHeld,
+    ShareOfASharedBlockKeepsItsCount,
     assert_the_conformance_machine_catches,
     factory_of,
 )
@@ -32,6 +39,18 @@ def test_the_conformance_machine_catches_a_planted_sharing_bug(
     buggy: type[BlockPoolAllocator],
 ) -> None:
     assert_the_conformance_machine_catches(buggy)
+
+
+# Within the ci profile's 150 examples, not 500: so these fail if the machine stops aiming
+# at counts above 2 (without its aimed sharing rules it misses the make_writable bug).
+@pytest.mark.parametrize(
+    "buggy",
+    [CopyOnWriteKeepsACountAboveTwo, FreeKeepsACountAboveTwo, ShareOfASharedBlockKeepsItsCount],
+)
+def test_the_conformance_machine_catches_a_count_above_two_gone_wrong(
+    buggy: type[BlockPoolAllocator],
+) -> None:
+    assert_the_conformance_machine_catches(buggy, max_examples=150)
 
 
 # The shortest sequences: sharing one block, then releasing the first holder's handle,
