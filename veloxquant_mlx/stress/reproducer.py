@@ -242,7 +242,9 @@ class _Orders:
 
     Invariants: ``frontier`` is not empty; ``pending[k].witnesses`` has one
     entry per state the spec could be in after ``pending[k]``, the last
-    segment's aligned with ``frontier``.
+    segment's aligned with ``frontier``. The states are compacted (stale
+    handles dropped) every :data:`_COMPACT_AFTER` lines, so a state holds the
+    live handles and at most that many lines' stale ones.
     """
 
     def __init__(
@@ -254,6 +256,7 @@ class _Orders:
         self.frontier = [initial_checkpoint(spec_config(trace.pool), trace.history_len)]
         self.pending: list[_Segment] = []
         self.next_line = 0  # the trace position of the next segment's first line
+        self.since_compaction = 0  # lines stepped since the frontier was last compacted
         self.where = 0  # the file line of the line last given to the target
         self.replayed = 0
         self.progress: Final = progress
@@ -261,18 +264,21 @@ class _Orders:
 
     def line(self, line: TraceLine) -> tuple[Verdict, str] | None:
         """Step an untimed line from every state; the refusal if no state allows it."""
-        ends: dict[Checkpoint, Witness] = {}
+        ends: dict[Checkpoint, Witness] = {}  # distinct states only: hashing them costs
         for index, checkpoint in enumerate(self.frontier):
             after = step(checkpoint.state, checkpoint.names, line, (), store_layers=self.layers)
+            if after is not None and len(self.frontier) == 1:
+                self._advance([line], [Checkpoint(*after)], [Witness(0, (0,))])
+                return None
             if after is not None:
-                ends.setdefault(_compacted(Checkpoint(*after)), Witness(index, (0,)))
+                ends.setdefault(Checkpoint(*after), Witness(index, (0,)))
         if not ends:
             where = self.trace.file_line(self.next_line)
             why = _contradiction(where, line, self.frontier[0], self.layers)
             if len(self.frontier) > 1:
                 why += f" (nor in any of the {len(self.frontier)} states the window before allows)"
             return Verdict.VIOLATION, why
-        self._advance([line], ends)
+        self._advance([line], list(ends), list(ends.values()))
         return None
 
     def window(self, lines: list[TraceLine], budget: int | None) -> tuple[Verdict, str] | None:
@@ -286,13 +292,20 @@ class _Orders:
         if not result.ends:
             why = explain(self.frontier, lines, store_layers=self.layers, budget=budget)
             return Verdict.VIOLATION, f"a window is not linearizable: {why}"
-        self._advance(lines, result.ends)
+        self._advance(lines, list(result.ends), list(result.ends.values()))
         return None
 
-    def _advance(self, lines: list[TraceLine], ends: dict[Checkpoint, Witness]) -> None:
-        self.pending.append(_Segment(self.next_line, lines, list(ends.values())))
-        self.frontier = list(ends)
+    def _advance(
+        self, lines: list[TraceLine], ends: list[Checkpoint], witnesses: list[Witness]
+    ) -> None:
+        """Go on from ``ends`` (``witnesses[i]`` says how ``ends[i]`` was reached)."""
+        self.pending.append(_Segment(self.next_line, lines, witnesses))
+        self.frontier = ends
         self.next_line += len(lines)
+        self.since_compaction += len(lines)
+        if self.since_compaction >= _COMPACT_AFTER:
+            self.frontier = [compact(end.state, end.names) for end in ends]
+            self.since_compaction = 0
         if len(self.frontier) == 1:
             self.apply_pending()
 
@@ -321,13 +334,6 @@ class _Orders:
         if self.progress is not None and self.throttle.due():
             total = len(self.trace.lines)
             self.progress(f"{self.replayed:,} of {total:,} lines, {self.throttle.seconds():.0f} s")
-
-
-def _compacted(checkpoint: Checkpoint) -> Checkpoint:
-    """``checkpoint``, its stale handles compacted away once they pile up."""
-    if len(checkpoint.state.handles) - len(checkpoint.names) > _COMPACT_AFTER:
-        return compact(checkpoint.state, checkpoint.names)
-    return checkpoint
 
 
 def _contradiction(file_line: int, line: TraceLine, at: Checkpoint, layers: int) -> str:
