@@ -15,7 +15,11 @@ and ``ever_allocated`` never change for a handle, so they must be the
 spec's at the linearization point; ``n_used`` and ``owner`` must be too, or
 ``0`` and ``None``: a call linearized after this one may have freed the
 handle before its fields were read (a ``free_all`` of its owner by another
-thread), and a freed handle shows exactly that (C-STALE-HANDLE).
+thread), and a freed handle shows exactly that (C-STALE-HANDLE). Read while
+the free runs, on a free-threaded CPython, the row may also show the
+predicted ``n_used`` beside ``owner`` ``None`` (the free stores ``owner``
+first, the row reads ``n_used`` first), which fits too. Values are compared
+with their types (``same_value``).
 
 A :class:`Checkpoint` is a spec state plus ``names``: ``names[h]`` is the
 name (``h(op_id, position)``) of the spec's handle ``h``. Spec handle ids
@@ -67,6 +71,7 @@ from veloxquant_mlx_spec.table import (
     declaration_of,
     issued,
     matches,
+    same_value,
     spec_call,
     spec_outcome,
 )
@@ -153,10 +158,16 @@ def _spec_shows(view: HandleView) -> tuple[object, ...]:
 
 
 def _freed_since(row: tuple[object, ...], predicted: tuple[object, ...]) -> bool:
-    """``row`` is ``predicted`` but freed: ``n_used`` 0 and ``owner`` ``None`` (module doc)."""
+    """``row`` is ``predicted`` but freed, or being freed: ``owner`` ``None`` and ``n_used``
+    0, or still the predicted count (module doc). A free stores ``owner`` and then
+    ``n_used``, and the row reads ``n_used`` first, so on a free-threaded CPython the
+    row may see the count from before the free beside the owner from after it."""
     freed = list(predicted)
-    freed[_N_USED], freed[_OWNER] = 0, None
-    return row == tuple(freed)
+    freed[_OWNER] = None
+    if same_value(row, tuple(freed)):
+        return True
+    freed[_N_USED] = 0
+    return same_value(row, tuple(freed))
 
 
 def _shown_misfit(
@@ -177,14 +188,14 @@ def _shown_misfit(
     for position, (row, serial) in enumerate(zip(shows, serials, strict=True)):
         assert is_int(serial), "a returned handle is a serial"
         predicted = _spec_shows(after.handles[serial])
-        if row == predicted or _freed_since(row, predicted):
+        if same_value(row, predicted) or _freed_since(row, predicted):
             continue
         issued_here = serial >= len(state.handles)
         name = Handle(event.call or 0, position) if issued_here else names[serial]
         differ = [
             (field, got, want)
             for field, got, want in zip(SHOWN_FIELDS, row, predicted, strict=True)
-            if got != want
+            if not same_value(got, want)
         ]
         shown = ", ".join(f"{field}={got!r}" for field, got, _ in differ)
         spec = ", ".join(f"{field}={want!r}" for field, _, want in differ)
