@@ -594,6 +594,32 @@ def test_a_read_held_past_the_last_line_is_still_checked_at_the_end(hold: int) -
     replay(trace(*ops), numpy_backend())  # a sound store
 
 
+class _Unreadable(np.ndarray):
+    """An array that the backend of the test below fails to evaluate."""
+
+
+class UnreadableOneBlockReads(NumpyBlockStorage):
+    """A one-block read returns an array its backend cannot evaluate (a device lost, say)."""
+
+    def gather(self, layer: int, blocks: Sequence[Block], n_tokens: int) -> NumpyArray:
+        array = super().gather(layer, blocks, n_tokens)
+        return array.view(_Unreadable) if len(blocks) == 1 else array
+
+
+def test_a_held_read_the_backend_fails_to_evaluate_at_the_end_is_a_replay_error() -> None:
+    def to_numpy(array: NumpyArray) -> npt.NDArray[np.float32]:
+        if isinstance(array, _Unreadable):
+            raise RuntimeError("device lost")
+        return np.asarray(array, dtype=np.float32)
+
+    backend = dataclasses.replace(numpy_variant(UnreadableOneBlockReads), to_numpy=to_numpy)
+    ops = (Allocate("kv", 4, owner=1), Gather(0, (h(0, 0),), 2, hold=5), Write(0, h(0, 1), 0, 1))
+    said = "at the end: evaluating a held read raised RuntimeError: device lost"
+    with pytest.raises(ReplayError, match=said) as raised:
+        replay(trace(*ops), backend)
+    assert raised.value.op_index == 2
+
+
 def test_the_replay_command_checks_reads_held_past_the_last_line(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

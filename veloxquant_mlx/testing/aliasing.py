@@ -237,12 +237,18 @@ class AliasingReplay(Generic[ArrayT]):
         Raises:
             ReplayError: Naming the last line applied, if a held read changed.
         """
+        last = len(self._applied) - 1
         try:
             for read in self._held:
                 self._check_read(read)
         except _CheckError as broken:
-            last = len(self._applied) - 1
             raise ReplayError(last, self._applied[last], f"at the end: {broken}") from None
+        except Exception as error:  # the backend failed to evaluate a held read
+            raise ReplayError(
+                last,
+                self._applied[last],
+                f"at the end: evaluating a held read raised {type(error).__name__}: {error}",
+            ) from error
         self._held.clear()
 
     def trace(self) -> Trace:
