@@ -86,7 +86,7 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_at_least(1),
         default=defaults.prompt_mean,
         metavar="TOKENS",
-        help="mean prompt length (default: %(default)s)",
+        help="mean prompt length, < --max-seq-len (default: %(default)s)",
     )
     group.add_argument(
         "--prompt-dist",
@@ -107,7 +107,7 @@ def _add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         type=int_at_least(1),
         default=defaults.decode_mean,
         metavar="TOKENS",
-        help="mean generated length (default: %(default)s)",
+        help="mean generated length, < --max-seq-len (default: %(default)s)",
     )
     group.add_argument(
         "--decode-dist",
