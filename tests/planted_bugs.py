@@ -366,10 +366,13 @@ class CopyOnWriteKeepsACountAboveTwo(BlockPoolAllocator):
     """Planted bug: make_writable() of a handle of a block with 3 or more handles moves
     the handle but leaves the block's count as it was; at count 2 it is right."""
 
-    def _copy_on_write(self, handle: Block, count: int) -> Block:
-        moved = super()._copy_on_write(handle, count)
-        if count > 2:
-            self._shared_counts[handle.block_id] = count  # the stale handle keeps its id
+    # The public method, not _copy_on_write: the compiled pool calls its own private
+    # methods directly, so an override of one is never run there.
+    def make_writable(self, block: Block) -> Block:
+        count = self._shared_counts.get(block.block_id) if self.is_live(block) else None
+        moved = super().make_writable(block)
+        if count is not None and count > 2:
+            self._shared_counts[block.block_id] = count  # the stale handle keeps its id
         return moved
 
 
