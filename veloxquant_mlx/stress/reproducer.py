@@ -264,14 +264,15 @@ class _Orders:
 
     def line(self, line: TraceLine) -> tuple[Verdict, str] | None:
         """Step an untimed line from every state; the refusal if no state allows it."""
-        ends: dict[Checkpoint, Witness] = {}  # distinct states only: hashing them costs
+        ends: dict[Checkpoint, Witness] = {}  # distinct states (one state is not hashed)
         for index, checkpoint in enumerate(self.frontier):
             after = step(checkpoint.state, checkpoint.names, line, (), store_layers=self.layers)
-            if after is not None and len(self.frontier) == 1:
+            if after is None:
+                continue
+            if len(self.frontier) == 1:
                 self._advance([line], [Checkpoint(*after)], [Witness(0, (0,))])
                 return None
-            if after is not None:
-                ends.setdefault(Checkpoint(*after), Witness(index, (0,)))
+            ends.setdefault(Checkpoint(*after), Witness(index, (0,)))
         if not ends:
             where = self.trace.file_line(self.next_line)
             why = _contradiction(where, line, self.frontier[0], self.layers)
